@@ -1,0 +1,43 @@
+"""The error hierarchy: every error aiollm raises on purpose derives from `AiollmError`.
+
+Bad arguments raise the builtin `ValueError`/`TypeError`; these classes are for what happens
+between parts of the system (a channel, a peer, a remote handler).
+"""
+
+
+class AiollmError(Exception):
+    """Base of every aiollm-specific error."""
+
+
+class ClosedError(AiollmError):
+    """This side closed the resource (connection, actor, node) and then tried to use it."""
+
+
+class ChannelBroken(AiollmError):
+    """The channel failed mid-use: a truncated or malformed frame, a reset connection."""
+
+
+class NodeUnreachable(AiollmError):
+    """The peer node cannot be reached or went away (connect refused, connection dropped, heartbeat lost)."""
+
+
+class AuthenticationFailed(AiollmError):
+    """The peer did not prove knowledge of the cluster secret."""
+
+
+class ProtocolError(AiollmError):
+    """A frame or message broke the wire protocol (unknown type, bad version, wrong fields, too large)."""
+
+
+class ActorDied(AiollmError):
+    """The target actor stopped (or was never there) before answering."""
+
+
+class RemoteError(AiollmError):
+    """A remote handler raised; carries the remote exception's type name, message and traceback text."""
+
+    def __init__(self, type_name: str, message: str, traceback_text: str = "") -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.message = message
+        self.traceback_text = traceback_text

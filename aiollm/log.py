@@ -1,0 +1,35 @@
+"""Structured logging set-up: one call configures structlog for a process.
+
+Logs go to stderr as key=value lines (or JSON with `json=True`), so a node's output can be
+read by a person and parsed by a machine.
+"""
+import logging
+import sys
+
+import structlog
+
+
+def configure(level: str = "INFO", json: bool = False) -> None:
+    """Configure structlog and the stdlib root logger for this process."""
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"log level: unknown level {level!r}")
+    logging.basicConfig(stream=sys.stderr, level=numeric, format="%(message)s")
+    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger(name: str) -> structlog.stdlib.BoundLogger:
+    """A logger bound with the component name."""
+    return structlog.get_logger().bind(component=name)

@@ -1,0 +1,46 @@
+"""Entry point of the benchmark suite: `python -m bench NAME [options] [--json PATH]`."""
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from bench.report import print_figures
+
+# benchmark name -> module under bench/
+BENCHMARKS = {
+    "transport": "bench.transport",
+    "attention": "bench.attention",
+    "model": "bench.model",
+    "fastdecode": "bench.fastdecode",
+    "serve": "bench.serve",
+    "planner": "bench.planner",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    sub = parser.add_subparsers(dest="name", required=True, metavar="NAME")
+    for name, module_name in BENCHMARKS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        child = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        child.add_argument("--json", type=Path, help="write the figures to this JSON file")
+        module.add_arguments(child)
+        child.set_defaults(module=module)
+    args = parser.parse_args(argv)
+    figures = args.module.run(args)
+    print_figures(args.name, figures)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(figures, indent=2, sort_keys=True))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

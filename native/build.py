@@ -1,0 +1,41 @@
+"""cffi (API mode) build of the native kernel library into `aiollm._native`.
+
+The header `aiollm_native.h` is the cdef: one declaration list shared by C and Python.
+Each source file may carry per-function `target` attributes; dispatch happens in C at run time.
+"""
+import re
+from pathlib import Path
+
+from cffi import FFI
+
+HERE = Path(__file__).resolve().parent
+HEADER = HERE / "aiollm_native.h"
+SOURCES = ["cpu.c"]
+
+
+def _cdef_text() -> str:
+    """The header without include guards and includes, which cffi's cdef does not accept.
+
+    Integer `#define NAME value` constants are kept: cffi exposes them as `lib.NAME`.
+    """
+    keep = []
+    for line in HEADER.read_text().splitlines():
+        stripped = line.lstrip()
+        if stripped.startswith("#") and not re.match(r"#define\s+\w+\s+\S+", stripped):
+            continue
+        keep.append(line)
+    return "\n".join(keep)
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(_cdef_text())
+ffibuilder.set_source(
+    "aiollm._native",
+    '#include "aiollm_native.h"',
+    sources=[str(HERE / name) for name in SOURCES],
+    include_dirs=[str(HERE)],
+    extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

