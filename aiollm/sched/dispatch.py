@@ -1,0 +1,105 @@
+"""DistServe's request dispatch: FCFS to the prefill instance with the shortest queue, then to the
+least-loaded decode instance, as pure bookkeeping.
+
+Why pure: the controller actor and the planner's simulator drive this same object with their own
+clock and their own notion of "done", so the policy cannot drift between simulation and serving.
+The controller calls `assign_prefill` when a prefill instance can take the head of its FCFS queue,
+`prefill_done` when the first token came back, `assign_decode` when the KV is ready to move, and
+`decode_done` when the request finished (or failed, or was cancelled).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PrefillLoad:
+    """What the dispatcher knows about one prefill instance."""
+
+    # Requests sent to it whose first token has not come back yet.
+    queued: int = 0
+    # Prompt tokens of those requests (breaks ties between equal queue lengths).
+    queued_tokens: int = 0
+    # False once the instance died or was drained: it gets nothing new.
+    alive: bool = True
+
+
+@dataclass
+class DecodeLoad:
+    """What the dispatcher knows about one decode instance."""
+
+    # Requests assigned to it that have not finished.
+    running: int = 0
+    # KV tokens those requests may reach (prompt + max new tokens): what it has promised to hold.
+    reserved_tokens: int = 0
+    # The most KV tokens the instance can hold; 0 means unknown (then only `reserved_tokens` counts).
+    capacity_tokens: int = 0
+    alive: bool = True
+
+
+@dataclass
+class Dispatcher:
+    """Per-instance load counters and the two choices DistServe's controller makes."""
+
+    prefill: dict[str, PrefillLoad] = field(default_factory=dict)
+    decode: dict[str, DecodeLoad] = field(default_factory=dict)
+
+    def add_prefill(self, name: str) -> None:
+        self.prefill.setdefault(name, PrefillLoad())
+
+    def add_decode(self, name: str, capacity_tokens: int = 0) -> None:
+        if capacity_tokens < 0:
+            raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
+        load = self.decode.setdefault(name, DecodeLoad())
+        load.capacity_tokens = capacity_tokens
+
+    def mark_dead(self, name: str) -> None:
+        """Stop sending to an instance (its node died or it is being drained)."""
+        for table in (self.prefill, self.decode):
+            if name in table:
+                table[name].alive = False
+
+    def choose_prefill(self) -> str | None:
+        """The live prefill instance with the shortest queue (fewest queued tokens breaks ties)."""
+        live = [(load.queued, load.queued_tokens, name) for name, load in self.prefill.items() if load.alive]
+        return min(live)[2] if live else None
+
+    def choose_decode(self, need_tokens: int) -> str | None:
+        """The least-loaded live decode instance: lowest share of its capacity promised after adding
+        this request; instances of unknown capacity compare by promised tokens, then by running count."""
+        if need_tokens <= 0:
+            raise ValueError(f"need_tokens must be > 0, got {need_tokens}")
+        best: tuple | None = None
+        for name, load in self.decode.items():
+            if not load.alive:
+                continue
+            after = load.reserved_tokens + need_tokens
+            share = after / load.capacity_tokens if load.capacity_tokens else float(after)
+            key = (share, load.running, name)
+            if best is None or key < best:
+                best = key
+        return best[2] if best else None
+
+    def assign_prefill(self, name: str, prompt_tokens: int) -> None:
+        load = self.prefill[name]
+        load.queued += 1
+        load.queued_tokens += prompt_tokens
+
+    def prefill_done(self, name: str, prompt_tokens: int) -> None:
+        load = self.prefill[name]
+        if load.queued <= 0:
+            raise ValueError(f"prefill instance {name!r} has no queued request to finish")
+        load.queued -= 1
+        load.queued_tokens -= prompt_tokens
+
+    def assign_decode(self, name: str, need_tokens: int) -> None:
+        load = self.decode[name]
+        load.running += 1
+        load.reserved_tokens += need_tokens
+
+    def decode_done(self, name: str, need_tokens: int) -> None:
+        load = self.decode[name]
+        if load.running <= 0:
+            raise ValueError(f"decode instance {name!r} has no running request to finish")
+        load.running -= 1
+        load.reserved_tokens -= need_tokens
