@@ -41,3 +41,8 @@ class RemoteError(AiollmError):
         self.type_name = type_name
         self.message = message
         self.traceback_text = traceback_text
+
+
+class ModelFormatError(AiollmError):
+    """A model file is unusable: corrupt or truncated, an unsupported architecture or tensor type, a missing
+    or misshapen tensor. The message names the file and, where it applies, the tensor and the type."""

@@ -1,0 +1,47 @@
+"""The R-part: attention, the only per-sequence work of a step (no weights, reads each sequence's own K/V).
+
+Prefill attends within each prompt of a packed batch with torch SDPA (causal, grouped-query).
+Decode writes the new token's K/V into the paged pool and attends over the pool with the native
+kernel; the pool is anything with aiollm.kv.pool.KVPool's `write`/`attend`, so an R-worker that
+holds its pool in another process calls the same function on its side.
+"""
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int],
+                      scale: float | None = None) -> torch.Tensor:
+    """Causal attention within each sequence of a packed batch.
+
+    q [n, n_heads, d], k/v [n, n_kv_heads, d] with n = sum(seq_lens), sequences back to back.
+    Returns [n, n_heads, d] in q's dtype.
+    """
+    if sum(seq_lens) != q.shape[0]:
+        raise ValueError(f"seq_lens: they sum to {sum(seq_lens)}, the batch has {q.shape[0]} tokens")
+    out = torch.empty_like(q)
+    start = 0
+    for n in seq_lens:
+        end = start + n
+        # [n, heads, d] -> [1, heads, n, d]: views, SDPA takes the strides as they are
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).unsqueeze(0),
+                                           k[start:end].transpose(0, 1).unsqueeze(0),
+                                           v[start:end].transpose(0, 1).unsqueeze(0),
+                                           is_causal=True, scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+        start = end
+    return out
+
+
+def paged_decode_attention(pool, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           n_threads: int | None = None) -> torch.Tensor:
+    """One decode step's attention for a batch: store the new K/V, then attend over each sequence's cache.
+
+    q [b, n_heads, d], k/v [b, n_kv_heads, d] (one new token per sequence); slot_mapping int [b] (where the
+    new token's K/V goes); block_tables int32 [b, max_blocks]; seq_lens int32 [b] including the new token.
+    Returns [b, n_heads, d] fp32.
+    """
+    pool.write(layer, slot_mapping, k, v)
+    return pool.attend(layer, q.float(), block_tables, seq_lens, n_threads=n_threads)

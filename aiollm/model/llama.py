@@ -1,0 +1,114 @@
+"""The Llama forward as explicit per-layer operations, split where FastDecode and DistServe split it.
+
+S-part (dense, weight-bound, batched over every token of every sequence, packed without padding):
+    h = model.embed(token_ids)                          # [n, hidden]
+    q, k, v = model.pre_attention(layer, h, positions)  # RMSNorm, fused QKV projection, RoPE
+    h = model.post_attention(layer, h, attn_out)        # o-proj + residual, RMSNorm, SiLU MLP + residual
+    logits = model.logits(h)                            # final RMSNorm + lm_head, fp32
+R-part (attention, no weights; see aiollm.model.attention): prefill over the prompt with SDPA, decode
+over the paged KV cache. `prefill` runs both for whole prompts and hands each layer's K/V to a sink.
+
+The arithmetic follows transformers' LlamaForCausalLM op for op (RMSNorm in fp32, RoPE half-split,
+SDPA), so fp32 greedy tokens equal transformers'.
+"""
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from aiollm.model.attention import prefill_attention
+from aiollm.model.config import ModelConfig
+from aiollm.model.rope import RotaryTable, apply_rotary
+from aiollm.model.tokenizer import Tokenizer
+from aiollm.model.weights import LlamaWeights
+
+# called once per layer during prefill with (layer, k, v), k/v [n_tokens, n_kv_heads, head_dim]
+KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back before the weight, exactly as transformers does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    """A loaded Llama-family model: `config`, `tokenizer`, `weights`, and the split forward."""
+
+    def __init__(self, config: ModelConfig, weights: LlamaWeights, tokenizer: Tokenizer | None,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        self.config = config
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.rotary = RotaryTable(config, dtype, device)
+        self._split_qkv = (config.q_size, config.kv_size, config.kv_size)
+
+    # ---- S-part -------------------------------------------------------------------------------------
+
+    def embed(self, token_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Hidden states [n, hidden] of a packed 1-D batch of token ids."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab):
+            raise ValueError(f"token_ids: ids must lie in [0, {self.config.vocab}), got {ids.min()}..{ids.max()}")
+        return F.embedding(ids, self.weights.embed)
+
+    def rope(self, positions: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) for these positions; compute once per step and pass to every pre_attention."""
+        return self.rotary.gather(torch.as_tensor(positions, dtype=torch.long, device=self.device))
+
+    def pre_attention(self, layer: int, h: torch.Tensor, positions, rope=None):
+        """RMSNorm, QKV projection and RoPE of layer `layer` for packed hidden states h [n, hidden].
+
+        `positions` are the tokens' positions in their own sequences (1-D, length n); pass `rope` from
+        `self.rope(positions)` to skip the table lookup. Returns q [n, n_heads, d], k and v [n, n_kv_heads, d].
+        """
+        w = self.weights.layers[layer]
+        c = self.config
+        cos, sin = rope if rope is not None else self.rope(positions)
+        qkv = F.linear(rms_norm(h, w.attn_norm, c.rms_eps), w.qkv)
+        q, k, v = qkv.split(self._split_qkv, dim=-1)
+        n = h.shape[0]
+        q = apply_rotary(q.view(n, c.n_heads, c.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, c.n_kv_heads, c.head_dim), cos, sin)
+        return q, k, v.reshape(n, c.n_kv_heads, c.head_dim)
+
+    def post_attention(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Output projection + residual, RMSNorm, SiLU-gated MLP + residual. attn_out [n, n_heads, d] (any float)."""
+        w = self.weights.layers[layer]
+        attn = attn_out.reshape(h.shape[0], self.config.q_size).to(self.dtype)
+        h = h + F.linear(attn, w.o)
+        gate_up = F.linear(rms_norm(h, w.mlp_norm, self.config.rms_eps), w.gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return h.add_(F.linear(F.silu(gate) * up, w.down))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final RMSNorm and output projection: fp32 logits [n, vocab]."""
+        return F.linear(rms_norm(h, self.weights.norm, self.config.rms_eps), self.weights.lm_head).float()
+
+    # ---- whole prompts ------------------------------------------------------------------------------
+
+    def prefill(self, token_ids: Sequence[Sequence[int]], kv_sink: KVSink | None = None,
+                start_positions: Sequence[int] | None = None) -> torch.Tensor:
+        """Run prompts (packed into one batch) through every layer; fp32 logits [n_seqs, vocab] of each last token.
+
+        Attention is causal within each prompt (torch SDPA); each layer's K/V of all tokens (packed, in
+        prompt order) is handed to `kv_sink` so the caller can keep it (a paged pool, a message to a
+        decode instance). `start_positions` offsets RoPE positions (default 0 for every prompt).
+        """
+        if not token_ids or any(len(ids) == 0 for ids in token_ids):
+            raise ValueError("token_ids: need at least one prompt, each with at least one token")
+        lens = [len(ids) for ids in token_ids]
+        starts = start_positions or [0] * len(lens)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        rope = self.rope(positions)
+        h = self.embed([t for ids in token_ids for t in ids])
+        for layer in range(self.config.n_layers):
+            q, k, v = self.pre_attention(layer, h, positions, rope)
+            if kv_sink is not None:
+                kv_sink(layer, k, v)
+            h = self.post_attention(layer, h, prefill_attention(q, k, v, lens))
+        last = torch.tensor(lens).cumsum(0) - 1
+        return self.logits(h[last.to(self.device)])
