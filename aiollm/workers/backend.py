@@ -1,0 +1,120 @@
+"""The small async interface between the HTTP frontend and whatever generates tokens.
+
+Why an interface: the same frontend serves the disaggregated cluster (through the controller
+actor) and, for tests and the colocated baseline, an in-process engine. Both take a tokenised
+request with its sampling options and yield token deltas until a finish reason; both can cancel
+a request, which frees its KV wherever it lives. Text (detokenisation, stop strings) stays in the
+frontend, so the backends only ever see token ids.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from aiollm.errors import AiollmError
+
+# Finish reasons, as OpenAI names them.
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+class Overloaded(AiollmError):
+    """The backend is at its admission limit right now; the client may retry later (HTTP 429)."""
+
+
+class Unavailable(AiollmError):
+    """The backend cannot serve at all right now, e.g. no live prefill or decode instance (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Per-request sampling, already validated by the frontend."""
+
+    # new tokens to generate at most
+    max_tokens: int
+    # 0 means greedy
+    temperature: float = 1.0
+    # nucleus sampling mass; 1.0 disables
+    top_p: float = 1.0
+    # keep only the k most likely tokens; 0 disables
+    top_k: int = 0
+    # seed of this request's own random generator; None draws one
+    seed: int | None = None
+    # token ids that end the completion (the model's EOS ids, unless ignore_eos)
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One tokenised request."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingOptions
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id}: prompt_ids must not be empty")
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one request; the last delta carries the finish reason."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    """Load figures the frontend exports on /metrics."""
+
+    # requests accepted but not yet producing tokens
+    waiting: int = 0
+    # requests producing tokens
+    running: int = 0
+    # queue length of each prefill instance (or the one colocated instance), by name
+    prefill_queues: dict[str, int] = field(default_factory=dict)
+    # requests waiting for admission at each decode instance, by name
+    decode_queues: dict[str, int] = field(default_factory=dict)
+    # KV blocks in use and in total, summed over instances
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the frontend tells clients about the served model."""
+
+    # the id clients pass as `model`
+    name: str
+    # longest prompt + completion, in tokens
+    max_context: int
+
+
+class Backend(Protocol):
+    """What the frontend needs from a token generator."""
+
+    def submit(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Start generating; the iterator ends after the delta with a finish reason.
+
+        Raises `Overloaded` or `Unavailable` (from the first `__anext__`) when it cannot take the request."""
+        ...
+
+    async def cancel(self, request_id: str) -> None:
+        """Stop a request and free its KV; a no-op for an unknown or finished request."""
+        ...
+
+    async def stats(self) -> BackendStats:
+        ...
