@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from aiollm.errors import AiollmError
+from aiollm.model.sampling import SamplingParams
 
 # Finish reasons, as OpenAI names them.
 FINISH_STOP = "stop"
@@ -28,40 +29,13 @@ class Unavailable(AiollmError):
 
 
 @dataclass(frozen=True)
-class SamplingOptions:
-    """Per-request sampling, already validated by the frontend."""
-
-    # new tokens to generate at most
-    max_tokens: int
-    # 0 means greedy
-    temperature: float = 1.0
-    # nucleus sampling mass; 1.0 disables
-    top_p: float = 1.0
-    # keep only the k most likely tokens; 0 disables
-    top_k: int = 0
-    # seed of this request's own random generator; None draws one
-    seed: int | None = None
-    # token ids that end the completion (the model's EOS ids, unless ignore_eos)
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-
-@dataclass(frozen=True)
 class GenerateRequest:
     """One tokenised request."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
-    sampling: SamplingOptions
+    # max_tokens, temperature, top-k/p, seed, ignore_eos; stop strings stay in the frontend (stop=())
+    sampling: SamplingParams
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

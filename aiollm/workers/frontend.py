@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from aiollm.log import get_logger
 from aiollm.workers import openai_protocol as oai
-from aiollm.workers.backend import FINISH_STOP, Backend, GenerateRequest, ModelInfo, Overloaded, SamplingOptions, Unavailable
+from aiollm.model.sampling import SamplingParams
+from aiollm.workers.backend import FINISH_STOP, Backend, GenerateRequest, ModelInfo, Overloaded, Unavailable
 from aiollm.workers.detokenize import IncrementalText
 from aiollm.workers.metrics import CONTENT_TYPE, ServingMetrics
 
@@ -33,8 +34,6 @@ log = get_logger("frontend")
 
 class TextTokenizer(Protocol):
     """What the frontend needs from a tokenizer (aiollm.model's Tokenizer has it)."""
-
-    stop_ids: tuple[int, ...]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -147,7 +146,7 @@ class Frontend:
             raise _bad(f"prompt: token ids must be in [0, {vocab})", "prompt")
         return ids
 
-    def _sampling(self, body, prompt_len: int, chat: bool) -> SamplingOptions:
+    def _sampling(self, body, prompt_len: int, chat: bool) -> SamplingParams:
         context = self.info.max_context
         prompt_param = "messages" if chat else "prompt"
         if prompt_len >= context:
@@ -160,9 +159,8 @@ class Frontend:
                        f"{prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, {max_tokens} in the "
                        f"completion). Please reduce the length of the {prompt_param} or {param}.",
                        param, "context_length_exceeded")
-        stop_ids = () if body.ignore_eos else tuple(self.tokenizer.stop_ids)
-        return SamplingOptions(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                               top_k=body.top_k, seed=body.seed, stop_token_ids=stop_ids)
+        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                              top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos)
 
     async def _respond(self, request: Request, body, ids: list[int], chat: bool) -> Response:
         sampling = self._sampling(body, len(ids), chat)

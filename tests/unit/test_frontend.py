@@ -18,8 +18,6 @@ REPLY = "Hello, world! The end."
 
 
 class CharTokenizer:
-    stop_ids = (EOS,)
-
     def encode(self, text, add_special_tokens=True):
         return [ord(c) for c in text]
 
@@ -54,7 +52,7 @@ class ScriptedBackend:
                     return
                 await asyncio.sleep(self.delay)
                 last = i + 1 == request.sampling.max_tokens
-                if token in request.sampling.stop_token_ids:
+                if token == EOS and not request.sampling.ignore_eos:
                     yield TokenDelta((token,), FINISH_STOP)
                     return
                 yield TokenDelta((token,), FINISH_LENGTH if last else None)
