@@ -46,3 +46,13 @@ class RemoteError(AiollmError):
 class ModelFormatError(AiollmError):
     """A model file is unusable: corrupt or truncated, an unsupported architecture or tensor type, a missing
     or misshapen tensor. The message names the file and, where it applies, the tensor and the type."""
+
+
+class KVCacheFull(AiollmError):
+    """The KV block pool has fewer free blocks than a request asked for; nothing was allocated."""
+
+    def __init__(self, requested: int, free: int, total: int) -> None:
+        super().__init__(f"KV cache full: asked for {requested} blocks, {free} free of {total}")
+        self.requested = requested
+        self.free = free
+        self.total = total

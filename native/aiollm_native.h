@@ -1,4 +1,6 @@
-/* aiollm native kernel library: the one header, also used as the cffi cdef. */
+/* aiollm native kernel library: the one header, also used as the cffi cdef.
+ * native/build.py keeps the `#define NAME value` lines and drops every other preprocessor line,
+ * so everything here must be plain declarations cffi can parse. */
 #ifndef AIOLLM_NATIVE_H
 #define AIOLLM_NATIVE_H
 #include <stdint.h>
@@ -11,5 +13,85 @@
 #define AIOLLM_CPU_AVX512F 8
 #define AIOLLM_CPU_AVX512BW 16
 uint32_t aiollm_cpu_features(void);
+
+/* ---- status codes: every entry point that can fail returns one ---- */
+#define AIOLLM_OK 0
+#define AIOLLM_ERR_ARG 1         /* a size or count argument out of range (or a NULL pointer) */
+#define AIOLLM_ERR_BLOCK 2       /* a block-table entry in use lies outside the pool */
+#define AIOLLM_ERR_LEN 3         /* a sequence length is negative or needs more blocks than its table row */
+#define AIOLLM_ERR_SLOT 4        /* a slot-mapping entry lies outside the pool */
+#define AIOLLM_ERR_UNSUPPORTED 5 /* an ISA the CPU lacks, or a dtype combination not implemented */
+#define AIOLLM_ERR_NOMEM 6
+
+/* ---- element types ---- */
+#define AIOLLM_DT_F32 0
+#define AIOLLM_DT_F16 1
+#define AIOLLM_DT_BF16 2
+#define AIOLLM_DT_I8 3
+
+/* ---- kernel variants (ISA) ---- */
+#define AIOLLM_ISA_REF 0
+#define AIOLLM_ISA_AVX2 1
+#define AIOLLM_ISA_AVX512 2
+
+/* Limits every path honours (they size per-thread scratch on the stack). */
+#define AIOLLM_MAX_HEAD_DIM 256
+#define AIOLLM_MAX_GROUP 32
+#define AIOLLM_MAX_THREADS 64
+
+/* One layer of a paged KV pool.
+ *   k:       [n_blocks, n_kv_heads, head_dim, block_size]  (K transposed inside a block: the 16 tokens of a
+ *            chunk are contiguous per dimension, so 16 scores come out of FMAs with no horizontal sums)
+ *   v:       [n_blocks, n_kv_heads, block_size, head_dim]
+ *   k_scale, v_scale: int8 only, fp32 [n_blocks, n_kv_heads, block_size] (symmetric, per token per head);
+ *            NULL for fp32/fp16 storage.
+ * dtype is AIOLLM_DT_F32, AIOLLM_DT_F16 or AIOLLM_DT_I8. */
+typedef struct {
+    void *k;
+    void *v;
+    float *k_scale;
+    float *v_scale;
+    int64_t n_blocks;
+    int32_t block_size;
+    int32_t n_kv_heads;
+    int32_t head_dim;
+    int32_t dtype;
+} aiollm_kv_layer;
+
+/* Write n_tokens new tokens into their slots (slot = block_id * block_size + offset).
+ * k, v: [n_tokens, n_kv_heads, head_dim] of in_dtype (F32, F16 or BF16); heads and dims contiguous, tokens
+ * token_stride elements apart. Converts to the pool dtype; int8 is quantised here (scale = max|x| / 127).
+ * Every slot is checked before anything is written. */
+int aiollm_kv_write(const aiollm_kv_layer *kv, const int64_t *slots, int64_t n_tokens,
+                    const void *k, int64_t k_token_stride, const void *v, int64_t v_token_stride,
+                    int32_t in_dtype);
+
+/* Decode attention, one query token per sequence, grouped-query.
+ *   q:            fp32 [n_seqs, n_q_heads, head_dim], heads contiguous, sequences q_seq_stride floats apart
+ *   block_tables: int32 [n_seqs, max_blocks]; only the first ceil(seq_len / block_size) entries of a row are read
+ *   seq_lens:     int32 [n_seqs]; a length of 0 yields a zero output row
+ *   out:          [n_seqs, n_q_heads, head_dim] contiguous, of out_dtype (F32, F16 or BF16)
+ *   n_threads:    threads of the library's pool to use (<= 0: 1)
+ * Every length and every block-table entry in use is checked before any work starts. The GIL is released
+ * by cffi during the call. */
+int aiollm_decode_attention(const aiollm_kv_layer *kv, const float *q, int64_t q_seq_stride,
+                            int32_t n_seqs, int32_t n_q_heads, const int32_t *block_tables,
+                            int32_t max_blocks, const int32_t *seq_lens, float scale,
+                            void *out, int32_t out_dtype, int32_t n_threads);
+
+/* The one dispatch point. aiollm_isa() is the variant in use: probed once from the CPU, unless the
+ * environment variable AIOLLM_ATTN_ISA (ref, avx2, avx512) says otherwise. aiollm_set_isa forces one
+ * (-1: back to the probe); AIOLLM_ERR_UNSUPPORTED if the CPU lacks it. A call whose shape a SIMD variant
+ * does not cover (head_dim % 16, block_size % 16) runs the reference path. */
+int aiollm_isa(void);
+int aiollm_isa_supported(int32_t isa);
+int aiollm_set_isa(int32_t isa);
+
+/* STREAM-like read bandwidth probe: reads nbytes (a multiple of 64) with the variant in use on n_threads
+ * threads of the pool and returns the fp32 sum of the data (so the reads cannot be optimised away). */
+double aiollm_read_sum(const void *buf, int64_t nbytes, int32_t n_threads);
+
+/* Threads the pool has started so far (it grows on demand up to AIOLLM_MAX_THREADS - 1 workers + caller). */
+int aiollm_pool_size(void);
 
 #endif

@@ -1,0 +1,251 @@
+"""Python entry points of the native attention library: `kv_write`, `decode_attention`, `read_sum`, the
+thread count and the ISA in use.
+
+These functions work on the raw arrays of ONE layer of a paged KV pool (KVPool hands them its views):
+
+    k_cache  [n_blocks, n_kv_heads, head_dim, block_size]   K transposed inside a block
+    v_cache  [n_blocks, n_kv_heads, block_size, head_dim]
+    k_scale, v_scale  fp32 [n_blocks, n_kv_heads, block_size]   int8 storage only
+
+all C-contiguous, fp32, fp16 or int8 (numpy arrays or torch CPU tensors, never copied). Every argument is
+checked here before the C call (ValueError naming it, expected vs actual); C checks lengths, block-table
+entries and slots again and returns a status code, turned into the same exception.
+
+Threads: the library has its own persistent pthread pool (not OpenMP). `n_threads` (or the process-wide
+default from `set_num_threads`, initially the CPUs this process may run on) sets how many threads one call
+uses. The rule with PyTorch in the same process: the pool sleeps between calls and torch's OpenMP team
+sleeps shortly after its parallel regions, so alternating torch ops and attention in one thread is fine with
+both at the core count; running them *concurrently* (e.g. torch in one Python thread, attention in another)
+needs torch threads + attention threads <= cores, or both slow down (README, "Native attention kernels").
+
+ISA: probed once (AVX-512 > AVX2+FMA+F16C > portable C); the environment variable AIOLLM_ATTN_ISA=ref|avx2|
+avx512, read once at the first call, overrides it; `force_isa` switches at run time (tests).
+"""
+import math
+import os
+
+import numpy as np
+
+from aiollm._native import ffi, lib
+from aiollm.kv._arrays import NUMPY_OF, check_contiguous, check_dtype, check_shape, describe
+
+ISAS = {"ref": lib.AIOLLM_ISA_REF, "avx2": lib.AIOLLM_ISA_AVX2, "avx512": lib.AIOLLM_ISA_AVX512}
+_ISA_NAMES = {code: name for name, code in ISAS.items()}
+_DT = {"fp32": lib.AIOLLM_DT_F32, "fp16": lib.AIOLLM_DT_F16, "bf16": lib.AIOLLM_DT_BF16, "int8": lib.AIOLLM_DT_I8}
+_STATUS = {
+    lib.AIOLLM_ERR_ARG: "an argument is out of range",
+    lib.AIOLLM_ERR_BLOCK: "block_tables: an entry in use lies outside the pool",
+    lib.AIOLLM_ERR_LEN: "seq_lens: a length is negative or needs more blocks than block_tables has columns",
+    lib.AIOLLM_ERR_SLOT: "slot_mapping: an entry lies outside the pool",
+    lib.AIOLLM_ERR_UNSUPPORTED: "unsupported dtype combination",
+}
+MAX_HEAD_DIM = lib.AIOLLM_MAX_HEAD_DIM
+MAX_GROUP = lib.AIOLLM_MAX_GROUP
+
+_num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def set_num_threads(n: int) -> None:
+    """Default number of pool threads per call (an `n_threads` argument overrides it)."""
+    global _num_threads
+    if not isinstance(n, int) or not 1 <= n <= lib.AIOLLM_MAX_THREADS:
+        raise ValueError(f"n_threads: expected an int in [1, {lib.AIOLLM_MAX_THREADS}], got {n!r}")
+    _num_threads = n
+
+
+def get_num_threads() -> int:
+    return _num_threads
+
+
+def isa() -> str:
+    """The kernel variant in use: 'ref', 'avx2' or 'avx512'."""
+    return _ISA_NAMES[lib.aiollm_isa()]
+
+
+def supported_isas() -> list[str]:
+    return [name for name, code in ISAS.items() if lib.aiollm_isa_supported(code)]
+
+
+def force_isa(name: str | None) -> None:
+    """Use this variant from now on (None: back to the probed/env choice). ValueError if the CPU lacks it."""
+    code = -1 if name is None else ISAS.get(name)
+    if code is None:
+        raise ValueError(f"isa: expected one of {sorted(ISAS)} or None, got {name!r}")
+    if lib.aiollm_set_isa(code) != lib.AIOLLM_OK:
+        raise ValueError(f"isa: this CPU does not support {name!r} (supported: {supported_isas()})")
+
+
+def _ensure(status: int) -> None:
+    if status == lib.AIOLLM_OK:
+        return
+    if status == lib.AIOLLM_ERR_NOMEM:
+        raise MemoryError("native attention: out of memory")
+    raise ValueError(f"native kernel refused the call: {_STATUS.get(status, f'status {status}')}")
+
+
+def _threads(n_threads: int | None) -> int:
+    if n_threads is None:
+        return _num_threads
+    if not isinstance(n_threads, int) or not 1 <= n_threads <= lib.AIOLLM_MAX_THREADS:
+        raise ValueError(f"n_threads: expected an int in [1, {lib.AIOLLM_MAX_THREADS}], got {n_threads!r}")
+    return n_threads
+
+
+def _layer(k_cache, v_cache, k_scale, v_scale):
+    """Check one layer's cache arrays and build the C descriptor (the caller's arrays keep the memory alive)."""
+    k = describe(k_cache, "k_cache")
+    check_dtype(k, "k_cache", ("fp32", "fp16", "int8"))
+    if len(k.shape) != 4:
+        raise ValueError(f"k_cache: expected 4 dims [n_blocks, n_kv_heads, head_dim, block_size], got shape {k.shape}")
+    n_blocks, n_kv_heads, head_dim, block_size = k.shape
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"k_cache: head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    v = describe(v_cache, "v_cache")
+    check_dtype(v, "v_cache", (k.dtype,))
+    check_shape(v, "v_cache", (n_blocks, n_kv_heads, block_size, head_dim))
+    check_contiguous(k, "k_cache")
+    check_contiguous(v, "v_cache")
+    desc = ffi.new("aiollm_kv_layer *")
+    desc.k, desc.v = ffi.cast("void *", k.ptr), ffi.cast("void *", v.ptr)
+    desc.n_blocks, desc.block_size, desc.n_kv_heads, desc.head_dim = n_blocks, block_size, n_kv_heads, head_dim
+    desc.dtype = _DT[k.dtype]
+    if k.dtype == "int8":
+        for arr, name, field in ((k_scale, "k_scale", "k_scale"), (v_scale, "v_scale", "v_scale")):
+            if arr is None:
+                raise ValueError(f"{name}: required for an int8 cache, got None")
+            s = describe(arr, name)
+            check_dtype(s, name, ("fp32",))
+            check_shape(s, name, (n_blocks, n_kv_heads, block_size))
+            check_contiguous(s, name)
+            setattr(desc, field, ffi.cast("float *", s.ptr))
+    return desc
+
+
+def kv_write(k_cache, v_cache, slot_mapping, k, v, *, k_scale=None, v_scale=None) -> None:
+    """Write new tokens' k, v [n_tokens, n_kv_heads, head_dim] (fp32, fp16 or bf16; heads and dims contiguous,
+    any token stride) into slots `slot_mapping` (int64/int32 [n_tokens], block_id * block_size + offset).
+    Converts to the cache dtype; int8 is quantised per token per head. A repeated slot keeps the last token."""
+    desc = _layer(k_cache, v_cache, k_scale, v_scale)
+    n_slots = desc.n_blocks * desc.block_size
+    slots = describe(slot_mapping, "slot_mapping")
+    check_dtype(slots, "slot_mapping", ("int64", "int32"))
+    if len(slots.shape) != 1:
+        raise ValueError(f"slot_mapping: expected 1 dim [n_tokens], got shape {slots.shape}")
+    n_tokens = slots.shape[0]
+    slots_np = np.ascontiguousarray(slots.numpy(), dtype=np.int64)
+    if n_tokens:
+        bad = np.flatnonzero((slots_np < 0) | (slots_np >= n_slots))
+        if bad.size:
+            raise ValueError(f"slot_mapping: expected entries in [0, {n_slots}), got {int(slots_np[bad[0]])} at index {int(bad[0])}")
+    kv_in = []
+    for x, name in ((k, "k"), (v, "v")):
+        a = describe(x, name)
+        check_dtype(a, name, ("fp32", "fp16", "bf16"))
+        check_shape(a, name, (n_tokens, desc.n_kv_heads, desc.head_dim))
+        check_contiguous(a, name, from_dim=1)
+        kv_in.append(a)
+    ka, va = kv_in
+    if va.dtype != ka.dtype:
+        raise ValueError(f"v: expected the dtype of k ({ka.dtype}), got {va.dtype}")
+    row = desc.n_kv_heads * desc.head_dim
+    k_stride = ka.strides[0] if n_tokens > 1 else row
+    v_stride = va.strides[0] if n_tokens > 1 else row
+    _ensure(lib.aiollm_kv_write(desc, ffi.cast("int64_t *", slots_np.ctypes.data), n_tokens,
+                                ffi.cast("void *", ka.ptr), k_stride, ffi.cast("void *", va.ptr), v_stride, _DT[ka.dtype]))
+
+
+def _check_tables(bt: np.ndarray, lens: np.ndarray, block_size: int, n_blocks: int) -> None:
+    """Lengths fit the tables and every entry in use lies inside the pool (the kernel reads only those)."""
+    if lens.size == 0:
+        return
+    if lens.min() < 0:
+        i = int(np.argmin(lens))
+        raise ValueError(f"seq_lens: expected lengths >= 0, got {int(lens[i])} for sequence {i}")
+    need = (lens.astype(np.int64) + block_size - 1) // block_size
+    max_blocks = bt.shape[1]
+    if need.max() > max_blocks:
+        i = int(np.argmax(need))
+        raise ValueError(f"seq_lens: sequence {i} has length {int(lens[i])}, needing {int(need[i])} blocks of "
+                         f"{block_size}, but block_tables has {max_blocks} columns")
+    in_use = np.arange(max_blocks) < need[:, None]
+    bad = in_use & ((bt < 0) | (bt >= n_blocks))
+    if bad.any():
+        s, j = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(f"block_tables: expected entries in use in [0, {n_blocks}), got {int(bt[s, j])} "
+                         f"at [{s}, {j}] (sequence length {int(lens[s])})")
+
+
+def decode_attention(k_cache, v_cache, q, block_tables, seq_lens, *, k_scale=None, v_scale=None,
+                     scale: float | None = None, out=None, out_dtype: str | None = None, n_threads: int | None = None):
+    """Attention of one query token per sequence over its cached tokens, grouped-query.
+
+    q fp32 [n_seqs, n_q_heads, head_dim] (heads and dims contiguous); block_tables int32 [n_seqs, max_blocks]
+    (only the first ceil(len / block_size) entries of a row are read, padding may be anything);
+    seq_lens int32 [n_seqs] including the tokens written this step. Returns out [n_seqs, n_q_heads, head_dim]
+    in out_dtype ('fp32' default, 'fp16', 'bf16' -> a torch tensor) or written into `out` (its dtype is the
+    default out_dtype). scale defaults to 1/sqrt(head_dim).
+    """
+    desc = _layer(k_cache, v_cache, k_scale, v_scale)
+    qa = describe(q, "q")
+    check_dtype(qa, "q", ("fp32",))
+    if len(qa.shape) != 3 or qa.shape[2] != desc.head_dim:
+        raise ValueError(f"q: expected shape (n_seqs, n_q_heads, {desc.head_dim}), got {qa.shape}")
+    n_seqs, n_q_heads, head_dim = qa.shape
+    if n_q_heads % desc.n_kv_heads or n_q_heads // desc.n_kv_heads > MAX_GROUP:
+        raise ValueError(f"q: expected n_q_heads a multiple of n_kv_heads={desc.n_kv_heads} with at most "
+                         f"{MAX_GROUP} per group, got {n_q_heads}")
+    check_contiguous(qa, "q", from_dim=1)
+    bt = describe(block_tables, "block_tables")
+    check_dtype(bt, "block_tables", ("int32",))
+    if len(bt.shape) != 2 or bt.shape[0] != n_seqs:
+        raise ValueError(f"block_tables: expected shape ({n_seqs}, max_blocks), got {bt.shape}")
+    check_contiguous(bt, "block_tables")
+    sl = describe(seq_lens, "seq_lens")
+    check_dtype(sl, "seq_lens", ("int32",))
+    check_shape(sl, "seq_lens", (n_seqs,))
+    check_contiguous(sl, "seq_lens")
+    _check_tables(bt.numpy(), sl.numpy(), desc.block_size, desc.n_blocks)
+    out = _output(out, out_dtype, (n_seqs, n_q_heads, head_dim))
+    oa = describe(out, "out")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    q_stride = qa.strides[0] if n_seqs > 1 else n_q_heads * head_dim
+    _ensure(lib.aiollm_decode_attention(
+        desc, ffi.cast("float *", qa.ptr), q_stride, n_seqs, n_q_heads, ffi.cast("int32_t *", bt.ptr),
+        bt.shape[1], ffi.cast("int32_t *", sl.ptr), scale, ffi.cast("void *", oa.ptr), _DT[oa.dtype],
+        _threads(n_threads)))
+    return out
+
+
+def _output(out, out_dtype: str | None, shape: tuple[int, int, int]):
+    """Allocate the output, or check the one given (its dtype must match out_dtype when both are given)."""
+    if out_dtype is not None and out_dtype not in ("fp32", "fp16", "bf16"):
+        raise ValueError(f"out_dtype: expected 'fp32', 'fp16' or 'bf16', got {out_dtype!r}")
+    if out is None:
+        out_dtype = out_dtype or "fp32"
+        if out_dtype == "bf16":
+            import torch  # bf16 has no numpy dtype
+
+            return torch.empty(shape, dtype=torch.bfloat16)
+        return np.empty(shape, dtype=NUMPY_OF[out_dtype])
+    oa = describe(out, "out")
+    check_dtype(oa, "out", (out_dtype,) if out_dtype else ("fp32", "fp16", "bf16"))
+    check_shape(oa, "out", shape)
+    check_contiguous(oa, "out")
+    return out
+
+
+def read_sum(buf: np.ndarray, n_threads: int | None = None) -> float:
+    """Read every byte of `buf` (a contiguous numpy array, its size a multiple of 64 bytes) as fp32 with the
+    ISA in use on the library's pool and return the sum: the read-bandwidth probe of `python -m bench attention`."""
+    if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous or buf.nbytes % 64:
+        raise ValueError("buf: expected a C-contiguous numpy array whose size is a multiple of 64 bytes")
+    return lib.aiollm_read_sum(ffi.cast("void *", buf.ctypes.data), buf.nbytes, _threads(n_threads))
+
+
+def pool_size() -> int:
+    """Threads the native pool has started (it grows on demand)."""
+    return lib.aiollm_pool_size()
+
+
+__all__ = ["decode_attention", "kv_write", "read_sum", "set_num_threads", "get_num_threads", "isa",
+           "supported_isas", "force_isa", "pool_size"]

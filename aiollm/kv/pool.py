@@ -1,0 +1,155 @@
+"""The paged KV pool: K and V storage for every layer, written by `write`, read by `attend`.
+
+Memory layout (numpy, C-contiguous, allocated lazily by the OS: untouched blocks cost no RAM):
+
+    k        [n_layers, n_blocks, n_kv_heads, head_dim, block_size]   K transposed inside each block
+    v        [n_layers, n_blocks, n_kv_heads, block_size, head_dim]
+    k_scale  [n_layers, n_blocks, n_kv_heads, block_size] fp32        int8 only (None otherwise)
+    v_scale  [n_layers, n_blocks, n_kv_heads, block_size] fp32
+
+One (block, kv head) tile of K or V is one contiguous run of head_dim * block_size elements, so the kernel
+streams whole tiles and can prefetch the next block of a table. K is transposed inside a tile: 16 tokens of
+one dimension are adjacent, so a SIMD load carries one dimension of 16 tokens and 16 scores come out of
+plain FMAs, with no horizontal sums. Token t of a sequence lives in block `table[t // block_size]`, slot
+`t % block_size`; slot numbers are `block_id * block_size + offset`.
+
+Blocks can be exported and imported raw (`read`, `write_blocks`) to ship a sequence's KV between workers.
+"""
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from aiollm.kv import attention
+
+_STORAGE = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8}
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVConfig:
+    """Shape and dtype of a KV pool (keyword-only: the fields are all ints and easy to swap)."""
+
+    n_layers: int
+    n_blocks: int
+    n_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+    dtype: str = "fp16"
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "n_blocks", "n_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KVConfig.{name}: expected a positive int, got {value!r}")
+        if self.head_dim > attention.MAX_HEAD_DIM:
+            raise ValueError(f"KVConfig.head_dim: expected at most {attention.MAX_HEAD_DIM}, got {self.head_dim}")
+        if self.dtype not in _STORAGE:
+            raise ValueError(f"KVConfig.dtype: expected one of {sorted(_STORAGE)}, got {self.dtype!r}")
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block over all layers: K and V, plus the two scales per token per head for int8."""
+        elems = self.n_kv_heads * self.block_size * self.head_dim
+        per_layer = 2 * elems * np.dtype(_STORAGE[self.dtype]).itemsize
+        if self.dtype == "int8":
+            per_layer += 2 * self.n_kv_heads * self.block_size * 4
+        return per_layer * self.n_layers
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_block * self.n_blocks
+
+    @classmethod
+    def from_budget(cls, budget_bytes: int, *, n_layers: int, n_kv_heads: int, head_dim: int,
+                    block_size: int = 16, dtype: str = "fp16") -> "KVConfig":
+        """As many blocks as fit in `budget_bytes`; ValueError if not even one does."""
+        probe = cls(n_layers=n_layers, n_blocks=1, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                    block_size=block_size, dtype=dtype)
+        n_blocks = int(budget_bytes) // probe.bytes_per_block
+        if n_blocks < 1:
+            raise ValueError(f"budget_bytes: {budget_bytes} is less than one block ({probe.bytes_per_block} bytes)")
+        return cls(n_layers=n_layers, n_blocks=n_blocks, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                   block_size=block_size, dtype=dtype)
+
+
+class KVBlocks(NamedTuple):
+    """Raw contents of some blocks (of one layer, or of all layers with a leading layer axis)."""
+
+    k: np.ndarray
+    v: np.ndarray
+    k_scale: np.ndarray | None
+    v_scale: np.ndarray | None
+
+
+class KVPool:
+    """K/V storage of all layers plus the calls that write and attend over one layer of it."""
+
+    def __init__(self, config: KVConfig) -> None:
+        c = config
+        self.config = c
+        dtype = _STORAGE[c.dtype]
+        self.k = np.zeros((c.n_layers, c.n_blocks, c.n_kv_heads, c.head_dim, c.block_size), dtype)
+        self.v = np.zeros((c.n_layers, c.n_blocks, c.n_kv_heads, c.block_size, c.head_dim), dtype)
+        scales = (c.n_layers, c.n_blocks, c.n_kv_heads, c.block_size)
+        self.k_scale = np.zeros(scales, np.float32) if c.dtype == "int8" else None
+        self.v_scale = np.zeros(scales, np.float32) if c.dtype == "int8" else None
+
+    def _layer(self, layer: int) -> dict:
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.config.n_layers:
+            raise ValueError(f"layer: expected an int in [0, {self.config.n_layers}), got {layer!r}")
+        scales = self.k_scale is not None
+        return {"k_cache": self.k[layer], "v_cache": self.v[layer],
+                "k_scale": self.k_scale[layer] if scales else None, "v_scale": self.v_scale[layer] if scales else None}
+
+    def write(self, layer: int, slot_mapping, k, v) -> None:
+        """Store new tokens' k, v [n_tokens, n_kv_heads, head_dim] (fp32/fp16/bf16) at `slot_mapping`."""
+        c = self._layer(layer)
+        attention.kv_write(c["k_cache"], c["v_cache"], slot_mapping, k, v, k_scale=c["k_scale"], v_scale=c["v_scale"])
+
+    def attend(self, layer: int, q, block_tables, seq_lens, *, scale: float | None = None, out=None,
+               out_dtype: str | None = None, n_threads: int | None = None):
+        """Decode attention of q [n_seqs, n_q_heads, head_dim] over this layer; see `attention.decode_attention`."""
+        return attention.decode_attention(**self._layer(layer), q=q, block_tables=block_tables, seq_lens=seq_lens,
+                                          scale=scale, out=out, out_dtype=out_dtype, n_threads=n_threads)
+
+    def _block_index(self, block_ids) -> slice | np.ndarray:
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.n_blocks):
+            raise ValueError(f"block_ids: expected ids in [0, {self.config.n_blocks}), got {ids.tolist()}")
+        if ids.size and np.array_equal(ids, np.arange(ids[0], ids[0] + ids.size)):
+            return slice(int(ids[0]), int(ids[0]) + ids.size)  # a run of blocks: views, no copy
+        return ids
+
+    def read(self, layer: int | None, block_ids) -> KVBlocks:
+        """The raw K/V (and int8 scales) of `block_ids` in one layer, or all layers (layer=None, leading axis).
+
+        A run of consecutive ids returns views into the pool; any other list returns copies."""
+        at = self._block_index(block_ids)
+        idx = (slice(None), at) if layer is None else (self._check_layer(layer), at)
+        pick = (lambda a: None if a is None else a[idx])
+        return KVBlocks(pick(self.k), pick(self.v), pick(self.k_scale), pick(self.v_scale))
+
+    def write_blocks(self, layer: int | None, block_ids, k_blocks, v_blocks, *, k_scale=None, v_scale=None) -> None:
+        """Import raw blocks as returned by `read` (same shapes and dtypes) into `block_ids`."""
+        at = self._block_index(block_ids)
+        idx = (slice(None), at) if layer is None else (self._check_layer(layer), at)
+        targets = [("k_blocks", self.k, k_blocks), ("v_blocks", self.v, v_blocks)]
+        if self.k_scale is not None:
+            targets += [("k_scale", self.k_scale, k_scale), ("v_scale", self.v_scale, v_scale)]
+        for name, dst, src in targets:
+            view = dst[idx]
+            src = np.asarray(src) if src is not None else None
+            if src is None or src.shape != view.shape or src.dtype != view.dtype:
+                got = None if src is None else (src.shape, str(src.dtype))
+                raise ValueError(f"{name}: expected shape {view.shape} dtype {view.dtype}, got {got}")
+        for name, dst, src in targets:
+            dst[idx] = np.asarray(src)
+
+    def _check_layer(self, layer: int) -> int:
+        self._layer(layer)
+        return int(layer)
+
+    @property
+    def nbytes(self) -> int:
+        return self.config.nbytes
+

@@ -1,0 +1,222 @@
+/* AVX2 + FMA + F16C path (FastDecode's choice, runs on any x86 of the last decade). Same structure as the
+ * AVX-512 path: 16-token chunks, here as two ymm halves, K columns shared by up to 4 q heads of a group,
+ * V rows by up to 4 heads, online softmax once per chunk. 16 ymm registers bound the unrolling. */
+#include <immintrin.h>
+#include "attn_internal.h"
+
+#define T256 __attribute__((target("avx2,fma,f16c")))
+#define INLINE static inline __attribute__((always_inline))
+
+T256 INLINE __m256 ld8(int dt, const void *base, int64_t i) {
+    if (dt == AIOLLM_DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
+    if (dt == AIOLLM_DT_I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + i))));
+    return _mm256_loadu_ps((const float *)base + i);
+}
+
+T256 INLINE __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+T256 INLINE float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+T256 INLINE float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+/* Scores of 16 tokens as two halves, GB q heads, NP partial sums per half. */
+T256 INLINE void scores(int dt, const void *kt, int64_t col, int BS, int D, const float *qs, int GB, int NP,
+                        __m256 *lo, __m256 *hi) {
+    __m256 a0[4][2], a1[4][2];
+    for (int g = 0; g < GB; g++)
+        for (int p = 0; p < NP; p++) a0[g][p] = a1[g][p] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += NP) {
+        for (int p = 0; p < NP; p++) {
+            const __m256 k0 = ld8(dt, kt, (int64_t)(d + p) * BS + col);
+            const __m256 k1 = ld8(dt, kt, (int64_t)(d + p) * BS + col + 8);
+            for (int g = 0; g < GB; g++) {
+                const __m256 qv = _mm256_broadcast_ss(qs + g * D + d + p);
+                a0[g][p] = _mm256_fmadd_ps(qv, k0, a0[g][p]);
+                a1[g][p] = _mm256_fmadd_ps(qv, k1, a1[g][p]);
+            }
+        }
+    }
+    for (int g = 0; g < GB; g++) {
+        lo[g] = a0[g][0];
+        hi[g] = a1[g][0];
+        for (int p = 1; p < NP; p++) {
+            lo[g] = _mm256_add_ps(lo[g], a0[g][p]);
+            hi[g] = _mm256_add_ps(hi[g], a1[g][p]);
+        }
+    }
+}
+
+/* acc[g][8*(dv..dv+VC)] = alpha[g] * acc + sum over nv tokens of pb[g][t] * V row t. */
+T256 INLINE void vaccum(int dt, const void *vt, int64_t row0, int nv, int D, int dv, int VC, const float *pb,
+                        const float *alpha, float *acc, int GB) {
+    __m256 r[4][2];
+    for (int g = 0; g < GB; g++)
+        for (int v = 0; v < VC; v++)
+            r[g][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + (dv + v) * 8), _mm256_set1_ps(alpha[g]));
+    for (int t = 0; t < nv; t++) {
+        for (int v = 0; v < VC; v++) {
+            const __m256 x = ld8(dt, vt, (row0 + t) * D + (dv + v) * 8);
+            for (int g = 0; g < GB; g++) r[g][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(pb + g * 16 + t), x, r[g][v]);
+        }
+    }
+    for (int g = 0; g < GB; g++)
+        for (int v = 0; v < VC; v++) _mm256_storeu_ps(acc + g * D + (dv + v) * 8, r[g][v]);
+}
+
+static inline void prefetch_tile(const char *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+T256 INLINE void item(const attn_args *a, int32_t seq, int32_t head, int dt) {
+    const aiollm_kv_layer *kv = a->kv;
+    const int G = a->group, D = kv->head_dim, BS = kv->block_size;
+    const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1, tile_bytes = (int64_t)D * BS * es;
+    const int32_t n = a->seq_lens[seq], n_used = (n + BS - 1) / BS;
+    const int32_t *table = a->block_tables + (int64_t)seq * a->max_blocks;
+    const float *q = a->q + seq * a->q_seq_stride + (int64_t)head * G * D;
+    float qs[AIOLLM_MAX_GROUP * AIOLLM_MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float acc[AIOLLM_MAX_GROUP * AIOLLM_MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float m[AIOLLM_MAX_GROUP], l[AIOLLM_MAX_GROUP], alpha[AIOLLM_MAX_GROUP];
+    float pb[AIOLLM_MAX_GROUP * 16] __attribute__((aligned(32)));
+    const __m256i iota0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), iota1 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+
+    for (int g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    for (int i = 0; i < G * D; i += 8) {
+        _mm256_store_ps(qs + i, _mm256_mul_ps(_mm256_loadu_ps(q + i), _mm256_set1_ps(a->scale)));
+        _mm256_store_ps(acc + i, _mm256_setzero_ps());
+    }
+    for (int32_t blk = 0; blk < n_used; blk++) {
+        const int64_t block = table[blk];
+        const char *kt = (const char *)kv->k + kv_tile(kv, block, head) * es;
+        const char *vt = (const char *)kv->v + kv_tile(kv, block, head) * es;
+        const float *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, head) : NULL;
+        const float *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, head) : NULL;
+        if (blk + 1 < n_used) {
+            const int64_t next = kv_tile(kv, table[blk + 1], head) * es;
+            prefetch_tile((const char *)kv->k + next, tile_bytes);
+            prefetch_tile((const char *)kv->v + next, tile_bytes);
+        }
+        for (int c = 0; c * 16 < BS; c++) {
+            int nv = n - (blk * BS + c * 16);
+            if (nv <= 0) break;
+            if (nv > 16) nv = 16;
+            const __m256 m0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota0));
+            const __m256 m1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota1));
+            for (int g0 = 0; g0 < G; g0 += 4) {
+                const int gb = G - g0 < 4 ? G - g0 : 4;
+                __m256 lo[4], hi[4];
+                switch (gb) {
+                case 1: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 1, 2, lo, hi); break;
+                case 2: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 2, 2, lo, hi); break;
+                case 3: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 3, 1, lo, hi); break;
+                default: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 4, 1, lo, hi); break;
+                }
+                for (int g = 0; g < gb; g++) {
+                    __m256 s0 = lo[g], s1 = hi[g];
+                    if (dt == AIOLLM_DT_I8) {
+                        s0 = _mm256_mul_ps(s0, _mm256_loadu_ps(ks + c * 16));
+                        s1 = _mm256_mul_ps(s1, _mm256_loadu_ps(ks + c * 16 + 8));
+                    }
+                    s0 = _mm256_blendv_ps(ninf, s0, m0);
+                    s1 = _mm256_blendv_ps(ninf, s1, m1);
+                    const float mx = hmax8(_mm256_max_ps(s0, s1)), mo = m[g0 + g], mn = mx > mo ? mx : mo;
+                    const __m256 mv = _mm256_set1_ps(mn);
+                    __m256 p0 = _mm256_and_ps(m0, exp256(_mm256_sub_ps(s0, mv)));
+                    __m256 p1 = _mm256_and_ps(m1, exp256(_mm256_sub_ps(s1, mv)));
+                    const float al = expf(mo - mn);
+                    l[g0 + g] = l[g0 + g] * al + hsum8(_mm256_add_ps(p0, p1));
+                    m[g0 + g] = mn;
+                    alpha[g0 + g] = al;
+                    if (dt == AIOLLM_DT_I8) {
+                        p0 = _mm256_mul_ps(p0, _mm256_and_ps(m0, _mm256_loadu_ps(vs + c * 16)));
+                        p1 = _mm256_mul_ps(p1, _mm256_and_ps(m1, _mm256_loadu_ps(vs + c * 16 + 8)));
+                    }
+                    _mm256_store_ps(pb + (g0 + g) * 16, p0);
+                    _mm256_store_ps(pb + (g0 + g) * 16 + 8, p1);
+                }
+            }
+            for (int g0 = 0; g0 < G; g0 += 4) {
+                const int gb = G - g0 < 4 ? G - g0 : 4;
+                const float *pg = pb + g0 * 16, *ag = alpha + g0;
+                float *accg = acc + g0 * D;
+                for (int dv = 0; dv < D / 8; dv += 2) {
+                    switch (gb) {
+                    case 1: vaccum(dt, vt, c * 16, nv, D, dv, 2, pg, ag, accg, 1); break;
+                    case 2: vaccum(dt, vt, c * 16, nv, D, dv, 2, pg, ag, accg, 2); break;
+                    case 3: vaccum(dt, vt, c * 16, nv, D, dv, 2, pg, ag, accg, 3); break;
+                    default: vaccum(dt, vt, c * 16, nv, D, dv, 2, pg, ag, accg, 4); break;
+                    }
+                }
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m256 inv = _mm256_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+        for (int d = 0; d < D; d += 8)
+            _mm256_store_ps(acc + g * D + d, _mm256_mul_ps(_mm256_load_ps(acc + g * D + d), inv));
+    }
+    store_row_ref(a->out, ((int64_t)seq * a->n_q_heads + (int64_t)head * G) * D, acc, G * D, a->out_dtype);
+}
+
+T256 static void item_f32(const attn_args *a, int32_t s, int32_t h) { item(a, s, h, AIOLLM_DT_F32); }
+T256 static void item_f16(const attn_args *a, int32_t s, int32_t h) { item(a, s, h, AIOLLM_DT_F16); }
+T256 static void item_i8(const attn_args *a, int32_t s, int32_t h) { item(a, s, h, AIOLLM_DT_I8); }
+
+void attn_item_avx2(const attn_args *a, int32_t seq, int32_t head) {
+    switch (a->kv->dtype) {
+    case AIOLLM_DT_F16: item_f16(a, seq, head); break;
+    case AIOLLM_DT_I8: item_i8(a, seq, head); break;
+    default: item_f32(a, seq, head); break;
+    }
+}
+
+T256 double read_sum_avx2(const void *buf, int64_t n64) {
+    const float *p = (const float *)buf;
+    __m256 s[8];
+    for (int j = 0; j < 8; j++) s[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n64; i += 1) {
+        s[0] = _mm256_add_ps(s[0], _mm256_loadu_ps(p + i * 16));
+        s[1] = _mm256_add_ps(s[1], _mm256_loadu_ps(p + i * 16 + 8));
+        if (++i >= n64) break;
+        s[2] = _mm256_add_ps(s[2], _mm256_loadu_ps(p + i * 16));
+        s[3] = _mm256_add_ps(s[3], _mm256_loadu_ps(p + i * 16 + 8));
+        if (++i >= n64) break;
+        s[4] = _mm256_add_ps(s[4], _mm256_loadu_ps(p + i * 16));
+        s[5] = _mm256_add_ps(s[5], _mm256_loadu_ps(p + i * 16 + 8));
+        if (++i >= n64) break;
+        s[6] = _mm256_add_ps(s[6], _mm256_loadu_ps(p + i * 16));
+        s[7] = _mm256_add_ps(s[7], _mm256_loadu_ps(p + i * 16 + 8));
+    }
+    for (int j = 1; j < 8; j++) s[0] = _mm256_add_ps(s[0], s[j]);
+    return (double)hsum8(s[0]);
+}

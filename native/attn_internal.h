@@ -1,0 +1,103 @@
+/* Internal declarations shared by the kernel sources (not part of the cffi cdef). */
+#ifndef AIOLLM_ATTN_INTERNAL_H
+#define AIOLLM_ATTN_INTERNAL_H
+#include <math.h>
+#include <string.h>
+#include "aiollm_native.h"
+
+/* Everything one (sequence, kv-head) work item needs; arguments already validated. */
+typedef struct {
+    const aiollm_kv_layer *kv;
+    const float *q;
+    int64_t q_seq_stride;
+    int32_t n_q_heads;
+    int32_t group; /* q heads per kv head */
+    const int32_t *block_tables;
+    int32_t max_blocks;
+    const int32_t *seq_lens;
+    float scale;
+    void *out;
+    int32_t out_dtype;
+} attn_args;
+
+/* One work item: sequence `seq`, kv head `head`, all `group` q heads of that head at once. */
+typedef void (*attn_item_fn)(const attn_args *a, int32_t seq, int32_t head);
+void attn_item_ref(const attn_args *a, int32_t seq, int32_t head);
+void attn_item_avx2(const attn_args *a, int32_t seq, int32_t head);
+void attn_item_avx512(const attn_args *a, int32_t seq, int32_t head);
+
+/* Read-bandwidth kernels: fp32 sum of n64 * 64 bytes. */
+double read_sum_ref(const void *buf, int64_t n64);
+double read_sum_avx2(const void *buf, int64_t n64);
+double read_sum_avx512(const void *buf, int64_t n64);
+
+/* Thread pool: runs fn(ctx, item, thread) for item in [0, n_items) on n_threads threads (the caller is
+ * thread 0); items are claimed one at a time from a shared counter, so callers order them longest first. */
+typedef void (*pool_task_fn)(void *ctx, int64_t item, int thread);
+int pool_run(int n_threads, int64_t n_items, pool_task_fn fn, void *ctx);
+int pool_size(void);
+
+/* Element offsets of one (block, head) tile. */
+static inline int64_t kv_tile(const aiollm_kv_layer *kv, int64_t block, int32_t head) {
+    return (block * kv->n_kv_heads + head) * (int64_t)kv->head_dim * kv->block_size;
+}
+static inline int64_t kv_scale_tile(const aiollm_kv_layer *kv, int64_t block, int32_t head) {
+    return (block * kv->n_kv_heads + head) * (int64_t)kv->block_size;
+}
+
+/* Portable fp16 / bf16 conversions (round to nearest even), used by the reference path and kv_write. */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
+    float f;
+    if (e == 0) {
+        f = (float)m * 5.9604644775390625e-8f; /* m * 2^-24: zero or subnormal */
+        return sign ? -f : f;
+    }
+    bits = e == 31 ? (sign | 0x7f800000u | (m << 13)) : (sign | ((e + 112u) << 23) | (m << 13));
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_half(float f) {
+    uint32_t x, ax, sign;
+    memcpy(&x, &f, 4);
+    sign = (x >> 16) & 0x8000u;
+    ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past 65504: inf */
+    if (ax < 0x38800000u) {                                   /* below 2^-14: subnormal half */
+        float af;
+        memcpy(&af, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)nearbyintf(af * 16777216.0f));
+    }
+    ax += 0xfffu + ((ax >> 13) & 1u);
+    return (uint16_t)(sign | ((ax - 0x38000000u) >> 13));
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+/* Store a row of fp32 results as out_dtype. */
+static inline void store_row_ref(void *out, int64_t offset, const float *src, int n, int32_t out_dtype) {
+    int i;
+    if (out_dtype == AIOLLM_DT_F32) {
+        memcpy((float *)out + offset, src, (size_t)n * 4);
+    } else if (out_dtype == AIOLLM_DT_F16) {
+        for (i = 0; i < n; i++) ((uint16_t *)out)[offset + i] = float_to_half(src[i]);
+    } else {
+        for (i = 0; i < n; i++) ((uint16_t *)out)[offset + i] = float_to_bf16(src[i]);
+    }
+}
+
+#endif

@@ -1,0 +1,161 @@
+/* The one dispatch point: validates arguments, picks the ISA variant (probed once, overridable by the
+ * AIOLLM_ATTN_ISA environment variable or aiollm_set_isa), orders work items longest first and runs them on
+ * the pool. Nothing reaches a kernel before every length and block-table entry in use has been checked. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include "attn_internal.h"
+
+static _Atomic int current_isa = -1;
+static int probed_isa = AIOLLM_ISA_REF;
+static pthread_once_t probe_once = PTHREAD_ONCE_INIT;
+
+int aiollm_isa_supported(int32_t isa) {
+    const uint32_t f = aiollm_cpu_features();
+    const uint32_t avx2 = AIOLLM_CPU_AVX2 | AIOLLM_CPU_FMA | AIOLLM_CPU_F16C;
+    switch (isa) {
+    case AIOLLM_ISA_REF: return 1;
+    case AIOLLM_ISA_AVX2: return (f & avx2) == avx2;
+    case AIOLLM_ISA_AVX512:
+        return (f & (avx2 | AIOLLM_CPU_AVX512F | AIOLLM_CPU_AVX512BW)) == (avx2 | AIOLLM_CPU_AVX512F | AIOLLM_CPU_AVX512BW);
+    default: return 0;
+    }
+}
+
+static void probe(void) {
+    const char *env = getenv("AIOLLM_ATTN_ISA");
+    int want = -1;
+    if (env && strcmp(env, "ref") == 0) want = AIOLLM_ISA_REF;
+    if (env && strcmp(env, "avx2") == 0) want = AIOLLM_ISA_AVX2;
+    if (env && strcmp(env, "avx512") == 0) want = AIOLLM_ISA_AVX512;
+    if (want >= 0 && aiollm_isa_supported(want)) {
+        probed_isa = want;
+    } else {
+        probed_isa = aiollm_isa_supported(AIOLLM_ISA_AVX512) ? AIOLLM_ISA_AVX512
+                     : aiollm_isa_supported(AIOLLM_ISA_AVX2) ? AIOLLM_ISA_AVX2
+                                                            : AIOLLM_ISA_REF;
+    }
+    atomic_store(&current_isa, probed_isa);
+}
+
+int aiollm_isa(void) {
+    pthread_once(&probe_once, probe);
+    return atomic_load(&current_isa);
+}
+
+int aiollm_set_isa(int32_t isa) {
+    pthread_once(&probe_once, probe);
+    if (isa == -1) isa = probed_isa;
+    if (!aiollm_isa_supported(isa)) return AIOLLM_ERR_UNSUPPORTED;
+    atomic_store(&current_isa, isa);
+    return AIOLLM_OK;
+}
+
+typedef struct {
+    attn_args args;
+    attn_item_fn fn;
+    const int32_t *order; /* sequences, longest first */
+    int32_t n_kv_heads;
+} attn_job;
+
+static void attn_task(void *ctx, int64_t item, int thread) {
+    const attn_job *j = (const attn_job *)ctx;
+    (void)thread;
+    j->fn(&j->args, j->order[item / j->n_kv_heads], (int32_t)(item % j->n_kv_heads));
+}
+
+static int by_key(const void *x, const void *y) {
+    const int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
+    return (a > b) - (a < b);
+}
+
+static int check_tables(const aiollm_kv_layer *kv, int32_t n_seqs, const int32_t *block_tables,
+                        int32_t max_blocks, const int32_t *seq_lens) {
+    for (int32_t s = 0; s < n_seqs; s++) {
+        const int32_t n = seq_lens[s];
+        if (n < 0 || n > INT32_MAX - kv->block_size) return AIOLLM_ERR_LEN;
+        const int64_t used = ((int64_t)n + kv->block_size - 1) / kv->block_size;
+        if (used > max_blocks) return AIOLLM_ERR_LEN;
+        const int32_t *row = block_tables + (int64_t)s * max_blocks;
+        for (int64_t b = 0; b < used; b++)
+            if (row[b] < 0 || row[b] >= kv->n_blocks) return AIOLLM_ERR_BLOCK;
+    }
+    return AIOLLM_OK;
+}
+
+int aiollm_decode_attention(const aiollm_kv_layer *kv, const float *q, int64_t q_seq_stride,
+                            int32_t n_seqs, int32_t n_q_heads, const int32_t *block_tables,
+                            int32_t max_blocks, const int32_t *seq_lens, float scale,
+                            void *out, int32_t out_dtype, int32_t n_threads) {
+    if (!kv || n_seqs < 0 || max_blocks < 0 || kv->n_blocks < 0 || kv->block_size < 1 || kv->n_kv_heads < 1 ||
+        kv->head_dim < 1 || kv->head_dim > AIOLLM_MAX_HEAD_DIM || n_q_heads < 1 || n_q_heads % kv->n_kv_heads != 0 ||
+        n_q_heads / kv->n_kv_heads > AIOLLM_MAX_GROUP)
+        return AIOLLM_ERR_ARG;
+    if (kv->dtype != AIOLLM_DT_F32 && kv->dtype != AIOLLM_DT_F16 && kv->dtype != AIOLLM_DT_I8)
+        return AIOLLM_ERR_UNSUPPORTED;
+    if (out_dtype != AIOLLM_DT_F32 && out_dtype != AIOLLM_DT_F16 && out_dtype != AIOLLM_DT_BF16)
+        return AIOLLM_ERR_UNSUPPORTED;
+    if (n_seqs == 0) return AIOLLM_OK;
+    if (!q || !block_tables || !seq_lens || !out || !kv->k || !kv->v || q_seq_stride < (int64_t)n_q_heads * kv->head_dim)
+        return AIOLLM_ERR_ARG;
+    if (kv->dtype == AIOLLM_DT_I8 && (!kv->k_scale || !kv->v_scale)) return AIOLLM_ERR_ARG;
+    const int rc = check_tables(kv, n_seqs, block_tables, max_blocks, seq_lens);
+    if (rc != AIOLLM_OK) return rc;
+
+    attn_job job = {
+        .args = {kv, q, q_seq_stride, n_q_heads, n_q_heads / kv->n_kv_heads, block_tables, max_blocks, seq_lens,
+                 scale, out, out_dtype},
+        .fn = attn_item_ref,
+        .n_kv_heads = kv->n_kv_heads,
+    };
+    const int isa = aiollm_isa(), simd_shape = kv->head_dim % 16 == 0 && kv->block_size % 16 == 0;
+    if (simd_shape && isa == AIOLLM_ISA_AVX512) job.fn = attn_item_avx512;
+    if (simd_shape && isa == AIOLLM_ISA_AVX2) job.fn = attn_item_avx2;
+
+    /* Longest first: sort keys (INT32_MAX - len, seq) ascending, then keep the seq part. */
+    int64_t *keys = malloc((size_t)n_seqs * sizeof(int64_t));
+    int32_t *order = malloc((size_t)n_seqs * sizeof(int32_t));
+    if (!keys || !order) {
+        free(keys);
+        free(order);
+        return AIOLLM_ERR_NOMEM;
+    }
+    for (int32_t s = 0; s < n_seqs; s++) keys[s] = ((int64_t)(INT32_MAX - seq_lens[s]) << 32) | s;
+    qsort(keys, (size_t)n_seqs, sizeof(int64_t), by_key);
+    for (int32_t s = 0; s < n_seqs; s++) order[s] = (int32_t)(keys[s] & 0xffffffff);
+    free(keys);
+    job.order = order;
+    pool_run(n_threads, (int64_t)n_seqs * kv->n_kv_heads, attn_task, &job);
+    free(order);
+    return AIOLLM_OK;
+}
+
+/* ---- read bandwidth probe ---- */
+
+#define READ_CHUNK_64 4096 /* 256 KiB per work item */
+
+typedef struct {
+    const char *buf;
+    int64_t n64;
+    double (*fn)(const void *, int64_t);
+    double partial[AIOLLM_MAX_THREADS];
+} read_job;
+
+static void read_task(void *ctx, int64_t item, int thread) {
+    read_job *j = (read_job *)ctx;
+    const int64_t first = item * READ_CHUNK_64;
+    const int64_t n = j->n64 - first < READ_CHUNK_64 ? j->n64 - first : READ_CHUNK_64;
+    j->partial[thread] += j->fn(j->buf + first * 64, n);
+}
+
+double aiollm_read_sum(const void *buf, int64_t nbytes, int32_t n_threads) {
+    read_job job = {.buf = (const char *)buf, .n64 = nbytes / 64, .fn = read_sum_ref};
+    if (!buf || job.n64 <= 0) return 0.0;
+    const int isa = aiollm_isa();
+    if (isa == AIOLLM_ISA_AVX512) job.fn = read_sum_avx512;
+    if (isa == AIOLLM_ISA_AVX2) job.fn = read_sum_avx2;
+    pool_run(n_threads, (job.n64 + READ_CHUNK_64 - 1) / READ_CHUNK_64, read_task, &job);
+    double total = 0.0;
+    for (int t = 0; t < AIOLLM_MAX_THREADS; t++) total += job.partial[t];
+    return total;
+}
