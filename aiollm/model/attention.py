@@ -41,7 +41,9 @@ def paged_decode_attention(pool, layer: int, q: torch.Tensor, k: torch.Tensor, v
 
     q [b, n_heads, d], k/v [b, n_kv_heads, d] (one new token per sequence); slot_mapping int [b] (where the
     new token's K/V goes); block_tables int32 [b, max_blocks]; seq_lens int32 [b] including the new token.
-    Returns [b, n_heads, d] fp32.
+    Returns [b, n_heads, d] in q's dtype when it is fp32 or bf16 (the kernel writes it directly), else fp32.
     """
     pool.write(layer, slot_mapping, k, v)
-    return pool.attend(layer, q.float(), block_tables, seq_lens, n_threads=n_threads)
+    out = torch.empty(q.shape, dtype=q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32)
+    pool.attend(layer, q.float(), block_tables, seq_lens, out=out, n_threads=n_threads)
+    return out

