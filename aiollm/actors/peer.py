@@ -1,0 +1,409 @@
+"""One authenticated connection to another node: sending requests, reading and routing frames, heartbeats.
+
+The reader is the only task that receives on the connection. It settles ask futures and feeds
+stream receivers directly (no task per message) and puts requests into mailboxes; when a
+mailbox is full it waits there, so the connection is not read and the sender's transport
+backs up — backpressure across the network. Time spent so blocked does not count against the
+peer's heartbeat. When the connection drops or stays silent past the heartbeat timeout, every
+ask and stream waiting on it fails with `NodeUnreachable` and the node fires `Terminated` for
+the actors watched over it.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from aiollm.actors.messages import (
+    ASK,
+    PROTOCOL_VERSION as V,
+    STREAM,
+    TELL,
+    Cancel,
+    Credit,
+    End,
+    Envelope,
+    Failure,
+    Heartbeat,
+    Item,
+    Message,
+    Reply,
+    Request,
+    Stopped,
+    Unwatch,
+    Watch,
+)
+from aiollm.actors.reply import Reply as ReplySlot
+from aiollm.actors.reply import Sink, wait_reply
+from aiollm.actors.stream import StreamReceiver, consume
+from aiollm.errors import (
+    ActorDied,
+    AiollmError,
+    ChannelBroken,
+    ClosedError,
+    NodeUnreachable,
+    ProtocolError,
+    RemoteError,
+)
+from aiollm.log import get_logger
+from aiollm.transports.base import Connection
+
+if TYPE_CHECKING:
+    from aiollm.actors.actor import Actor
+    from aiollm.actors.node import Node
+
+_log = get_logger("actors.peer")
+
+
+class Peer:
+    """The node's side of one connection to a peer node."""
+
+    def __init__(self, node: Node, conn: Connection, url: str, max_frame: int) -> None:
+        self.node = node
+        self.conn = conn
+        # The peer node's address (what it advertised, or the connection's far end).
+        self.url = url
+        # The largest frame the peer accepts (from its Hello).
+        self.max_frame = max_frame
+        self.closed = False
+        self._codec = node.codec
+        self._loop = asyncio.get_running_loop()
+        self._ids = itertools.count(1)
+        # Our asks waiting for a reply, by request id.
+        self._pending: dict[int, asyncio.Future] = {}
+        # Our streams receiving items, by request id.
+        self._streams: dict[int, StreamReceiver] = {}
+        # The peer's asks and streams being served here, by its request id.
+        self._inflight: dict[int, tuple[Actor, ReplySlot | Sink]] = {}
+        self._last_recv = self._loop.time()
+        self._blocked = False
+        # Last error the peer reported about a frame of ours (shown when the connection then drops).
+        self._peer_error = ""
+        self._tasks: set[asyncio.Task] = set()
+        self.reader = self._loop.create_task(self._read_loop(), name=f"peer-reader:{url}")
+        self._heartbeat = self._loop.create_task(self._beat(), name=f"peer-heartbeat:{url}")
+
+    # --- sending -------------------------------------------------------------------------
+
+    async def send(self, env: Envelope) -> None:
+        """Encode and send one frame; `ProtocolError` if over the peer's limit, `NodeUnreachable` if gone."""
+        header, buffers = self._codec.encode(env)
+        size = len(header) + (sum(b.nbytes for b in buffers) if buffers else 0)
+        if size > self.max_frame:
+            raise ProtocolError(f"frame of {size} bytes exceeds the peer's max_frame_bytes={self.max_frame}")
+        if self.closed:
+            raise NodeUnreachable(f"{self.url}: connection lost{self._why()}")
+        try:
+            await self.conn.send(header, buffers)
+        except (NodeUnreachable, ClosedError, ChannelBroken) as exc:
+            self.lose(f"send failed: {exc}")
+            raise NodeUnreachable(f"{self.url}: {exc}{self._why()}") from None
+
+    def notify(self, env: Envelope) -> None:
+        """Send in the background (from the reader, which must not block on its own link)."""
+        if not self.closed:
+            self._spawn(self.send_quiet(env))
+
+    async def send_quiet(self, env: Envelope) -> None:
+        """Send, logging instead of raising: for answers whose loss the other side learns about anyway."""
+        try:
+            await self.send(env)
+        except (AiollmError, TypeError, ValueError) as exc:
+            _log.warning("frame not sent", peer=self.url, kind=type(env).__name__, error=str(exc))
+
+    async def tell(self, name: str, msg: Message) -> None:
+        await self.send(Request(V, 0, TELL, name, 0, msg))
+
+    async def ask(self, name: str, msg: Message, timeout: float | None) -> Message | None:
+        rid = next(self._ids)
+        fut = self._loop.create_future()
+        self._pending[rid] = fut
+        try:
+            try:
+                await self.send(Request(V, rid, ASK, name, 0, msg))
+            except asyncio.CancelledError:
+                self._abandon(rid)
+                raise
+            return await wait_reply(fut, timeout, lambda: self._abandon(rid))
+        finally:
+            self._pending.pop(rid, None)
+
+    def stream(self, name: str, msg: Message, window: int) -> AsyncIterator[Message]:
+        rid = next(self._ids)
+        rx = StreamReceiver(window)
+        rx.grant = lambda n: None if self.closed else self.send(Credit(V, rid, n))
+
+        async def start() -> None:
+            self._streams[rid] = rx
+            await self.send(Request(V, rid, STREAM, name, window, msg))
+
+        def cancel() -> None:
+            if self._streams.pop(rid, None) is not None:
+                self._abandon(rid)
+
+        return consume(rx, start, cancel)
+
+    def _abandon(self, rid: int) -> None:
+        """We stopped waiting for request `rid`: cancel its handler on the peer."""
+        self._pending.pop(rid, None)
+        self.notify(Cancel(V, rid))
+
+    # --- receiving -----------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        reason = "connection lost"
+        try:
+            while True:
+                frame = await self.conn.recv()
+                self._last_recv = self._loop.time()
+                try:
+                    env = self._codec.decode_envelope(frame.header)
+                except ProtocolError as exc:
+                    _log.warning("bad frame refused", peer=self.url, error=str(exc))
+                    self.notify(Failure(V, 0, "protocol", "ProtocolError", str(exc), ""))
+                    continue
+                kind = env.__class__
+                if kind is Request:
+                    blocked = self._on_request(env, frame.buffers)
+                    if blocked is not None:
+                        await self._put_waiting(*blocked)
+                elif kind is Reply:
+                    self._on_reply(env, frame.buffers)
+                elif kind is Item:
+                    self._on_item(env, frame.buffers)
+                else:
+                    self._on_control(env)
+        except (NodeUnreachable, ClosedError) as exc:
+            reason = f"connection lost ({exc})"
+        except ChannelBroken as exc:
+            reason = f"channel broken ({exc})"
+            _log.warning("bad frame: closing connection", peer=self.url, error=str(exc))
+            await self.send_quiet(Failure(V, 0, "protocol", "ChannelBroken", str(exc), ""))
+        finally:
+            self.lose(reason)
+
+    def _on_request(self, env: Request, buffers: list[memoryview]) -> tuple[Actor, tuple] | None:
+        """Decode and queue a request; returns (actor, item) when the mailbox is full and the reader must wait."""
+        actor = self.node.actors.get(env.to)
+        if actor is None or actor.mailbox.closed:
+            text = f"no actor {env.to!r} on {self.node.url}"
+            if env.kind == TELL:
+                _log.warning("tell to a missing actor dropped", peer=self.url, actor=env.to)
+            self.notify(Failure(V, env.id, "died", "ActorDied", text, ""))
+            return None
+        try:
+            msg = self._codec.decode_body(env.body, buffers)
+            if msg is None or env.kind not in (TELL, ASK, STREAM):
+                raise ProtocolError(f"request of kind {env.kind} without a message")
+        except ProtocolError as exc:
+            _log.warning("bad message refused", peer=self.url, actor=env.to, error=str(exc))
+            self.notify(Failure(V, env.id, "protocol", "ProtocolError", str(exc), ""))
+            return None
+        if env.kind == TELL:
+            reply = None
+        else:
+            reply = _RemoteReply(self, env.id) if env.kind == ASK else _RemoteSink(self, env.id, env.credits)
+            self._inflight[env.id] = (actor, reply)
+        item = (msg, reply)
+        if actor.mailbox.put_nowait(item):
+            return None
+        return actor, item
+
+    async def _put_waiting(self, actor: Actor, item: tuple) -> None:
+        self._blocked = True
+        try:
+            await actor.mailbox.put(item)
+        except ActorDied as exc:
+            if item[1] is not None:
+                await item[1].fail(exc)
+        finally:
+            self._blocked = False
+            self._last_recv = self._loop.time()
+
+    def _on_reply(self, env: Reply, buffers: list[memoryview]) -> None:
+        fut = self._pending.pop(env.id, None)
+        if fut is None or fut.done():
+            return  # the asker gave up (timeout or cancel)
+        try:
+            fut.set_result(self._codec.decode_body(env.body, buffers))
+        except ProtocolError as exc:
+            fut.set_exception(exc)
+
+    def _on_item(self, env: Item, buffers: list[memoryview]) -> None:
+        rx = self._streams.get(env.id)
+        if rx is None:
+            return
+        try:
+            rx.push(self._codec.decode_body(env.body, buffers))
+        except ProtocolError as exc:
+            rx.fail(exc)
+            self._streams.pop(env.id, None)
+            self.notify(Cancel(V, env.id))
+
+    def _on_control(self, env: Envelope) -> None:
+        kind = env.__class__
+        if kind is Credit:
+            entry = self._inflight.get(env.id)
+            if entry is not None and isinstance(entry[1], Sink):
+                entry[1].grant(env.n)
+        elif kind is End:
+            rx = self._streams.pop(env.id, None)
+            if rx is not None:
+                rx.finish()
+        elif kind is Failure:
+            self._on_failure(env)
+        elif kind is Cancel:
+            entry = self._inflight.pop(env.id, None)
+            if entry is not None:
+                entry[0].cancel(entry[1])
+        elif kind is Watch:
+            self.node.watches.add_remote_watcher(env.target, self)
+        elif kind is Unwatch:
+            self.node.watches.remove_remote_watcher(env.target, self)
+        elif kind is Stopped:
+            self.node.watches.remote_stopped(self.url, env.target, env.reason)
+        elif kind is not Heartbeat:
+            _log.warning("unexpected frame", peer=self.url, kind=kind.__name__)
+
+    def _on_failure(self, env: Failure) -> None:
+        error = _error_from(env)
+        fut = self._pending.pop(env.id, None) if env.id else None
+        if fut is not None:
+            if not fut.done():
+                fut.set_exception(error)
+            return
+        rx = self._streams.pop(env.id, None) if env.id else None
+        if rx is not None:
+            rx.fail(error)
+            return
+        if env.id == 0:
+            self._peer_error = env.message
+            _log.warning("peer refused a frame", peer=self.url, error=env.message)
+
+    # --- liveness and teardown -----------------------------------------------------------
+
+    async def _beat(self) -> None:
+        config = self.node.config
+        check = min(config.heartbeat_interval, config.heartbeat_timeout / 4)
+        last_sent = 0.0
+        sending: asyncio.Task | None = None
+        while not self.closed:
+            await asyncio.sleep(check)
+            now = self._loop.time()
+            if self._blocked:
+                self._last_recv = now  # we are not reading (our mailbox is full): not the peer's fault
+            elif now - self._last_recv > config.heartbeat_timeout:
+                _log.warning("heartbeat timeout", peer=self.url, silent_s=round(now - self._last_recv, 3))
+                self.lose("heartbeat timeout")
+                return
+            if now - last_sent >= config.heartbeat_interval and (sending is None or sending.done()):
+                last_sent = now
+                sending = self._spawn(self.send_quiet(Heartbeat(V)))
+
+    def lose(self, reason: str) -> None:
+        """The connection is gone: fail everything waiting on it, cancel what it asked of us, tell the node."""
+        if self.closed:
+            return
+        self.closed = True
+        error = NodeUnreachable(f"{self.url}: {reason}{self._why()}")
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._pending.clear()
+        for rx in self._streams.values():
+            rx.fail(error)
+        self._streams.clear()
+        for actor, reply in self._inflight.values():
+            actor.cancel(reply)
+        self._inflight.clear()
+        self._heartbeat.cancel()
+        self._spawn(self.conn.close())
+        self.node.peer_lost(self, reason)
+
+    async def close(self) -> None:
+        """Close the connection and wait for the reader to finish."""
+        self.lose("closed by this node")
+        await self.conn.close()
+        await asyncio.gather(self.reader, self._heartbeat, *self._tasks, return_exceptions=True)
+
+    def _why(self) -> str:
+        return f" (peer said: {self._peer_error})" if self._peer_error else ""
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def inflight_done(self, rid: int) -> None:
+        self._inflight.pop(rid, None)
+
+
+class _RemoteReply(ReplySlot):
+    """An ask from a peer: the answer goes back as a Reply or Failure frame."""
+
+    __slots__ = ("peer", "rid")
+
+    def __init__(self, peer: Peer, rid: int) -> None:
+        super().__init__()
+        self.peer = peer
+        self.rid = rid
+
+    async def ok(self, value: Message | None) -> None:
+        self.peer.inflight_done(self.rid)
+        try:
+            await self.peer.send(Reply(V, self.rid, value))
+        except (TypeError, ValueError, ProtocolError) as exc:  # the value could not be sent
+            _log.error("reply not sendable", peer=self.peer.url, error=str(exc))
+            await self.peer.send_quiet(_failure(self.rid, RemoteError(type(exc).__name__, str(exc))))
+        except NodeUnreachable:
+            pass  # the asker's side already failed with NodeUnreachable
+
+    async def fail(self, error: AiollmError) -> None:
+        self.peer.inflight_done(self.rid)
+        await self.peer.send_quiet(_failure(self.rid, error))
+
+
+class _RemoteSink(Sink):
+    """A stream consumed by a peer: items go as Item frames; the peer's Credit frames call `grant`."""
+
+    __slots__ = ("peer", "rid")
+
+    def __init__(self, peer: Peer, rid: int, credits: int) -> None:
+        super().__init__(credits)
+        self.peer = peer
+        self.rid = rid
+
+    async def item(self, value: Message) -> None:
+        try:
+            await self.peer.send(Item(V, self.rid, value))
+        except (TypeError, ValueError, ProtocolError) as exc:
+            _log.error("stream item not sendable", peer=self.peer.url, error=str(exc))
+            self.cancelled = True
+            await self.fail(RemoteError(type(exc).__name__, str(exc)))
+        except NodeUnreachable:
+            self.cancelled = True  # the consumer is gone: close the generator at its next step
+
+    async def end(self) -> None:
+        self.peer.inflight_done(self.rid)
+        await self.peer.send_quiet(End(V, self.rid))
+
+    async def fail(self, error: AiollmError) -> None:
+        self.peer.inflight_done(self.rid)
+        await self.peer.send_quiet(_failure(self.rid, error))
+
+
+def _failure(rid: int, error: AiollmError) -> Failure:
+    if isinstance(error, RemoteError):
+        return Failure(V, rid, "remote", error.type_name, error.message, error.traceback_text)
+    kind = "protocol" if isinstance(error, ProtocolError) else "died" if isinstance(error, ActorDied) else "remote"
+    return Failure(V, rid, kind, type(error).__name__, str(error), "")
+
+
+def _error_from(env: Failure) -> AiollmError:
+    if env.kind == "protocol":
+        return ProtocolError(env.message)
+    if env.kind == "died":
+        return ActorDied(env.message)
+    return RemoteError(env.type_name, env.message, env.traceback)
