@@ -1,0 +1,157 @@
+"""Wire types of DistServe serving: frontend <-> controller <-> prefill / decode instances.
+
+Flow of one request: the frontend's client actor tells the controller `Generate`; the controller
+tells a prefill instance `Prefill`; the prefill instance answers `Prefilled` (the first token) and
+keeps the KV; the controller tells a decode instance `Decode`; once it has room, the decode
+instance pulls the KV with the stream `PullKV` (items `KVBlock`) and acknowledges with `AckKV`,
+then sends its tokens to the controller as `Tokens` (one message per step for all its sequences),
+which forwards them to the frontend. `Cancel` travels the same way down. Every message is a tell
+except the KV stream and the `GetLoad` asks, so no handler ever waits on another actor.
+"""
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from aiollm.actors.messages import Message
+from aiollm.actors.ref import ActorRef
+from aiollm.model.sampling import SamplingParams
+
+
+class Sampling(msgspec.Struct, frozen=True):
+    """SamplingParams on the wire (stop strings stay in the frontend)."""
+
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    ignore_eos: bool
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> Sampling:
+        return cls(params.max_tokens, params.temperature, params.top_k, params.top_p, params.seed, params.ignore_eos)
+
+    def params(self, max_tokens: int | None = None) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens or self.max_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, seed=self.seed, ignore_eos=self.ignore_eos)
+
+
+class Generate(Message, tag="ds.generate"):
+    """Frontend -> controller: a new request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    # where the controller sends this request's `Tokens`
+    reply_to: ActorRef
+
+
+class Cancel(Message, tag="ds.cancel"):
+    """Drop a request and free its KV (frontend -> controller -> instances)."""
+
+    request_id: str
+
+
+class Delta(msgspec.Struct, frozen=True):
+    """New tokens of one request; `finish` ("stop", "length") or `error` ends it."""
+
+    request_id: str
+    token_ids: list[int]
+    finish: str | None = None
+    # "overloaded", "unavailable" or "failed: ..." when the request cannot complete
+    error: str | None = None
+
+
+class Tokens(Message, tag="ds.tokens"):
+    """Decode instance -> controller -> frontend: the tokens of one step, for many requests."""
+
+    deltas: list[Delta]
+    # name of the sending instance (the controller's bookkeeping)
+    source: str = ""
+
+
+class Prefill(Message, tag="ds.prefill"):
+    """Controller -> prefill instance: prefill these prompts (FCFS)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    reply_to: ActorRef
+
+
+class Prefilled(Message, tag="ds.prefilled"):
+    """Prefill instance -> controller: the first token; the KV waits to be pulled (unless finished)."""
+
+    request_id: str
+    first_token: int
+    # set when the first token already ends the request (its KV is freed at once)
+    finish: str | None
+    # name of the prefill instance (the controller's bookkeeping)
+    source: str
+    # set instead of a token when the prefill failed
+    error: str | None = None
+
+
+class KVLost(Message, tag="ds.kv_lost"):
+    """Prefill instance -> controller: a sequence's KV lease expired before it was pulled and acked."""
+
+    request_id: str
+    source: str
+
+
+class Decode(Message, tag="ds.decode"):
+    """Controller -> decode instance: continue this request from its prefilled KV."""
+
+    request_id: str
+    # prompt tokens whose KV the prefill instance holds
+    prompt_ids: list[int]
+    # the first generated token (sampled by the prefill instance)
+    first_token: int
+    sampling: Sampling
+    # the prefill actor holding the KV
+    source: ActorRef
+    reply_to: ActorRef
+
+
+class PullKV(Message, tag="ds.pull_kv"):
+    """Decode instance -> prefill instance (stream): send this sequence's KV, one block per item."""
+
+    request_id: str
+
+
+class KVBlock(Message, tag="ds.kv_block"):
+    """One KV block of every layer: k [n_layers, 1, n_kv_heads, head_dim, block_size], v likewise transposed."""
+
+    index: int
+    k: np.ndarray
+    v: np.ndarray
+    # int8 KV only: per-token scales [n_layers, 1, n_kv_heads, block_size]
+    k_scale: np.ndarray | None = None
+    v_scale: np.ndarray | None = None
+
+
+class AckKV(Message, tag="ds.ack_kv"):
+    """Decode instance -> prefill instance: the KV is stored here; free yours."""
+
+    request_id: str
+
+
+class GetLoad(Message, tag="ds.get_load"):
+    """Ask an instance (or the controller) for its load."""
+
+
+class Load(Message, tag="ds.load"):
+    """An instance's load, or the controller's summary of all of them."""
+
+    # requests queued (prefill: not yet prefilled; decode: not yet admitted)
+    waiting: int
+    # prefill: KV held for pulling; decode: sequences decoding
+    running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    # tokens per KV block
+    kv_block_size: int = 16
+    # per-instance queue lengths (controller summary only), by instance name
+    prefill_queues: dict[str, int] = {}
+    decode_queues: dict[str, int] = {}
