@@ -40,7 +40,9 @@ class Arr:
     obj: object
 
     def is_contiguous(self, from_dim: int = 0) -> bool:
-        """C-contiguous over dims >= from_dim (dims of size 1 may have any stride)."""
+        """C-contiguous over dims >= from_dim (dims of size 1 may have any stride; an empty array always is)."""
+        if 0 in self.shape:
+            return True
         expected = 1
         for size, stride in zip(reversed(self.shape[from_dim:]), reversed(self.strides[from_dim:])):
             if size != 1 and stride != expected:
@@ -61,19 +63,18 @@ def is_torch(x) -> bool:
 
 
 def describe(x, name: str) -> Arr:
-    """View `x` (numpy array or torch CPU tensor) without copying; TypeError/ValueError naming `name`."""
+    """View `x` (numpy array or torch CPU tensor) without copying; TypeError/ValueError naming `name`.
+    Callers follow with `check_dtype`: the dtype of an unsupported array is its own name (e.g. 'float64')."""
     if isinstance(x, np.ndarray):
-        dtype = _NUMPY_DTYPES.get(x.dtype)
-        if dtype is None:
-            raise ValueError(f"{name}: dtype {x.dtype} is not supported (expected one of {sorted(set(_NUMPY_DTYPES.values()))})")
+        dtype = _NUMPY_DTYPES.get(x.dtype, str(x.dtype))  # an unsupported dtype fails check_dtype by name
         itemsize = x.itemsize
+        if any(s % itemsize for s in x.strides):
+            raise ValueError(f"{name}: expected strides that are multiples of the item size, got {x.strides} bytes")
         return Arr(x.__array_interface__["data"][0], dtype, x.shape, tuple(s // itemsize for s in x.strides), x)
     if is_torch(x):
         if x.device.type != "cpu":
             raise ValueError(f"{name}: expected a CPU tensor, got device {x.device}")
-        dtype = _TORCH_DTYPE_NAMES.get(str(x.dtype))
-        if dtype is None:
-            raise ValueError(f"{name}: dtype {x.dtype} is not supported (expected one of {sorted(set(_TORCH_DTYPE_NAMES.values()))})")
+        dtype = _TORCH_DTYPE_NAMES.get(str(x.dtype), str(x.dtype))
         return Arr(x.data_ptr(), dtype, tuple(x.shape), tuple(x.stride()), x)
     raise TypeError(f"{name}: expected a numpy array or a torch CPU tensor, got {type(x).__name__}")
 

@@ -1,0 +1,116 @@
+"""decode_attention against a float64 reference, over every ISA path, storage dtype, head_dim and GQA ratio."""
+import itertools
+
+import numpy as np
+import pytest
+
+from aiollm.kv import attention
+from aiollm.kv.pool import KVConfig
+from tests.native.conftest import nan_pool, reference, shuffled_tables
+
+# Tolerances (absolute, outputs are averages of N(0,1) values so they are O(1)).
+FP32_ATOL = 5e-6  # fp32 storage vs the float64 reference: fp32 rounding over up to 4097 tokens
+FP16_ATOL = 5e-6  # fp16 storage vs the float64 reference fed the same fp16-rounded K/V: math is fp32
+INT8_ATOL = 0.06  # int8 storage vs the float64 reference of the fp32 K/V: quantisation error (max|x|/254 per element)
+OUT_FP16_ATOL = 2e-3  # fp16 output: one fp16 rounding of an O(1) value (2^-11 relative, ~4 ulp slack)
+OUT_BF16_ATOL = 2e-2  # bf16 output: one bf16 rounding (2^-8 relative)
+
+AWKWARD_LENGTHS = [1, 3, 15, 16, 17, 33, 255, 1023, 4097]
+ISAS = attention.supported_isas()
+GRID = list(itertools.product(ISAS, ("fp32", "fp16", "int8"), (64, 80, 128), (1, 3, 4, 8)))
+
+
+def _case(rng, dtype, head_dim, group, lens, n_kv_heads=2, block_size=16):
+    n_blocks = sum(-(-n // block_size) for n in lens) + 8
+    pool = nan_pool(KVConfig(n_layers=2, n_blocks=n_blocks, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                             block_size=block_size, dtype=dtype))
+    table, slots = shuffled_tables(rng, lens, block_size, n_blocks)
+    ks = [rng.standard_normal((n, n_kv_heads, head_dim)).astype(np.float32) for n in lens]
+    vs = [rng.standard_normal((n, n_kv_heads, head_dim)).astype(np.float32) for n in lens]
+    for s, k, v in zip(slots, ks, vs):
+        pool.write(1, s, k, v)
+    q = rng.standard_normal((len(lens), n_kv_heads * group, head_dim)).astype(np.float32)
+    return pool, table, np.array(lens, np.int32), q, ks, vs
+
+
+@pytest.mark.parametrize("isa,dtype,head_dim,group", GRID)
+def test_matches_float64_reference(isa_forced, isa, dtype, head_dim, group):
+    rng = np.random.default_rng(hash((isa, dtype, head_dim, group)) % 2**32)
+    # every awkward length appears in each sequence set; the grid rotates which lengths share a batch
+    lens = AWKWARD_LENGTHS[GRID.index((isa, dtype, head_dim, group)) % 3::3]
+    pool, table, seq_lens, q, ks, vs = _case(rng, dtype, head_dim, group, lens)
+    isa_forced(isa)
+    out = pool.attend(1, q, table, seq_lens, n_threads=2)
+    if dtype == "fp16":
+        ks = [k.astype(np.float16) for k in ks]
+        vs = [v.astype(np.float16) for v in vs]
+    expected = reference(q, ks, vs)
+    atol = {"fp32": FP32_ATOL, "fp16": FP16_ATOL, "int8": INT8_ATOL}[dtype]
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_isa_paths_agree_and_block_size_not_multiple_of_16_uses_reference(isa_forced, isa):
+    rng = np.random.default_rng(7)
+    pool, table, seq_lens, q, ks, vs = _case(rng, "fp16", 64, 3, [5, 40, 77], block_size=8)
+    isa_forced(isa)
+    out = pool.attend(1, q, table, seq_lens)
+    expected = reference(q, [k.astype(np.float16) for k in ks], [v.astype(np.float16) for v in vs])
+    np.testing.assert_allclose(out, expected, rtol=0, atol=FP16_ATOL)
+
+
+def test_isa_in_use_is_reported_and_forcing_an_unknown_one_raises(isa_forced):
+    assert attention.isa() in ISAS
+    assert "ref" in ISAS
+    with pytest.raises(ValueError, match="isa"):
+        isa_forced("sse9")
+    isa_forced("ref")
+    assert attention.isa() == "ref"
+
+
+def test_zero_length_sequence_gives_zero_row():
+    rng = np.random.default_rng(1)
+    pool, table, seq_lens, q, ks, vs = _case(rng, "fp32", 64, 3, [0, 20])
+    out = pool.attend(1, q, table, seq_lens)
+    assert (out[0] == 0).all()
+    np.testing.assert_allclose(out[1], reference(q[1:], ks[1:], vs[1:])[0], atol=FP32_ATOL)
+
+
+@pytest.mark.parametrize("out_dtype,atol", [("fp16", OUT_FP16_ATOL), ("bf16", OUT_BF16_ATOL)])
+def test_reduced_precision_outputs(out_dtype, atol):
+    rng = np.random.default_rng(2)
+    pool, table, seq_lens, q, ks, vs = _case(rng, "fp16", 64, 3, [33, 100])
+    out = pool.attend(1, q, table, seq_lens, out_dtype=out_dtype)
+    got = out.float().numpy() if out_dtype == "bf16" else out.astype(np.float32)
+    expected = reference(q, [k.astype(np.float16) for k in ks], [v.astype(np.float16) for v in vs])
+    np.testing.assert_allclose(got, expected, rtol=0, atol=atol)
+
+
+def test_custom_scale_and_out_buffer_written_in_place():
+    rng = np.random.default_rng(3)
+    pool, table, seq_lens, q, ks, vs = _case(rng, "fp32", 64, 1, [19, 64])
+    out = np.full(q.shape, np.nan, np.float32)
+    result = pool.attend(1, q, table, seq_lens, scale=0.3, out=out)
+    assert result is out
+    np.testing.assert_allclose(out, reference(q, ks, vs, scale=0.3), atol=FP32_ATOL)
+
+
+def test_torch_tensors_in_and_out_without_copies():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    pool, table, seq_lens, q, ks, vs = _case(rng, "fp16", 64, 3, [17, 50])
+    out = torch.empty(q.shape, dtype=torch.float32)
+    result = pool.attend(1, torch.from_numpy(q), torch.from_numpy(table), torch.from_numpy(seq_lens), out=out)
+    assert result is out
+    expected = reference(q, [k.astype(np.float16) for k in ks], [v.astype(np.float16) for v in vs])
+    np.testing.assert_allclose(out.numpy(), expected, atol=FP16_ATOL)
+
+
+def test_q_may_be_a_slice_of_a_fused_qkv_row():
+    rng = np.random.default_rng(5)
+    pool, table, seq_lens, q, ks, vs = _case(rng, "fp32", 64, 3, [9, 31, 70])
+    fused = np.zeros((3, q.shape[1] + 4, 64), np.float32)  # q heads then k and v heads, like a QKV projection
+    fused[:, : q.shape[1]] = q
+    out = pool.attend(1, fused[:, : q.shape[1]], table, seq_lens)
+    np.testing.assert_allclose(out, reference(q, ks, vs), atol=FP32_ATOL)

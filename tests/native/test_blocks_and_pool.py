@@ -1,0 +1,126 @@
+"""Block allocation, block tables, KVConfig validation and raw block export/import."""
+import numpy as np
+import pytest
+
+from aiollm.errors import AiollmError, KVCacheFull
+from aiollm.kv.blocks import PAD, BlockAllocator, BlockTable
+from aiollm.kv.pool import KVConfig, KVPool
+from tests.native.conftest import reference
+
+
+def test_allocator_hands_out_and_takes_back():
+    alloc = BlockAllocator(4)
+    a = alloc.allocate(3)
+    assert sorted(a) == [0, 1, 2] and alloc.n_free == 1
+    with pytest.raises(KVCacheFull, match="asked for 2 blocks, 1 free of 4") as info:
+        alloc.allocate(2)
+    assert isinstance(info.value, AiollmError) and info.value.requested == 2
+    assert alloc.n_free == 1  # all or nothing
+    alloc.free(a[:2])
+    assert alloc.n_free == 3
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free([a[2], a[2]])
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free([a[0]])
+    with pytest.raises(ValueError, match="outside"):
+        alloc.free([4])
+    assert alloc.n_free == 3
+
+
+def test_block_table_grows_and_produces_kernel_arrays():
+    table = BlockTable(BlockAllocator(10), block_size=4)
+    s0 = table.append("a", 6)
+    s1 = table.append("b", 1)
+    assert table.length("a") == 6 and len(table.blocks("a")) == 2
+    b = table.blocks("a")
+    np.testing.assert_array_equal(s0, [b[0] * 4, b[0] * 4 + 1, b[0] * 4 + 2, b[0] * 4 + 3, b[1] * 4, b[1] * 4 + 1])
+    assert s1.tolist() == [table.blocks("b")[0] * 4]
+    s2 = table.append_batch(["a", "b"], [3, 1])  # a: 6 -> 9 needs a third block, b: 1 -> 2 does not
+    assert len(s2) == 4 and len(table.blocks("a")) == 3 and len(table.blocks("b")) == 1
+    bt = table.block_tables(["b", "a"])
+    assert bt.dtype == np.int32 and bt.shape == (2, 3)
+    assert bt[0].tolist() == table.blocks("b") + [PAD, PAD]
+    assert table.seq_lens(["b", "a"]).tolist() == [2, 9] and table.seq_lens(["a"]).dtype == np.int32
+    assert table.block_tables(["a"], max_blocks=5).shape == (1, 5)
+    with pytest.raises(ValueError, match="max_blocks"):
+        table.block_tables(["a"], max_blocks=2)
+
+
+def test_block_table_is_unchanged_when_the_pool_is_full():
+    alloc = BlockAllocator(3)
+    table = BlockTable(alloc, block_size=4)
+    table.append("a", 4)
+    with pytest.raises(KVCacheFull):
+        table.append_batch(["a", "b"], [5, 4])  # needs 2 + 1 = 3 blocks, 2 free
+    assert table.length("a") == 4 and "b" not in table and alloc.n_free == 2
+    assert table.blocks_needed("a", 5) == 2
+    table.free("a")
+    assert alloc.n_free == 3 and len(table) == 0
+
+
+@pytest.mark.parametrize("field,value", [("n_layers", 0), ("n_blocks", -1), ("n_kv_heads", 1.5),
+                                         ("head_dim", 512), ("block_size", 0), ("dtype", "bf16")])
+def test_kv_config_names_the_bad_field(field, value):
+    args = dict(n_layers=2, n_blocks=4, n_kv_heads=3, head_dim=64)
+    args[field] = value
+    with pytest.raises(ValueError, match=f"KVConfig.{field}"):
+        KVConfig(**args)
+
+
+def test_kv_config_sizes():
+    c = KVConfig(n_layers=30, n_blocks=10, n_kv_heads=3, head_dim=64)
+    assert c.block_size == 16 and c.dtype == "fp16"
+    assert c.bytes_per_block == 30 * 2 * 3 * 16 * 64 * 2 and c.nbytes == 10 * c.bytes_per_block
+    i8 = KVConfig(n_layers=30, n_blocks=10, n_kv_heads=3, head_dim=64, dtype="int8")
+    assert i8.bytes_per_block == 30 * (2 * 3 * 16 * 64 + 2 * 3 * 16 * 4)
+    fit = KVConfig.from_budget(1 << 20, n_layers=30, n_kv_heads=3, head_dim=64)
+    assert fit.n_blocks == (1 << 20) // c.bytes_per_block
+    assert KVPool(fit).k.nbytes + KVPool(fit).v.nbytes == fit.nbytes
+    with pytest.raises(ValueError, match="budget_bytes"):
+        KVConfig.from_budget(100, n_layers=30, n_kv_heads=3, head_dim=64)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "int8"])
+def test_blocks_shipped_raw_between_pools_attend_the_same(dtype):
+    rng = np.random.default_rng(0)
+    cfg = KVConfig(n_layers=2, n_blocks=12, n_kv_heads=3, head_dim=64, dtype=dtype)
+    src, dst = KVPool(cfg), KVPool(cfg)
+    src_table = BlockTable(BlockAllocator(12))
+    src_table.append("x", 3)  # occupy a block so the sequence does not start at block 0
+    slots = src_table.append("seq", 40)
+    for layer in range(2):
+        src.write(layer, slots, rng.standard_normal((40, 3, 64)).astype(np.float32),
+                  rng.standard_normal((40, 3, 64)).astype(np.float32))
+    blocks = src_table.blocks("seq")
+    run = src.read(0, blocks)
+    assert np.shares_memory(run.k, src.k)  # a run of consecutive blocks is exported as views
+    everything = src.read(None, blocks)  # all layers at once, leading layer axis
+    assert everything.k.shape[:2] == (2, 3)
+    targets = [7, 2, 9]  # land them anywhere in the destination
+    dst.write_blocks(None, targets, everything.k, everything.v, k_scale=everything.k_scale,
+                     v_scale=everything.v_scale)
+    q = rng.standard_normal((1, 9, 64)).astype(np.float32)
+    lens = np.array([40], np.int32)
+    for layer in range(2):
+        want = src.attend(layer, q, np.array([blocks], np.int32), lens)
+        got = dst.attend(layer, q, np.array([targets], np.int32), lens)
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="k_blocks: expected shape"):
+        dst.write_blocks(0, [1], everything.k, everything.v)
+    with pytest.raises(ValueError, match="block_ids"):
+        src.read(0, [12])
+
+
+def test_pool_write_then_attend_matches_reference_for_smollm2_shape():
+    """The model's shape end to end: 9 q heads, 3 kv heads, d=64, prompt then decode steps."""
+    rng = np.random.default_rng(5)
+    pool = KVPool(KVConfig(n_layers=1, n_blocks=32, n_kv_heads=3, head_dim=64, dtype="fp32"))
+    table = BlockTable(BlockAllocator(32))
+    ks = rng.standard_normal((50, 3, 64)).astype(np.float32)
+    vs = rng.standard_normal((50, 3, 64)).astype(np.float32)
+    pool.write(0, table.append(0, 45), ks[:45], vs[:45])
+    for t in range(45, 50):
+        pool.write(0, table.append(0, 1), ks[t:t + 1], vs[t:t + 1])
+        q = rng.standard_normal((1, 9, 64)).astype(np.float32)
+        out = pool.attend(0, q, table.block_tables([0]), table.seq_lens([0]))
+        np.testing.assert_allclose(out, reference(q, [ks[:t + 1]], [vs[:t + 1]]), atol=5e-6)
