@@ -6,7 +6,7 @@ yet prefilled — so a prefill instance whose KV buffer is full (it stops prefil
 into this queue instead of piling up work. After the first token, the request goes to the
 least-loaded decode instance, which pulls the KV itself. All tokens pass through here on their way
 to the frontend, so the controller records each request's arrival, first-token and token times,
-and hands a replanning hook the workload statistics every `replan_interval_s`.
+and hands each finished request's timings to a replanning hook (see `ReplanHook`).
 
 Failover: when an instance dies (watched: `Terminated`), a decode pull fails, or a KV lease
 expires, the request is sent back to the head of the queue with its prompt extended by the tokens
@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
-import numpy as np
 
 from aiollm.actors.actor import Actor, handler
 from aiollm.actors.messages import Terminated
@@ -45,13 +44,11 @@ class ControllerConfig:
     max_waiting: int = 4096
     # times one request may be re-dispatched after an instance failure
     max_retries: int = 2
-    # seconds between load polls of the instances (for /metrics and the dispatcher)
+    # seconds between load polls of the instances (for /metrics)
     load_poll_s: float = 0.5
-    # seconds between calls of the replanning hook
-    replan_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("prefill_queue_limit", "max_waiting", "load_poll_s", "replan_interval_s"):
+        for name in ("prefill_queue_limit", "max_waiting", "load_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ControllerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_retries < 0:
@@ -59,22 +56,21 @@ class ControllerConfig:
 
 
 @dataclass(frozen=True)
-class WorkloadStats:
-    """What the replanning hook sees: the requests finished in the last window."""
+class RequestTiming:
+    """What the controller recorded for one finished request (times from time.monotonic())."""
 
-    window_s: float
-    finished: int
-    # arrivals per second over the window
-    arrival_rate: float
-    mean_prompt_len: float
-    mean_output_len: float
-    ttft_p50: float
-    ttft_p90: float
-    tpot_p50: float
-    tpot_p90: float
+    request_id: str
+    arrival: float
+    first_token: float
+    # time each generated token reached the controller (the first one included)
+    token_times: tuple[float, ...]
+    prompt_len: int
+    output_len: int
 
 
-ReplanHook = Callable[[WorkloadStats], None]
+# Called with every finished request, e.g. `lambda t: monitor.observe(t.arrival, t.prompt_len, t.output_len)`
+# with aiollm.planner.replan.WorkloadMonitor, which replans when the workload drifts.
+ReplanHook = Callable[[RequestTiming], object]
 
 
 @dataclass
@@ -117,8 +113,8 @@ class Controller(Actor):
         self._queue: deque[_Request] = deque()
         self._requests: dict[str, _Request] = {}
         self._loads: dict[str, Load] = {}
-        self._finished: deque[tuple[float, float, int, int, float, float]] = deque(maxlen=10000)
-        self._arrivals: deque[float] = deque(maxlen=10000)
+        # the most recent finished requests, for inspection
+        self.finished: deque[RequestTiming] = deque(maxlen=1000)
         self._tasks: list[asyncio.Task] = []
 
     async def on_start(self) -> None:
@@ -133,8 +129,6 @@ class Controller(Actor):
         for ref in self._refs.values():
             await self.watch(ref)
         self._tasks = [asyncio.create_task(self._poll_loads(), name="controller-loads")]
-        if self.replan is not None:
-            self._tasks.append(asyncio.create_task(self._replan_loop(), name="controller-replan"))
 
     async def on_stop(self) -> None:
         for task in self._tasks:
@@ -149,7 +143,6 @@ class Controller(Actor):
             await msg.reply_to.tell(Tokens([Delta(msg.request_id, [], error="overloaded")]))
             return
         req = _Request(msg.request_id, list(msg.prompt_ids), msg.sampling, msg.reply_to, time.monotonic())
-        self._arrivals.append(req.arrival)
         self._requests[req.request_id] = req
         self._queue.append(req)
         await self._dispatch()
@@ -319,10 +312,14 @@ class Controller(Actor):
 
     def _complete(self, req: _Request) -> None:
         self._requests.pop(req.request_id, None)
-        times = req.token_times
-        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-        self._finished.append((time.monotonic(), req.first_token_at - req.arrival, len(req.prompt),
-                               len(req.generated), tpot, req.arrival))
+        timing = RequestTiming(req.request_id, req.arrival, req.first_token_at, tuple(req.token_times),
+                               len(req.prompt), len(req.generated))
+        self.finished.append(timing)
+        if self.replan is not None:
+            try:
+                self.replan(timing)
+            except Exception:
+                log.exception("replanning hook failed")
 
     async def _tell(self, name: str | None, msg) -> None:
         if name is None:
@@ -355,25 +352,3 @@ class Controller(Actor):
     def _instance_alive(self, name: str) -> bool:
         table = self.dispatcher.prefill if name in self.dispatcher.prefill else self.dispatcher.decode
         return table[name].alive
-
-    def stats(self, window_s: float) -> WorkloadStats:
-        """Statistics of the requests that finished in the last `window_s` seconds."""
-        now = time.monotonic()
-        recent = [f for f in self._finished if f[0] >= now - window_s]
-        arrivals = sum(1 for a in self._arrivals if a >= now - window_s)
-        if not recent:
-            return WorkloadStats(window_s, 0, arrivals / window_s, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-        ttft = np.array([f[1] for f in recent])
-        tpot = np.array([f[4] for f in recent])
-        return WorkloadStats(window_s, len(recent), arrivals / window_s, float(np.mean([f[2] for f in recent])),
-                             float(np.mean([f[3] for f in recent])), float(np.percentile(ttft, 50)),
-                             float(np.percentile(ttft, 90)), float(np.percentile(tpot, 50)),
-                             float(np.percentile(tpot, 90)))
-
-    async def _replan_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.replan_interval_s)
-            try:
-                self.replan(self.stats(self.config.replan_interval_s))
-            except Exception:
-                log.exception("replanning hook failed")
