@@ -70,7 +70,8 @@ def _numpy_bytes(arr: np.ndarray) -> tuple[str, np.ndarray]:
         raise TypeError(f"numpy dtype {arr.dtype} cannot be sent; supported: {sorted(NUMPY_DTYPES)}")
     if not arr.dtype.isnative:
         arr = arr.astype(arr.dtype.newbyteorder("="))
-    return name, np.ascontiguousarray(arr)
+    # (np.ascontiguousarray would turn a 0-d array into a 1-d one.)
+    return name, arr if arr.flags.c_contiguous else arr.copy(order="C")
 
 
 def _torch_bytes(tensor: Any) -> tuple[str, tuple[int, ...], np.ndarray]:
@@ -165,7 +166,8 @@ class Codec:
             return self._tensor_ext("torch", name, shape, flat, flat.nbytes)
         if isinstance(obj, np.generic):
             return obj.item()
-        raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+        raise TypeError(f"cannot send a {type(obj).__name__}: message fields hold msgpack values, structs, "
+                        "numpy arrays, torch tensors and ActorRefs")
 
     def _tensor_ext(self, fw: str, dtype: str, shape: tuple[int, ...], flat: np.ndarray, nbytes: int) -> Any:
         if self._out is None:

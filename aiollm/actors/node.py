@@ -16,6 +16,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from aiollm.actors.actor import Actor
+from aiollm.actors.cell import ActorCell
 from aiollm.actors.auth import PeerInfo, handshake
 from aiollm.actors.codec import Codec
 from aiollm.actors.messages import PROTOCOL_VERSION, Message, Unwatch, Watch
@@ -35,7 +36,10 @@ from aiollm.transports.base import Connection, Listener, TransportConfig
 from aiollm.transports.base import connect as transport_connect
 from aiollm.transports.base import listen as transport_listen
 
-_log = get_logger("actors.node")
+
+def _log():
+    """This module's logger, bound at call time so it follows `aiollm.log.configure`."""
+    return get_logger("actors.node")
 _node_ids = itertools.count()
 
 
@@ -90,8 +94,8 @@ class Node:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         self.codec = Codec(self.ref)
-        # name -> running actor
-        self.actors: dict[str, Actor] = {}
+        # name -> the running actor's cell (its mailbox and loop; `.actor` is the instance)
+        self.actors: dict[str, ActorCell] = {}
         self.watches = Watches()
         # Bound addresses, the first being the one this node advertises.
         self.addresses: list[str] = []
@@ -122,7 +126,7 @@ class Node:
             self.addresses.append(listener.address)
             self._local_urls.add(listener.address)
         await self.spawn(NodeActor, SYSTEM_ACTOR)
-        _log.info("node started", addresses=self.addresses)
+        _log().info("node started", addresses=self.addresses)
 
     async def __aenter__(self) -> Node:
         return self
@@ -148,9 +152,9 @@ class Node:
         if name in self.actors:
             raise ValueError(f"actor name {name!r} is already taken on {self.url}")
         ref = ActorRef(f"{self.url}/{name}", self)
-        actor.bind(self, name, ref, self.config.mailbox_size)
-        await actor.start()
-        self.actors[name] = actor
+        cell = ActorCell(actor, self, name, ref, self.config.mailbox_size)
+        await cell.start()
+        self.actors[name] = cell
         return ref
 
     def ref(self, url: str) -> ActorRef:
@@ -172,7 +176,7 @@ class Node:
             if peer is not None:
                 await peer.send_quiet(Unwatch(PROTOCOL_VERSION, url.rsplit("/", 1)[1]))
 
-    async def watch(self, watcher: Actor, ref: ActorRef) -> None:
+    async def watch(self, watcher: ActorCell, ref: ActorRef) -> None:
         if ref.node_url in self._local_urls:
             if ref.name in self.actors:
                 self.watches.add_local(ref.name, watcher)
@@ -186,7 +190,7 @@ class Node:
         except (NodeUnreachable, AuthenticationFailed) as exc:
             self.watches.remote_stopped(ref.node_url, ref.name, f"unreachable: {exc}")
 
-    async def unwatch(self, watcher: Actor, ref: ActorRef) -> None:
+    async def unwatch(self, watcher: ActorCell, ref: ActorRef) -> None:
         local = ref.node_url in self._local_urls
         if self.watches.remove(watcher, ref.url, ref.name, None if local else ref.node_url):
             peer = self._peers.get(ref.node_url)
@@ -224,7 +228,7 @@ class Node:
             async for item in source:
                 yield item
 
-    def _local(self, ref: ActorRef) -> Actor:
+    def _local(self, ref: ActorRef) -> ActorCell:
         actor = self.actors.get(ref.name)
         if actor is None:
             raise ActorDied(f"no actor {ref.name!r} on {ref.node_url}")
@@ -277,10 +281,10 @@ class Node:
         try:
             info = await self._handshake(conn, initiator=False)
         except AuthenticationFailed as exc:
-            _log.warning("peer refused", peer=conn.peer_address, reason=str(exc))
+            _log().warning("peer refused", peer=conn.peer_address, reason=str(exc))
             return
         except (NodeUnreachable, ClosedError, ChannelBroken) as exc:
-            _log.info("connection dropped during handshake", peer=conn.peer_address, reason=str(exc))
+            _log().info("connection dropped during handshake", peer=conn.peer_address, reason=str(exc))
             return
         peer = self._add_peer(conn, info.node or conn.peer_address, info)
         await asyncio.gather(peer.reader, return_exceptions=True)
@@ -291,7 +295,7 @@ class Node:
         existing = self._peers.get(url)
         if existing is None or existing.closed:
             self._peers[url] = peer
-        _log.info("peer connected", peer=url, via=conn.peer_address)
+        _log().info("peer connected", peer=url, via=conn.peer_address)
         return peer
 
     def peer_lost(self, peer: Peer, reason: str) -> None:
@@ -302,7 +306,7 @@ class Node:
             del self._peers[peer.url]
         self.watches.node_lost(peer.url if registered else None, peer, reason)
         if not self._stopping:
-            _log.info("peer lost", peer=peer.url, reason=reason)
+            _log().info("peer lost", peer=peer.url, reason=reason)
 
     # --- shutdown --------------------------------------------------------------------------
 
@@ -319,7 +323,7 @@ class Node:
         await asyncio.gather(*(self.stop_actor(name, timeout, "node stopped") for name in users))
         await self.stop_actor(SYSTEM_ACTOR, timeout, "node stopped")
         await asyncio.gather(*(peer.close() for peer in list(self._all_peers)), return_exceptions=True)
-        _log.info("node stopped", addresses=self.addresses)
+        _log().info("node stopped", addresses=self.addresses)
         if self._stopped is not None:
             self._stopped.set()
 

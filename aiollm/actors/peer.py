@@ -50,10 +50,13 @@ from aiollm.log import get_logger
 from aiollm.transports.base import Connection
 
 if TYPE_CHECKING:
-    from aiollm.actors.actor import Actor
+    from aiollm.actors.cell import ActorCell
     from aiollm.actors.node import Node
 
-_log = get_logger("actors.peer")
+
+def _log():
+    """This module's logger, bound at call time so it follows `aiollm.log.configure`."""
+    return get_logger("actors.peer")
 
 
 class Peer:
@@ -75,7 +78,7 @@ class Peer:
         # Our streams receiving items, by request id.
         self._streams: dict[int, StreamReceiver] = {}
         # The peer's asks and streams being served here, by its request id.
-        self._inflight: dict[int, tuple[Actor, ReplySlot | Sink]] = {}
+        self._inflight: dict[int, tuple[ActorCell, ReplySlot | Sink]] = {}
         self._last_recv = self._loop.time()
         self._blocked = False
         # Last error the peer reported about a frame of ours (shown when the connection then drops).
@@ -110,7 +113,7 @@ class Peer:
         try:
             await self.send(env)
         except (AiollmError, TypeError, ValueError) as exc:
-            _log.warning("frame not sent", peer=self.url, kind=type(env).__name__, error=str(exc))
+            _log().warning("frame not sent", peer=self.url, kind=type(env).__name__, error=str(exc))
 
     async def tell(self, name: str, msg: Message) -> None:
         await self.send(Request(V, 0, TELL, name, 0, msg))
@@ -160,7 +163,7 @@ class Peer:
                 try:
                     env = self._codec.decode_envelope(frame.header)
                 except ProtocolError as exc:
-                    _log.warning("bad frame refused", peer=self.url, error=str(exc))
+                    _log().warning("bad frame refused", peer=self.url, error=str(exc))
                     self.notify(Failure(V, 0, "protocol", "ProtocolError", str(exc), ""))
                     continue
                 kind = env.__class__
@@ -178,18 +181,18 @@ class Peer:
             reason = f"connection lost ({exc})"
         except ChannelBroken as exc:
             reason = f"channel broken ({exc})"
-            _log.warning("bad frame: closing connection", peer=self.url, error=str(exc))
+            _log().warning("bad frame: closing connection", peer=self.url, error=str(exc))
             await self.send_quiet(Failure(V, 0, "protocol", "ChannelBroken", str(exc), ""))
         finally:
             self.lose(reason)
 
-    def _on_request(self, env: Request, buffers: list[memoryview]) -> tuple[Actor, tuple] | None:
+    def _on_request(self, env: Request, buffers: list[memoryview]) -> tuple[ActorCell, tuple] | None:
         """Decode and queue a request; returns (actor, item) when the mailbox is full and the reader must wait."""
         actor = self.node.actors.get(env.to)
         if actor is None or actor.mailbox.closed:
             text = f"no actor {env.to!r} on {self.node.url}"
             if env.kind == TELL:
-                _log.warning("tell to a missing actor dropped", peer=self.url, actor=env.to)
+                _log().warning("tell to a missing actor dropped", peer=self.url, actor=env.to)
             self.notify(Failure(V, env.id, "died", "ActorDied", text, ""))
             return None
         try:
@@ -197,7 +200,7 @@ class Peer:
             if msg is None or env.kind not in (TELL, ASK, STREAM):
                 raise ProtocolError(f"request of kind {env.kind} without a message")
         except ProtocolError as exc:
-            _log.warning("bad message refused", peer=self.url, actor=env.to, error=str(exc))
+            _log().warning("bad message refused", peer=self.url, actor=env.to, error=str(exc))
             self.notify(Failure(V, env.id, "protocol", "ProtocolError", str(exc), ""))
             return None
         if env.kind == TELL:
@@ -210,7 +213,7 @@ class Peer:
             return None
         return actor, item
 
-    async def _put_waiting(self, actor: Actor, item: tuple) -> None:
+    async def _put_waiting(self, actor: ActorCell, item: tuple) -> None:
         self._blocked = True
         try:
             await actor.mailbox.put(item)
@@ -264,7 +267,7 @@ class Peer:
         elif kind is Stopped:
             self.node.watches.remote_stopped(self.url, env.target, env.reason)
         elif kind is not Heartbeat:
-            _log.warning("unexpected frame", peer=self.url, kind=kind.__name__)
+            _log().warning("unexpected frame", peer=self.url, kind=kind.__name__)
 
     def _on_failure(self, env: Failure) -> None:
         error = _error_from(env)
@@ -279,7 +282,7 @@ class Peer:
             return
         if env.id == 0:
             self._peer_error = env.message
-            _log.warning("peer refused a frame", peer=self.url, error=env.message)
+            _log().warning("peer refused a frame", peer=self.url, error=env.message)
 
     # --- liveness and teardown -----------------------------------------------------------
 
@@ -294,7 +297,7 @@ class Peer:
             if self._blocked:
                 self._last_recv = now  # we are not reading (our mailbox is full): not the peer's fault
             elif now - self._last_recv > config.heartbeat_timeout:
-                _log.warning("heartbeat timeout", peer=self.url, silent_s=round(now - self._last_recv, 3))
+                _log().warning("heartbeat timeout", peer=self.url, silent_s=round(now - self._last_recv, 3))
                 self.lose("heartbeat timeout")
                 return
             if now - last_sent >= config.heartbeat_interval and (sending is None or sending.done()):
@@ -355,7 +358,7 @@ class _RemoteReply(ReplySlot):
         try:
             await self.peer.send(Reply(V, self.rid, value))
         except (TypeError, ValueError, ProtocolError) as exc:  # the value could not be sent
-            _log.error("reply not sendable", peer=self.peer.url, error=str(exc))
+            _log().error("reply not sendable", peer=self.peer.url, error=str(exc))
             await self.peer.send_quiet(_failure(self.rid, RemoteError(type(exc).__name__, str(exc))))
         except NodeUnreachable:
             pass  # the asker's side already failed with NodeUnreachable
@@ -379,7 +382,7 @@ class _RemoteSink(Sink):
         try:
             await self.peer.send(Item(V, self.rid, value))
         except (TypeError, ValueError, ProtocolError) as exc:
-            _log.error("stream item not sendable", peer=self.peer.url, error=str(exc))
+            _log().error("stream item not sendable", peer=self.peer.url, error=str(exc))
             self.cancelled = True
             await self.fail(RemoteError(type(exc).__name__, str(exc)))
         except NodeUnreachable:

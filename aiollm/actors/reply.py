@@ -14,7 +14,7 @@ from aiollm.actors.messages import ASK, STREAM, Message
 from aiollm.errors import AiollmError
 
 if TYPE_CHECKING:
-    from aiollm.actors.actor import Actor
+    from aiollm.actors.cell import ActorCell
     from aiollm.actors.stream import StreamReceiver
 
 
@@ -58,7 +58,7 @@ class LocalReply(Reply):
 class Sink:
     """The producer end of one stream: items are sent while credits last, then the generator is parked."""
 
-    __slots__ = ("credits", "agen", "actor", "parked", "queued", "done", "cancelled", "cancel_requested")
+    __slots__ = ("credits", "agen", "cell", "parked", "queued", "done", "cancelled", "cancel_requested")
     kind = STREAM
 
     def __init__(self, credits: int) -> None:
@@ -66,8 +66,8 @@ class Sink:
         self.credits = credits
         # The handler's async generator, set when the stream starts.
         self.agen: Any = None
-        # The producing actor, set when the stream starts.
-        self.actor: Actor | None = None
+        # The producing actor's cell, set when the stream starts.
+        self.cell: ActorCell | None = None
         # Waiting for credit (not in the mailbox's system lane).
         self.parked = False
         # In the system lane, waiting for its next step.
@@ -82,7 +82,7 @@ class Sink:
         self.credits += n
         if self.parked and not self.done:
             self.parked = False
-            self.actor.schedule_step(self)
+            self.cell.schedule_step(self)
 
     async def item(self, value: Message) -> None:
         raise NotImplementedError

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from aiollm.actors.messages import PROTOCOL_VERSION, Stopped
 
 if TYPE_CHECKING:
-    from aiollm.actors.actor import Actor
+    from aiollm.actors.cell import ActorCell
     from aiollm.actors.peer import Peer
 
 
@@ -21,23 +21,23 @@ class Watches:
 
     def __init__(self) -> None:
         # local actor name -> local actors watching it
-        self._local: dict[str, set[Actor]] = {}
+        self._local: dict[str, set[ActorCell]] = {}
         # local actor name -> peers watching it
         self._peers: dict[str, set[Peer]] = {}
         # remote node url -> {remote actor url -> local actors watching it}
-        self._remote: dict[str, dict[str, set[Actor]]] = {}
+        self._remote: dict[str, dict[str, set[ActorCell]]] = {}
 
-    def add_local(self, target: str, watcher: Actor) -> None:
+    def add_local(self, target: str, watcher: ActorCell) -> None:
         self._local.setdefault(target, set()).add(watcher)
 
-    def add_remote(self, node_url: str, url: str, watcher: Actor) -> bool:
+    def add_remote(self, node_url: str, url: str, watcher: ActorCell) -> bool:
         """Record a watch on a remote actor; True if it is the first for that URL (send `Watch`)."""
         targets = self._remote.setdefault(node_url, {})
         first = url not in targets
         targets.setdefault(url, set()).add(watcher)
         return first
 
-    def remove(self, watcher: Actor, url: str, name: str, node_url: str | None) -> bool:
+    def remove(self, watcher: ActorCell, url: str, name: str, node_url: str | None) -> bool:
         """Forget one watch; for a remote target, True if it was the last for that URL (send `Unwatch`)."""
         if node_url is None:
             self._local.get(name, set()).discard(watcher)
@@ -62,7 +62,7 @@ class Watches:
     def remove_remote_watcher(self, target: str, peer: Peer) -> None:
         self._peers.get(target, set()).discard(peer)
 
-    async def local_stopped(self, actor: Actor, reason: str) -> list[tuple[str, str]]:
+    async def local_stopped(self, actor: ActorCell, reason: str) -> list[tuple[str, str]]:
         """A local actor stopped: tell its watchers; returns (node_url, url) of remote watches it held
         that nobody holds any more (the node sends `Unwatch` for them)."""
         url = actor.ref.url
