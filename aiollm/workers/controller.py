@@ -123,7 +123,7 @@ class Controller(Actor):
         for name in self._prefill_names:
             self.dispatcher.add_prefill(name)
         for name in self._decode_names:
-            load = await self._ask_load(self._refs[name], attempts=50)
+            load = await self._ask_load(self._refs[name], attempts=300)
             self.dispatcher.add_decode(name, capacity_tokens=load.kv_blocks_total * load.kv_block_size)
             self._loads[name] = load
         for ref in self._refs.values():
