@@ -1,13 +1,14 @@
 """The `echo` role: a small real actor that exercises every path of the runtime.
 
 Used by the two-node demo, the runtime's integration tests and the ask-latency benchmark:
-asks (`Ping`, `Echo` with an optional tensor), a stream (`Count`), a slow handler that can be
+asks (`Ping`, `Echo` with an optional tensor, `PingPeer` to ping another node), a stream (`Count`), a slow handler that can be
 cancelled (`Sleep`), a handler that raises (`Fail`), and counters to observe all of it (`Stats`).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from aiollm.actors.actor import Actor, handler
 from aiollm.actors.messages import Message
+from aiollm.actors.ref import ActorRef
 
 if TYPE_CHECKING:
     from aiollm.actors.node import Node
@@ -92,6 +94,26 @@ class Stats(Message, tag="echo.stats"):
     produced: int
 
 
+class PingPeer(Message, tag="echo.ping_peer"):
+    """Ask the echo actor to ping another actor `n` times and report the round trips."""
+
+    # The actor to ping (usually another node's echo).
+    target: ActorRef
+    # Number of pings.
+    n: int
+
+
+class PeerRtt(Message, tag="echo.peer_rtt"):
+    """Answer to `PingPeer`: ask round-trip times seen from the pinging actor, in microseconds."""
+
+    # Pings answered.
+    n: int
+    # Median round trip.
+    p50_us: float
+    # Slowest round trip.
+    max_us: float
+
+
 class EchoActor(Actor):
     """Answers the echo messages; keeps counters so tests can see remote effects."""
 
@@ -137,6 +159,16 @@ class EchoActor(Actor):
         self.handled += 1
         raise RuntimeError(msg.text)
 
+    @handler(PingPeer)
+    async def ping_peer(self, msg: PingPeer) -> PeerRtt:
+        self.handled += 1
+        times = []
+        for seq in range(msg.n):
+            start = time.perf_counter()
+            await msg.target.ask(Ping(seq), timeout=10)
+            times.append((time.perf_counter() - start) * 1e6)
+        return PeerRtt(msg.n, float(np.median(times)), max(times))
+
     @handler(GetStats)
     async def stats(self, msg: GetStats) -> Stats:
         return Stats(self.handled, self.cancelled, self.produced)
@@ -145,7 +177,7 @@ class EchoActor(Actor):
 # --- the role, for `python -m aiollm.node --role echo` -----------------------------------------
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse._ActionsContainer) -> None:
     """The echo role has no options of its own."""
 
 
