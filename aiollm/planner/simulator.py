@@ -96,7 +96,10 @@ class SimResult:
     @property
     def tpot(self) -> np.ndarray:
         steps = np.maximum(self.output - 1, 1)
-        return np.where(self.output > 1, (self.finish - self.first_token) / steps, 0.0)
+        served = np.isfinite(self.finish)
+        with np.errstate(invalid="ignore"):
+            per_token = (self.finish - self.first_token) / steps
+        return np.where(~served, np.inf, np.where(self.output > 1, per_token, 0.0))
 
     def attainment(self, ttft_slo: float, tpot_slo: float) -> dict:
         """Share of requests meeting TTFT, TPOT, and both (DistServe's goodput counts both)."""

@@ -74,19 +74,22 @@ def unit_arrivals(n: int, process: str = "poisson", burstiness: float = 1.0, see
     """Arrival times of n requests at rate 1 req/s (divide by the rate to rescale).
 
     'poisson': exponential gaps. 'gamma': gamma gaps with shape = burstiness (vLLM's convention), so
-    burstiness < 1 is burstier than Poisson and 1 is Poisson; the mean gap stays 1 s.
+    burstiness < 1 is burstier than Poisson and 1 is Poisson; the mean gap stays 1 s. 'constant': a
+    request every second exactly (hand-checkable cases).
     """
     if n <= 0:
         raise ValueError(f"n must be > 0, got {n}")
     rng = np.random.default_rng(seed)
     if process == "poisson":
         gaps = rng.exponential(1.0, n)
+    elif process == "constant":
+        gaps = np.ones(n)
     elif process == "gamma":
         if burstiness <= 0:
             raise ValueError(f"burstiness must be > 0, got {burstiness}")
         gaps = rng.gamma(burstiness, 1.0 / burstiness, n)
     else:
-        raise ValueError(f"arrival process {process!r}: expected 'poisson' or 'gamma'")
+        raise ValueError(f"arrival process {process!r}: expected 'poisson', 'gamma' or 'constant'")
     return np.cumsum(gaps)
 
 
@@ -141,10 +144,10 @@ class Workload:
 def summarisation_lengths(n: int = 2000, seed: int = 0, max_context: int = 2048) -> LengthSample:
     """Synthetic long-prompt summarisation profile (documents in, short summaries out), shaped after
     LongBench's summarisation tasks as DistServe used them, but cut to fit a 2k-context model:
-    prompt ~ normal(mean 1500, sd 250) clipped to [600, max_context-200]; output ~ log-normal
+    prompt ~ normal(mean 1500, sd 250) clipped to [600, max_context-201]; output ~ log-normal
     (median 110, sigma 0.5) clipped to [16, 200]. Synthetic: no dataset is downloaded."""
     rng = np.random.default_rng(seed)
-    prompt = np.clip(np.rint(rng.normal(1500, 250, n)), 600, max_context - 200).astype(np.int64)
+    prompt = np.clip(np.rint(rng.normal(1500, 250, n)), 600, max_context - 201).astype(np.int64)
     output = np.clip(np.rint(np.exp(rng.normal(np.log(110), 0.5, n))), 16, 200).astype(np.int64)
     return LengthSample("summarisation", prompt, output,
                         "synthetic long-prompt summarisation (normal 1500+-250 prompts, ~110-token summaries)")

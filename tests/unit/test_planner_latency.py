@@ -1,0 +1,101 @@
+"""The latency model: least-squares fits reproduce their points, DistServe's profile converts and scales."""
+import numpy as np
+import pytest
+
+from aiollm.planner.hardware import get_gpu
+from aiollm.planner.latency import DEFAULT_TP_SERIAL, LatencyModel, StackLatency, fit_decode, fit_prefill, fit_tp_scaling
+from aiollm.planner.models import get_model
+from aiollm.planner.profiles import derive, distserve_dir, latency_model, load_distserve
+
+
+def test_prefill_fit_reproduces_its_points():
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(1, 2048, rng.integers(1, 6)) for _ in range(12)]
+    t = np.array([b.sum() for b in batches], dtype=float)
+    t2 = np.array([(b.astype(float) ** 2).sum() for b in batches])
+    times = 0.018 + 1.0e-4 * t + 7.0e-9 * t2
+    a, b, c = fit_prefill(t, t2, times)
+    assert (a, b, c) == pytest.approx((0.018, 1.0e-4, 7.0e-9), rel=1e-6)
+    model = LatencyModel("m", "hw", "test", {1: StackLatency((a, b, c), (0.02, 1e-4, 6e-7))})
+    for batch, expected in zip(batches, times):
+        assert model.prefill_time(batch) == pytest.approx(expected, rel=1e-9)
+
+
+def test_decode_fit_reproduces_noisy_points_within_noise():
+    rng = np.random.default_rng(1)
+    bs = rng.integers(1, 256, 40).astype(float)
+    ctx = bs * rng.integers(16, 2048, 40)
+    times = (0.02 + 4e-5 * bs + 6e-7 * ctx) * (1 + rng.normal(0, 0.01, 40))
+    d, e, f = fit_decode(bs, ctx, times)
+    predicted = d + e * bs + f * ctx
+    assert np.max(np.abs(predicted / times - 1)) < 0.04
+    assert min(d, e, f) >= 0
+
+
+def test_fit_never_returns_negative_coefficients():
+    # Points that an unconstrained fit would explain with a negative intercept.
+    t = np.array([100.0, 200.0, 400.0, 800.0])
+    times = np.array([0.009, 0.0195, 0.0405, 0.0825])
+    a, b, c = fit_prefill(t, t ** 2, times)
+    assert min(a, b, c) >= 0
+    with pytest.raises(ValueError, match=">= 3"):
+        fit_prefill([1, 2], [1, 4], [0.1, 0.2])
+
+
+def test_tp_scaling_interpolates_missing_degrees():
+    stack = StackLatency((0.02, 1e-4, 1e-8), (0.02, 5e-5, 6e-7))
+    model = LatencyModel("m", "hw", "test", {1: stack}, tp_serial=(0.5, 0.0, 0.0, 0.5, 0.0, 0.0))
+    s4 = model.stack(4)
+    assert s4.prefill[0] == pytest.approx(0.02 * (0.5 + 0.5 / 4))
+    assert s4.prefill[1] == pytest.approx(1e-4 / 4)
+    with pytest.raises(ValueError):
+        model.stack(0)
+
+
+def test_compute_bound_length_from_coefficients():
+    model = LatencyModel("m", "hw", "test", {1: StackLatency((0.018, 1e-4, 0.0), (0.02, 0.0, 0.0))})
+    # t / (a + b t) = 0.9 / b  <=>  t = 9 a / b = 1620
+    assert model.compute_bound_length() == 1620
+
+
+@pytest.fixture(scope="module")
+def distserve():
+    try:
+        distserve_dir()
+    except FileNotFoundError:
+        pytest.skip("DistServe profiles (../shared/data/distserve-profiles) not present")
+    return load_distserve()
+
+
+def test_distserve_profile_converts_units_and_order(distserve):
+    opt13 = distserve["opt-13b"].stack(1)
+    assert opt13.prefill[0] == pytest.approx(0.0181025, rel=1e-4)  # 18.10 ms
+    # decoding_smallbs = [a, b*context, c*batch] in ms -> (d, e*batch, f*context) in s
+    assert opt13.decode == pytest.approx((0.0199347, 3.8507e-5, 6.2694e-7), rel=1e-4)
+    assert opt13.decode_coeffs(200) == opt13.decode_large
+    assert distserve["opt-13b"].kv_capacity[(1, 1)] == 66144
+
+
+def test_tp_serial_fractions_refit_from_distserve(distserve):
+    assert fit_tp_scaling(list(distserve.values())) == pytest.approx(DEFAULT_TP_SERIAL, abs=0.02)
+
+
+def test_derived_a100_profile_is_close_to_distserve_measured(distserve):
+    derived = derive(get_model("opt-13b"), get_gpu("A100-80G"))
+    for tp in (1, 2, 4):
+        ours, theirs = derived.stack(tp), distserve["opt-13b"].stack(tp)
+        assert ours.prefill[0] == pytest.approx(theirs.prefill[0], rel=0.15)
+        assert ours.prefill[1] == pytest.approx(theirs.prefill[1], rel=0.2)
+        assert ours.decode[0] == pytest.approx(theirs.decode[0], rel=0.15)
+        assert ours.decode[2] == pytest.approx(theirs.decode[2], rel=0.2)
+
+
+def test_profile_selection():
+    assert latency_model("opt-175b", "A100-80G").source.startswith("derived")
+    h200 = latency_model("llama-2-70b", "H200")
+    h100 = latency_model("llama-2-70b", "H100-80G")
+    assert h200.decode_time(32, 32 * 1000, 8) < h100.decode_time(32, 32 * 1000, 8)  # more bandwidth
+    with pytest.raises(ValueError, match="A100-80G only"):
+        latency_model("opt-13b", "H100-80G", "distserve")
+    with pytest.raises(ValueError, match="unknown model"):
+        latency_model("gpt-5", "A100-80G")

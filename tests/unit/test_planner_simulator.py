@@ -1,0 +1,96 @@
+"""The simulator against hand-computed TTFT/TPOT on deterministic toy workloads."""
+import math
+import time
+
+import numpy as np
+import pytest
+
+from aiollm.planner.latency import LatencyModel, StackLatency
+from aiollm.planner.simulator import InstanceSpec, SimConfig, simulate
+from aiollm.planner.workload import LengthSample, Workload
+
+# Prefill: 1 ms per token; decode: 10 ms per step (+ f per context token where a test sets it).
+TOY = LatencyModel("toy", "toy", "test", {1: StackLatency((0.0, 0.001, 0.0), (0.01, 0.0, 0.0))})
+
+
+def workload(prompts, outputs, times):
+    return Workload(LengthSample("toy", np.array(prompts), np.array(outputs)), np.array(times, dtype=float))
+
+
+def config(mode, latency=TOY, prefill=InstanceSpec(1), kv=10 ** 6, bandwidth=math.inf, l_m=1000, kv_bytes=1):
+    return SimConfig(latency, mode, prefill, InstanceSpec(1), kv, kv, kv_bytes, link_bandwidth=bandwidth,
+                     max_batch_tokens=l_m)
+
+
+def test_disaggregated_two_requests_by_hand():
+    # r0 prefills 0-0.1 and decodes 10 steps 0.1-0.2; r1 queues behind it, prefills 0.1-0.2 and decodes 0.2-0.3.
+    res = simulate(config("disaggregated"), workload([100, 100], [11, 11], [0.0, 0.05]), 1.0)
+    assert res.ttft == pytest.approx([0.1, 0.15])
+    assert res.tpot == pytest.approx([0.01, 0.01])
+    assert res.finish == pytest.approx([0.2, 0.3])
+
+
+def test_kv_transfer_delays_decode():
+    # 100 prompt tokens x 1000 bytes at 1 MB/s = 0.1 s between first token and joining the decode batch.
+    res = simulate(config("disaggregated", bandwidth=1e6, kv_bytes=1000), workload([100], [11], [0.0]), 1.0)
+    assert res.ttft == pytest.approx([0.1])
+    assert res.finish == pytest.approx([0.1 + 0.1 + 0.1])
+    assert res.tpot == pytest.approx([0.02])
+
+
+def test_colocated_prefill_stalls_running_decodes():
+    # r1's prefill (0.1-0.2) pauses r0's decoding, so r0 needs 0.1-0.3 for its 10 tokens.
+    res = simulate(config("colocated"), workload([100, 100], [11, 11], [0.0, 0.05]), 1.0)
+    assert res.ttft == pytest.approx([0.1, 0.15])
+    assert res.tpot == pytest.approx([0.02, 0.01])
+
+
+def test_prefill_batches_to_l_m_and_pipelines_stages():
+    # L_m = 100 keeps each prompt alone; with pp=2 the second batch enters stage 1 at 0.05.
+    w = workload([100, 100], [2, 2], [0.0, 0.0])
+    res = simulate(config("prefill-only", prefill=InstanceSpec(1, 2), l_m=100), w, 1.0)
+    assert res.ttft == pytest.approx([0.1, 0.15])
+    # r1 and r2 queue behind r0 (0-0.1); with L_m = 200 they share one 0.2 s batch, with L_m = 100 they do not.
+    w = workload([100, 100, 100], [2, 2, 2], [0.0, 0.01, 0.01])
+    assert simulate(config("prefill-only", l_m=200), w, 1.0).ttft == pytest.approx([0.1, 0.29, 0.29])
+    assert simulate(config("prefill-only", l_m=100), w, 1.0).ttft == pytest.approx([0.1, 0.19, 0.29])
+
+
+def test_decode_memory_limit_makes_the_second_request_wait():
+    # 112 KV tokens hold one 100+11 request at a time: r1 starts when r0 ends at 0.1.
+    res = simulate(config("decode-only", kv=112), workload([100, 100], [11, 11], [0.0, 0.0]), 1.0)
+    assert res.finish == pytest.approx([0.1, 0.2])
+    assert res.tpot == pytest.approx([0.01, 0.02])
+
+
+def test_step_time_grows_with_context_in_closed_form():
+    lat = LatencyModel("toy", "toy", "test", {1: StackLatency((0.0, 0.001, 0.0), (0.01, 0.0, 0.001))})
+    # prompt 10, 3 decode steps read 11, 12, 13 context tokens: 3 * 0.01 + 0.001 * (11 + 12 + 13)
+    res = simulate(config("decode-only", latency=lat), workload([10], [4], [0.0]), 1.0)
+    assert res.finish == pytest.approx([0.066])
+    # r1 arrives at 0.005 and joins at the first step boundary (0.021); the shared step reads 12 + 11 tokens.
+    res = simulate(config("decode-only", latency=lat), workload([10, 10], [4, 2], [0.0, 0.005]), 1.0)
+    assert res.finish[1] == pytest.approx(0.021 + 0.01 + 0.001 * (12 + 11))
+    assert res.finish[0] == pytest.approx(0.054 + 0.01 + 0.001 * 13)
+
+
+def test_request_larger_than_the_instance_is_reported_failed():
+    res = simulate(config("decode-only", kv=64), workload([100], [11], [0.0]), 1.0)
+    assert math.isinf(res.finish[0])
+    assert res.attainment(1.0, 1.0)["both"] == 0.0
+
+
+def test_attainment_counts_both_slos():
+    res = simulate(config("disaggregated"), workload([100, 100], [11, 11], [0.0, 0.05]), 1.0)
+    assert res.attainment(0.12, 0.011) == {"ttft": 0.5, "tpot": 1.0, "both": 0.5}
+
+
+def test_thousand_requests_simulate_fast():
+    rng = np.random.default_rng(0)
+    lat = LatencyModel("toy", "toy", "test", {1: StackLatency((0.015, 1e-4, 5e-9), (0.02, 1e-4, 6e-7))})
+    w = Workload.build(LengthSample("r", rng.integers(10, 1500, 1000), rng.integers(2, 500, 1000)), 1000)
+    start = time.perf_counter()
+    res = simulate(SimConfig(lat, "disaggregated", InstanceSpec(1), InstanceSpec(1), 10 ** 6, 60000, 800000,
+                             link_bandwidth=300e9), w, 5.0)
+    assert time.perf_counter() - start < 2.0
+    assert np.isfinite(res.finish).all()
