@@ -20,6 +20,7 @@ from typing import Protocol
 
 from aiollm.actors.actor import Actor, handler
 from aiollm.actors.ref import ActorRef
+from aiollm.errors import AiollmError
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
 from aiollm.sched.decode_admission import DecodeAdmission
@@ -113,6 +114,8 @@ class DecodeInstance(Actor):
         self._cancelled: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # sequences decoded to their end so far (for load checks and logs)
+        self.finished = 0
 
     async def on_start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name=f"{self.name}-loop")
@@ -197,13 +200,25 @@ class DecodeInstance(Actor):
                 continue
             by_dest[entry.reply_to].append(Delta(seq.request_id, [token], seq.finish))
             if seq.finish is not None:
+                self.finished += 1
                 self._forget(entry)
         for dest, deltas in by_dest.items():
-            await dest.tell(Tokens(deltas, self.name))
+            await self._tell(dest, Tokens(deltas, self.name))
 
     async def _fail(self, entry: _Entry, error: str) -> None:
         self._forget(entry)
-        await entry.reply_to.tell(Tokens([Delta(entry.seq.request_id, [], error=error)], self.name))
+        await self._tell(entry.reply_to, Tokens([Delta(entry.seq.request_id, [], error=error)], self.name))
+
+    async def _tell(self, dest: ActorRef, msg: Tokens) -> None:
+        """Send to a controller; if it is gone, drop its requests (nobody would read their tokens)."""
+        try:
+            await dest.tell(msg)
+        except AiollmError as exc:
+            log.warning("controller unreachable: dropping its requests", controller=dest.url, error=str(exc))
+            for entry in [e for e in self._entries.values() if e.reply_to == dest]:
+                if entry.pull is not None:
+                    entry.pull.cancel()
+                self._forget(entry)
 
     def _forget(self, entry: _Entry) -> None:
         rid = entry.seq.request_id

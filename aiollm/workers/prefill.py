@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from aiollm.actors.actor import Actor, handler
 from aiollm.actors.ref import ActorRef
+from aiollm.errors import AiollmError
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
 from aiollm.sched.prefill_batching import take_batch
@@ -70,6 +71,8 @@ class PrefillInstance(Actor):
         self._held: dict[str, _Held] = {}
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        # sequences prefilled so far (for load checks and logs)
+        self.prefilled = 0
 
     async def on_start(self) -> None:
         self._tasks = [asyncio.create_task(self._loop(), name=f"{self.name}-loop"),
@@ -163,9 +166,11 @@ class PrefillInstance(Actor):
                 for seq, reply_to in batch:
                     self._computing.discard(seq.request_id)
                     self.cache.free(seq)
-                    await reply_to.tell(Prefilled(seq.request_id, -1, None, self.name, error=f"prefill failed: {exc}"))
+                    await self._tell(reply_to, Prefilled(seq.request_id, -1, None, self.name,
+                                                         error=f"prefill failed: {exc}"))
                 continue
             deadline = time.monotonic() + self.config.lease_s
+            self.prefilled += len(batch)
             for seq, reply_to in batch:
                 rid = seq.request_id
                 self._computing.discard(rid)
@@ -176,7 +181,7 @@ class PrefillInstance(Actor):
                 else:
                     self._held[rid] = _Held(seq, reply_to, deadline)
                 if not cancelled:
-                    await reply_to.tell(Prefilled(rid, seq.output[0], seq.finish, self.name))
+                    await self._tell(reply_to, Prefilled(rid, seq.output[0], seq.finish, self.name))
 
     async def _expire_leases(self) -> None:
         while True:
@@ -186,4 +191,11 @@ class PrefillInstance(Actor):
                 if held.deadline < now and not held.pulling:
                     log.warning("KV lease expired", instance=self.name, request_id=rid)
                     self._release(rid)
-                    await held.reply_to.tell(KVLost(rid, self.name))
+                    await self._tell(held.reply_to, KVLost(rid, self.name))
+
+    async def _tell(self, dest: ActorRef, msg) -> None:
+        """Answer a controller; a vanished one is only logged (leases free whatever it left here)."""
+        try:
+            await dest.tell(msg)
+        except AiollmError as exc:
+            log.warning("controller unreachable", controller=dest.url, message=type(msg).__name__, error=str(exc))
