@@ -76,106 +76,115 @@ static inline void prefetch_tile(const char *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
-T512 INLINE void item(const attn_args *a, int32_t seq, int32_t head, int dt) {
+/* One 16-token chunk of one kv head: scores, online-softmax update, V accumulation. */
+T512 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, const float *vs, int c, int nv,
+                       int G, int D, int BS, const float *qs, float *acc, float *m, float *l) {
+    const __mmask16 mask = (__mmask16)(nv == 16 ? 0xffffu : (1u << nv) - 1u);
+    float alpha[AIOLLM_MAX_GROUP], pb[AIOLLM_MAX_GROUP * 16] __attribute__((aligned(64)));
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const int gb = G - g0 < 4 ? G - g0 : 4;
+        __m512 s[4];
+        switch (gb) {
+        case 1: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 1, 4, s); break;
+        case 2: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 2, 4, s); break;
+        case 3: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 3, 2, s); break;
+        default: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 4, 2, s); break;
+        }
+        for (int g = 0; g < gb; g++) {
+            __m512 sc = s[g];
+            if (dt == AIOLLM_DT_I8) sc = _mm512_mul_ps(sc, _mm512_loadu_ps(ks + c * 16));
+            sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), sc);
+            const float mx = _mm512_reduce_max_ps(sc), mo = m[g0 + g], mn = mx > mo ? mx : mo;
+            __m512 p = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mn))));
+            const float al = expf(mo - mn);
+            l[g0 + g] = l[g0 + g] * al + _mm512_reduce_add_ps(p);
+            m[g0 + g] = mn;
+            alpha[g0 + g] = al;
+            if (dt == AIOLLM_DT_I8) p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(mask, vs + c * 16));
+            _mm512_store_ps(pb + (g0 + g) * 16, p);
+        }
+    }
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const int gb = G - g0 < 4 ? G - g0 : 4;
+        const float *pg = pb + g0 * 16, *ag = alpha + g0;
+        float *accg = acc + g0 * D;
+        int dv = 0;
+        for (; dv + 4 <= D / 16; dv += 4) {
+            switch (gb) {
+            case 1: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 1); break;
+            case 2: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 2); break;
+            case 3: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 3); break;
+            default: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 4); break;
+            }
+        }
+        for (; dv < D / 16; dv++) {
+            switch (gb) {
+            case 1: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 1); break;
+            case 2: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 2); break;
+            case 3: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 3); break;
+            default: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 4); break;
+            }
+        }
+    }
+}
+
+/* Heads [h0, h1) of one sequence. Blocks outer, heads inner: the item walks each block's K region and V
+ * region of its heads front to back (contiguous in the pool), so the hardware streams them; the next block
+ * of each head is prefetched while the current one is processed. */
+T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, int dt) {
     const aiollm_kv_layer *kv = a->kv;
-    const int G = a->group, D = kv->head_dim, BS = kv->block_size;
+    const int G = a->group, D = kv->head_dim, BS = kv->block_size, NH = h1 - h0, GD = G * D;
     const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1, tile_bytes = (int64_t)D * BS * es;
     const int32_t n = a->seq_lens[seq], n_used = (n + BS - 1) / BS;
     const int32_t *table = a->block_tables + (int64_t)seq * a->max_blocks;
-    const float *q = a->q + seq * a->q_seq_stride + (int64_t)head * G * D;
-    float qs[AIOLLM_MAX_GROUP * AIOLLM_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float acc[AIOLLM_MAX_GROUP * AIOLLM_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float m[AIOLLM_MAX_GROUP], l[AIOLLM_MAX_GROUP], alpha[AIOLLM_MAX_GROUP];
-    float pb[AIOLLM_MAX_GROUP * 16] __attribute__((aligned(64)));
+    const float *q = a->q + seq * a->q_seq_stride + (int64_t)h0 * GD;
+    float qs[AIOLLM_ITEM_FLOATS] __attribute__((aligned(64)));
+    float acc[AIOLLM_ITEM_FLOATS] __attribute__((aligned(64)));
+    float m[AIOLLM_ITEM_FLOATS / 16], l[AIOLLM_ITEM_FLOATS / 16];
 
-    for (int g = 0; g < G; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
+    for (int r = 0; r < NH * G; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
     }
-    for (int i = 0; i < G * D; i += 16) {
+    for (int i = 0; i < NH * GD; i += 16) {
         _mm512_store_ps(qs + i, _mm512_mul_ps(_mm512_loadu_ps(q + i), _mm512_set1_ps(a->scale)));
         _mm512_store_ps(acc + i, _mm512_setzero_ps());
     }
     for (int32_t blk = 0; blk < n_used; blk++) {
         const int64_t block = table[blk];
-        const char *kt = (const char *)kv->k + kv_tile(kv, block, head) * es;
-        const char *vt = (const char *)kv->v + kv_tile(kv, block, head) * es;
-        const float *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, head) : NULL;
-        const float *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, head) : NULL;
-        if (blk + 1 < n_used) {
-            const int64_t next = kv_tile(kv, table[blk + 1], head) * es;
-            prefetch_tile((const char *)kv->k + next, tile_bytes);
-            prefetch_tile((const char *)kv->v + next, tile_bytes);
-        }
-        for (int c = 0; c * 16 < BS; c++) {
-            int nv = n - (blk * BS + c * 16);
-            if (nv <= 0) break;
-            if (nv > 16) nv = 16;
-            const __mmask16 mask = (__mmask16)(nv == 16 ? 0xffffu : (1u << nv) - 1u);
-            for (int g0 = 0; g0 < G; g0 += 4) {
-                const int gb = G - g0 < 4 ? G - g0 : 4;
-                __m512 s[4];
-                switch (gb) {
-                case 1: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 1, 4, s); break;
-                case 2: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 2, 4, s); break;
-                case 3: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 3, 2, s); break;
-                default: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 4, 2, s); break;
-                }
-                for (int g = 0; g < gb; g++) {
-                    __m512 sc = s[g];
-                    if (dt == AIOLLM_DT_I8) sc = _mm512_mul_ps(sc, _mm512_loadu_ps(ks + c * 16));
-                    sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), sc);
-                    const float mx = _mm512_reduce_max_ps(sc), mo = m[g0 + g], mn = mx > mo ? mx : mo;
-                    __m512 p = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mn))));
-                    const float al = expf(mo - mn);
-                    l[g0 + g] = l[g0 + g] * al + _mm512_reduce_add_ps(p);
-                    m[g0 + g] = mn;
-                    alpha[g0 + g] = al;
-                    if (dt == AIOLLM_DT_I8) p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(mask, vs + c * 16));
-                    _mm512_store_ps(pb + (g0 + g) * 16, p);
-                }
+        for (int h = 0; h < NH; h++) {
+            const int64_t tile = kv_tile(kv, block, h0 + h) * es;
+            const char *kt = (const char *)kv->k + tile, *vt = (const char *)kv->v + tile;
+            const float *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
+            const float *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
+            if (blk + 1 < n_used) {
+                const int64_t next = kv_tile(kv, table[blk + 1], h0 + h) * es;
+                prefetch_tile((const char *)kv->k + next, tile_bytes);
+                prefetch_tile((const char *)kv->v + next, tile_bytes);
             }
-            for (int g0 = 0; g0 < G; g0 += 4) {
-                const int gb = G - g0 < 4 ? G - g0 : 4;
-                const float *pg = pb + g0 * 16, *ag = alpha + g0;
-                float *accg = acc + g0 * D;
-                int dv = 0;
-                for (; dv + 4 <= D / 16; dv += 4) {
-                    switch (gb) {
-                    case 1: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 1); break;
-                    case 2: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 2); break;
-                    case 3: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 3); break;
-                    default: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 4); break;
-                    }
-                }
-                for (; dv < D / 16; dv++) {
-                    switch (gb) {
-                    case 1: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 1); break;
-                    case 2: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 2); break;
-                    case 3: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 3); break;
-                    default: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 4); break;
-                    }
-                }
+            for (int c = 0; c * 16 < BS; c++) {
+                int nv = n - (blk * BS + c * 16);
+                if (nv <= 0) break;
+                chunk(dt, kt, vt, ks, vs, c, nv > 16 ? 16 : nv, G, D, BS, qs + h * GD, acc + h * GD, m + h * G, l + h * G);
             }
         }
     }
-    for (int g = 0; g < G; g++) {
-        const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
-        for (int d = 0; d < D; d += 16)
-            _mm512_store_ps(acc + g * D + d, _mm512_mul_ps(_mm512_load_ps(acc + g * D + d), inv));
+    for (int r = 0; r < NH * G; r++) {
+        const __m512 inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+        for (int d = 0; d < D; d += 16) _mm512_store_ps(acc + r * D + d, _mm512_mul_ps(_mm512_load_ps(acc + r * D + d), inv));
     }
-    store_row_ref(a->out, ((int64_t)seq * a->n_q_heads + (int64_t)head * G) * D, acc, G * D, a->out_dtype);
+    store_row_ref(a->out, ((int64_t)seq * a->n_q_heads + (int64_t)h0 * G) * D, acc, NH * GD, a->out_dtype);
 }
 
-T512 static void item_f32(const attn_args *a, int32_t s, int32_t h) { item(a, s, h, AIOLLM_DT_F32); }
-T512 static void item_f16(const attn_args *a, int32_t s, int32_t h) { item(a, s, h, AIOLLM_DT_F16); }
-T512 static void item_i8(const attn_args *a, int32_t s, int32_t h) { item(a, s, h, AIOLLM_DT_I8); }
+T512 static void item_f32(const attn_args *a, int32_t s, int32_t h0, int32_t h1) { item(a, s, h0, h1, AIOLLM_DT_F32); }
+T512 static void item_f16(const attn_args *a, int32_t s, int32_t h0, int32_t h1) { item(a, s, h0, h1, AIOLLM_DT_F16); }
+T512 static void item_i8(const attn_args *a, int32_t s, int32_t h0, int32_t h1) { item(a, s, h0, h1, AIOLLM_DT_I8); }
 
-void attn_item_avx512(const attn_args *a, int32_t seq, int32_t head) {
+void attn_item_avx512(const attn_args *a, int32_t seq, int32_t h0, int32_t h1) {
     switch (a->kv->dtype) {
-    case AIOLLM_DT_F16: item_f16(a, seq, head); break;
-    case AIOLLM_DT_I8: item_i8(a, seq, head); break;
-    default: item_f32(a, seq, head); break;
+    case AIOLLM_DT_F16: item_f16(a, seq, h0, h1); break;
+    case AIOLLM_DT_I8: item_i8(a, seq, h0, h1); break;
+    default: item_f32(a, seq, h0, h1); break;
     }
 }
 

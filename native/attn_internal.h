@@ -20,11 +20,13 @@ typedef struct {
     int32_t out_dtype;
 } attn_args;
 
-/* One work item: sequence `seq`, kv head `head`, all `group` q heads of that head at once. */
-typedef void (*attn_item_fn)(const attn_args *a, int32_t seq, int32_t head);
-void attn_item_ref(const attn_args *a, int32_t seq, int32_t head);
-void attn_item_avx2(const attn_args *a, int32_t seq, int32_t head);
-void attn_item_avx512(const attn_args *a, int32_t seq, int32_t head);
+/* One work item: sequence `seq`, kv heads [h0, h1), all `group` q heads of each at once. The SIMD paths keep
+ * the item's q and accumulators on the stack: (h1 - h0) * group * head_dim <= AIOLLM_ITEM_FLOATS. */
+#define AIOLLM_ITEM_FLOATS 8192
+typedef void (*attn_item_fn)(const attn_args *a, int32_t seq, int32_t h0, int32_t h1);
+void attn_item_ref(const attn_args *a, int32_t seq, int32_t h0, int32_t h1);
+void attn_item_avx2(const attn_args *a, int32_t seq, int32_t h0, int32_t h1);
+void attn_item_avx512(const attn_args *a, int32_t seq, int32_t h0, int32_t h1);
 
 /* Read-bandwidth kernels: fp32 sum of n64 * 64 bytes. */
 double read_sum_ref(const void *buf, int64_t n64);

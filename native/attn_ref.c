@@ -10,7 +10,7 @@ static inline float kv_elem(const void *base, int64_t i, int32_t dtype) {
     }
 }
 
-void attn_item_ref(const attn_args *a, int32_t seq, int32_t head) {
+static void one_head(const attn_args *a, int32_t seq, int32_t head) {
     const aiollm_kv_layer *kv = a->kv;
     const int G = a->group, D = kv->head_dim, BS = kv->block_size, dt = kv->dtype;
     const int32_t n = a->seq_lens[seq];
@@ -51,6 +51,10 @@ void attn_item_ref(const attn_args *a, int32_t seq, int32_t head) {
         for (d = 0; d < D; d++) acc[g * D + d] *= inv;
     }
     store_row_ref(a->out, ((int64_t)seq * a->n_q_heads + (int64_t)head * G) * D, acc, G * D, a->out_dtype);
+}
+
+void attn_item_ref(const attn_args *a, int32_t seq, int32_t h0, int32_t h1) {
+    for (int32_t h = h0; h < h1; h++) one_head(a, seq, h);
 }
 
 double read_sum_ref(const void *buf, int64_t n64) {

@@ -55,13 +55,29 @@ typedef struct {
     attn_args args;
     attn_item_fn fn;
     const int32_t *order; /* sequences, longest first */
-    int32_t n_kv_heads;
+    int32_t n_kv_heads, n_splits, heads_per_item;
 } attn_job;
 
+/* Item i: sequence order[i / n_splits], heads [split * heads_per_item, ...) of it. */
 static void attn_task(void *ctx, int64_t item, int thread) {
     const attn_job *j = (const attn_job *)ctx;
+    const int32_t split = (int32_t)(item % j->n_splits), h0 = split * j->heads_per_item;
+    const int32_t h1 = h0 + j->heads_per_item < j->n_kv_heads ? h0 + j->heads_per_item : j->n_kv_heads;
     (void)thread;
-    j->fn(&j->args, j->order[item / j->n_kv_heads], (int32_t)(item % j->n_kv_heads));
+    j->fn(&j->args, j->order[item / j->n_splits], h0, h1);
+}
+
+/* Heads per item: as many as the stack scratch holds, fewer when there are too few sequences to give every
+ * thread several items (a long single sequence still spreads over the threads, one head group each). */
+static void split_heads(attn_job *job, int32_t n_seqs, int32_t n_threads) {
+    const int32_t H = job->n_kv_heads, per_head = job->args.group * job->args.kv->head_dim;
+    int32_t per_item = AIOLLM_ITEM_FLOATS / per_head < H ? AIOLLM_ITEM_FLOATS / per_head : H;
+    if (per_item < 1) per_item = 1;
+    const int64_t want = n_threads > 1 ? 4 * (int64_t)n_threads : 0;
+    while (per_item > 1 && (int64_t)n_seqs * ((H + per_item - 1) / per_item) < want) per_item--;
+    const int32_t splits = (H + per_item - 1) / per_item;
+    job->heads_per_item = per_item;
+    job->n_splits = splits;
 }
 
 static int by_key(const void *x, const void *y) {
@@ -125,7 +141,8 @@ int aiollm_decode_attention(const aiollm_kv_layer *kv, const float *q, int64_t q
     for (int32_t s = 0; s < n_seqs; s++) order[s] = (int32_t)(keys[s] & 0xffffffff);
     free(keys);
     job.order = order;
-    pool_run(n_threads, (int64_t)n_seqs * kv->n_kv_heads, attn_task, &job);
+    split_heads(&job, n_seqs, n_threads);
+    pool_run(n_threads, (int64_t)n_seqs * job.n_splits, attn_task, &job);
     free(order);
     return AIOLLM_OK;
 }

@@ -1,0 +1,148 @@
+"""Decode attention over the paged KV cache vs the machine's read bandwidth and torch SDPA.
+
+One layer of each shape is measured: SmolLM2 (9 q heads / 3 kv heads, d=64) and a Llama-7B layer
+(32/32, d=128), batch 64 and 256, context 1024 and 4096. Per shape: this kernel with fp16 storage on 1 and
+2 threads (KV bytes read per second and tokens/s), with int8 storage, and torch
+`scaled_dot_product_attention` in bf16 and fp32 in its fastest GQA form (enable_gqa=True or the q heads of
+a group folded into the query-length axis; never repeat_interleave). The read bandwidth comes from the
+library's own STREAM-like read kernel on a 1 GiB array, on 1 and 2 threads of the same pool.
+
+Block tables are contiguous per sequence (what a freshly admitted batch gets from BlockAllocator); the
+fp16 2-thread figure is also given for shuffled tables (a fragmented pool). Shapes whose fp16 KV exceeds
+--max-gib are run with a smaller batch (marked "capped"): the Llama shapes at 4096 x 256 need 17 GiB per
+copy, more than this machine's RAM.
+"""
+import gc
+import time
+
+import numpy as np
+
+from bench.report import table
+
+SHAPES = {"smollm2": (9, 3, 64), "llama7b": (32, 32, 128)}
+BLOCK = 16
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="batch 64, context 1024 only, fewer repetitions")
+    parser.add_argument("--max-gib", type=float, default=2.0, help="cap on one fp16 KV copy per shape (GiB)")
+    parser.add_argument("--threads", type=int, default=2, help="threads for the multi-threaded figures")
+
+
+def _best(fn, reps: int) -> float:
+    fn()  # warm-up: page faults, thread start-up, caches
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def read_bandwidth(n_threads: int, reps: int) -> float:
+    """GB/s of the library's read kernel over a 1 GiB array (far beyond the caches)."""
+    from aiollm.kv import attention
+
+    buf = np.ones(1 << 28, np.float32)
+    t = _best(lambda: attention.read_sum(buf, n_threads), reps)
+    return buf.nbytes / t / 1e9
+
+
+def _cache(batch: int, ctx: int, n_kv: int, d: int, dtype: str, shuffled: bool):
+    n_blocks = batch * ctx // BLOCK
+    storage = {"fp16": np.float16, "int8": np.int8}[dtype]
+    fill = 1 if dtype == "int8" else 0.01
+    k = np.full((n_blocks, n_kv, d, BLOCK), fill, storage)
+    v = np.full((n_blocks, n_kv, BLOCK, d), fill, storage)
+    scales = np.full((n_blocks, n_kv, BLOCK), 0.01, np.float32) if dtype == "int8" else None
+    ids = np.arange(n_blocks, dtype=np.int32)
+    if shuffled:
+        ids = np.random.default_rng(0).permutation(ids).astype(np.int32)
+    return k, v, scales, ids.reshape(batch, ctx // BLOCK)
+
+
+def kernel(batch, ctx, n_q, n_kv, d, dtype, n_threads, reps, shuffled=False) -> tuple[float, float]:
+    """(KV GB/s, tokens/s) of decode_attention over one layer."""
+    from aiollm.kv import attention
+
+    k, v, scales, tables = _cache(batch, ctx, n_kv, d, dtype, shuffled)
+    q = np.random.default_rng(1).standard_normal((batch, n_q, d)).astype(np.float32)
+    lens = np.full(batch, ctx, np.int32)
+    out = np.empty_like(q)
+    t = _best(lambda: attention.decode_attention(k, v, q, tables, lens, k_scale=scales, v_scale=scales, out=out,
+                                                 n_threads=n_threads), reps)
+    nbytes = k.nbytes + v.nbytes + (2 * scales.nbytes if scales is not None else 0)
+    return nbytes / t / 1e9, batch / t
+
+
+def sdpa(batch, ctx, n_q, n_kv, d, dtype, n_threads, reps) -> float:
+    """tokens/s of torch SDPA, the faster of enable_gqa=True and folding a group's q heads into the query axis."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(n_threads)
+    tdt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    k = torch.full((batch, n_kv, ctx, d), 0.01, dtype=tdt)
+    v = torch.full((batch, n_kv, ctx, d), 0.01, dtype=tdt)
+    q = torch.randn(batch, n_q, 1, d).to(tdt)
+    group = n_q // n_kv
+    variants = {"folded": lambda: F.scaled_dot_product_attention(q.view(batch, n_kv, group, d), k, v)}
+    if group > 1:
+        variants["enable_gqa"] = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    with torch.inference_mode():
+        best = min(_best(fn, reps) for fn in variants.values())
+    return batch / best
+
+
+def _shape_list(quick: bool):
+    for name, (n_q, n_kv, d) in SHAPES.items():
+        for batch in (64,) if quick else (64, 256):
+            for ctx in (1024,) if quick else (1024, 4096):
+                yield name, n_q, n_kv, d, batch, ctx
+
+
+def run(args) -> dict:
+    from aiollm.kv import attention
+
+    reps = 2 if args.quick else 3
+    nt = args.threads
+    bw1, bwn = read_bandwidth(1, reps), read_bandwidth(nt, reps)
+    print(f"read bandwidth (1 GiB, {attention.isa()}): 1 thread {bw1:.1f} GB/s, {nt} threads {bwn:.1f} GB/s")
+    rows = []
+    for name, n_q, n_kv, d, batch, ctx in _shape_list(args.quick):
+        per_seq = ctx * n_kv * d * 2 * 2
+        run_batch = min(batch, max(1, int(args.max_gib * 2**30 // per_seq)))
+        row = {"shape": name, "batch": batch, "ctx": ctx, "run_batch": run_batch,
+               "kv_mib": round(run_batch * per_seq / 2**20)}
+        s = (run_batch, ctx, n_q, n_kv, d)
+        row["fp16_1t_gbs"], _ = kernel(*s, "fp16", 1, reps)
+        row["fp16_gbs"], row["fp16_tok_s"] = kernel(*s, "fp16", nt, reps)
+        row["fp16_shuf_gbs"], _ = kernel(*s, "fp16", nt, reps, shuffled=True)
+        _, row["int8_tok_s"] = kernel(*s, "int8", nt, reps)
+        gc.collect()
+        row["sdpa_bf16_tok_s"] = sdpa(*s, "bf16", nt, reps)
+        row["sdpa_fp32_tok_s"] = sdpa(*s, "fp32", nt, reps)
+        gc.collect()
+        row["pct_read_1t"] = 100 * row["fp16_1t_gbs"] / bw1
+        row["pct_read"] = 100 * row["fp16_gbs"] / bwn
+        row["x_sdpa_bf16"] = row["fp16_tok_s"] / row["sdpa_bf16_tok_s"]
+        row["x_sdpa_fp32"] = row["fp16_tok_s"] / row["sdpa_fp32_tok_s"]
+        row["int8_x_fp16"] = row["int8_tok_s"] / row["fp16_tok_s"]
+        rows.append(row)
+        print(table([row]).splitlines()[-1] if len(rows) > 1 else table([row]), flush=True)
+    print()
+    print(table(rows))
+    long = [r for r in rows if r["ctx"] >= 1024]
+    return {
+        "isa": attention.isa(),
+        "threads": nt,
+        "read_bw_1t_gbs": bw1,
+        f"read_bw_{nt}t_gbs": bwn,
+        "rows": rows,
+        "ratio_fp16_vs_read_bw": min(r["fp16_gbs"] for r in long) / bwn,
+        "ratio_fp16_1t_vs_read_bw_1t": min(r["fp16_1t_gbs"] for r in long) / bw1,
+        "ratio_fp16_shuffled_vs_read_bw": min(r["fp16_shuf_gbs"] for r in long) / bwn,
+        "ratio_fp16_vs_sdpa_bf16": min(r["x_sdpa_bf16"] for r in rows),
+        "ratio_fp16_vs_sdpa_fp32": min(r["x_sdpa_fp32"] for r in rows),
+        "ratio_int8_vs_fp16": min(r["int8_x_fp16"] for r in rows),
+    }
