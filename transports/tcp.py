@@ -160,15 +160,16 @@ class _FrameProtocol(asyncio.BufferedProtocol):
 
     def _progress(self) -> None:
         """Parse what arrived; hand a completed frame to the waiting recv (or keep it); pause when full."""
+        waiting = self.waiter is not None and not self.waiter.done()
         try:
-            frame = self.parse(self.waiter is not None)
+            frame = self.parse(waiting)
         except Exception as exc:  # a malformed frame or a bad allocate result ends the connection
             self.fail(exc)
             return
         if frame is not None:
-            if self.waiter is not None and not self.waiter.done():
+            if waiting:
                 self.waiter.set_result(frame)
-            else:
+            else:  # only a frame whose recv was cancelled mid-body completes without a waiter
                 self.ready = frame
         if self.direct is None and self.wpos - self.rpos == len(self.scratch) and not self.reading_paused:
             self.reading_paused = True
