@@ -1,0 +1,220 @@
+"""FastDecode's R-worker: keeps sequences' KV caches in its own RAM and runs their attention there.
+
+Why a separate actor: the R-part (attention over each sequence's own KV) has no weights and is
+bound by memory bandwidth, so it scales with cheap CPU sockets and RAM while the S-worker keeps
+the dense, batched part. Only the new token's q/k/v come in and the attention output goes back;
+the KV never leaves this process after admission.
+
+Admission reserves blocks for the sequence's whole `max_len` up front (all or nothing), so a
+step never runs out of memory and a refused admission (KVCacheFull, naming this worker and its
+budget) leaves every admitted sequence untouched. The prompt's KV is pulled as an actor stream
+(`PullKV` -> `KVBlock`) from whoever holds it, with a credit window of the blocks reserved.
+
+Threads: attention runs inline in the actor loop (the process has nothing else to do, and a
+thread hop per layer costs more than it gains); the native kernel uses `threads` pool threads.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from aiollm.actors.actor import Actor, handler
+from aiollm.errors import KVCacheFull
+from aiollm.kv.blocks import BlockAllocator
+from aiollm.kv.pool import KVConfig, KVPool
+from aiollm.log import get_logger
+from aiollm.model.config import ModelConfig
+from aiollm.model.gguf_file import GGUFFile
+from aiollm.model.hf_dir import HFDirectory
+from aiollm.model.loader import resolve
+from aiollm.workers.fastdecode_messages import Admit, Attend, Attended, GetRLoad, Release, RLoad
+from aiollm.workers.messages import AckKV, KVBlock, PullKV
+
+if TYPE_CHECKING:
+    from aiollm.actors.node import Node
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def _log():
+    return get_logger("r_worker")
+
+
+def parse_size(text: str) -> int:
+    """Bytes in '8GiB', '512MiB', '1.5GB', '4096' (ValueError naming the text otherwise)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"memory size {text!r}: expected a number with an optional unit such as 8GiB or 512MB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+class AdmissionRefused(KVCacheFull):
+    """An R-worker's KV budget cannot hold one more sequence; nothing it holds was touched."""
+
+    def __init__(self, full: KVCacheFull, text: str) -> None:
+        super().__init__(full.requested, full.free, full.total)
+        self.args = (f"{text} ({full})",)
+
+
+class SequenceStore:
+    """The paged KV of the sequences one R-worker holds: whole-life reservations, per-step tables."""
+
+    def __init__(self, config: KVConfig) -> None:
+        self.config = config
+        self.pool = KVPool(config)
+        self.allocator = BlockAllocator(config.n_blocks)
+        # seq id -> its blocks (reserved up to max_len), its length (KV entries held), its max_len
+        self.blocks: dict[int, np.ndarray] = {}
+        self.lengths: dict[int, int] = {}
+        self.max_lens: dict[int, int] = {}
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.config.block_size)
+
+    def admit(self, seq: int, n_tokens: int, max_len: int) -> None:
+        """Reserve blocks for `max_len` entries, the first `n_tokens` of which will be held; KVCacheFull if short."""
+        if seq in self.lengths:
+            raise ValueError(f"seq: {seq} is already held here")
+        if not 0 < n_tokens < max_len:
+            raise ValueError(f"need 0 < n_tokens < max_len, got n_tokens={n_tokens}, max_len={max_len}")
+        self.blocks[seq] = np.asarray(self.allocator.allocate(self.blocks_for(max_len)), dtype=np.int32)
+        self.lengths[seq] = n_tokens
+        self.max_lens[seq] = max_len
+
+    def ingest(self, seq: int, block: KVBlock) -> None:
+        """Import one raw block of every layer (the pull stream's item) at the sequence's block `block.index`."""
+        blocks = self.blocks[seq]
+        if not 0 <= block.index < len(blocks):
+            raise ValueError(f"KV block {block.index} outside the {len(blocks)} blocks of sequence {seq}")
+        self.pool.write_blocks(None, [int(blocks[block.index])], block.k, block.v,
+                               k_scale=block.k_scale, v_scale=block.v_scale)
+
+    def begin_step(self, seqs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Append one entry to each sequence; (slot_mapping int64, block_tables int32, seq_lens int32) of the step."""
+        bs = self.config.block_size
+        lens = np.empty(len(seqs), np.int32)
+        for i, s in enumerate(seqs.tolist()):
+            n = self.lengths[s]
+            if n >= self.max_lens[s]:
+                raise ValueError(f"sequence {s} is at its reserved length {n}")
+            lens[i] = n + 1
+        width = int(self.blocks_for(int(lens.max()))) if len(seqs) else 0
+        tables = np.full((len(seqs), width), -1, np.int32)
+        slots = np.empty(len(seqs), np.int64)
+        for i, s in enumerate(seqs.tolist()):
+            row = self.blocks[s]
+            used = self.blocks_for(int(lens[i]))
+            tables[i, :used] = row[:used]
+            slots[i] = int(row[(lens[i] - 1) // bs]) * bs + (lens[i] - 1) % bs
+            self.lengths[s] = int(lens[i])
+        return torch.from_numpy(slots), torch.from_numpy(tables), torch.from_numpy(lens)
+
+    def release(self, seq: int) -> None:
+        blocks = self.blocks.pop(seq, None)
+        if blocks is None:
+            return
+        self.allocator.free(blocks.tolist())
+        del self.lengths[seq], self.max_lens[seq]
+
+    def load(self) -> RLoad:
+        c = self.config
+        return RLoad(sequences=len(self.lengths), tokens=sum(self.lengths.values()),
+                     reserved_tokens=sum(self.max_lens.values()),
+                     blocks_used=c.n_blocks - self.allocator.n_free, blocks_total=c.n_blocks,
+                     block_size=c.block_size, dtype=c.dtype)
+
+
+class RWorker(Actor):
+    """Holds sequences' KV and answers per-layer attention for them."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, kv_memory: int, kv_dtype: str = "fp16",
+                 block_size: int = 16, threads: int = 1) -> None:
+        self.kv_memory = int(kv_memory)
+        self.store = SequenceStore(KVConfig.from_budget(self.kv_memory, n_layers=n_layers, n_kv_heads=n_kv_heads,
+                                                        head_dim=head_dim, block_size=block_size, dtype=kv_dtype))
+        self.threads = int(threads)
+        # mini-batch group -> (its seq ids, and the step's slot_mapping, block_tables, seq_lens)
+        self._steps: dict[int, tuple] = {}
+
+    @handler(Admit)
+    async def admit(self, msg: Admit) -> RLoad:
+        store = self.store
+        try:
+            store.admit(msg.seq, msg.n_tokens, msg.max_len)
+        except KVCacheFull as exc:
+            free = store.allocator.n_free * store.config.bytes_per_block
+            raise AdmissionRefused(exc, f"R-worker {self.name} refuses sequence {msg.request_id}: its KV budget "
+                                   f"({self.kv_memory / 2**30:.3g} GiB of {store.config.dtype}) has "
+                                   f"{free / 2**20:.1f} MiB free, {msg.max_len} tokens need "
+                                   f"{store.blocks_for(msg.max_len) * store.config.bytes_per_block / 2**20:.1f} MiB"
+                                   ) from None
+        if msg.source is None:
+            return store.load()
+        try:
+            window = store.blocks_for(msg.n_tokens)
+            async for block in msg.source.stream(PullKV(msg.request_id), window=window):
+                store.ingest(msg.seq, block)
+            await msg.source.tell(AckKV(msg.request_id))
+        except BaseException:
+            store.release(msg.seq)
+            raise
+        return store.load()
+
+    @handler(Attend)
+    async def attend(self, msg: Attend) -> Attended:
+        if msg.seqs is not None:
+            self._steps[msg.group] = (msg.seqs, *self.store.begin_step(msg.seqs))
+        step = self._steps.get(msg.group)
+        if step is None or len(step[0]) != msg.q.shape[0]:
+            raise ValueError(f"Attend group {msg.group} layer {msg.layer}: no step begun for these "
+                             f"{msg.q.shape[0]} rows (send seqs with layer 0)")
+        _, slots, tables, lens = step
+        pool = self.store.pool
+        pool.write(msg.layer, slots, msg.k, msg.v)
+        q = msg.q
+        out = torch.empty(q.shape, dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
+        pool.attend(msg.layer, q if q.dtype in (torch.float32, torch.bfloat16) else q.float(), tables, lens,
+                    out=out, n_threads=self.threads)
+        return Attended(out)
+
+    @handler(Release)
+    async def release(self, msg: Release) -> None:
+        for seq in msg.seqs:
+            self.store.release(seq)
+
+    @handler(GetRLoad)
+    async def get_load(self, msg: GetRLoad) -> RLoad:
+        return self.store.load()
+
+
+def model_config(name_or_path: str) -> ModelConfig:
+    """A model's config from its file's metadata alone (an R-worker needs the KV shape, not the weights)."""
+    path = resolve(name_or_path)
+    return (HFDirectory(path) if path.is_dir() else GGUFFile(path)).config
+
+
+# --- the role, for `python -m aiollm.node --role r-worker` ---------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("r-worker")
+    g.add_argument("--model", default="smollm2", help="model whose KV shape to hold (only its config is read)")
+    g.add_argument("--kv-memory", default="8GiB", help="KV budget in RAM, e.g. 8GiB (admission refuses beyond it)")
+    g.add_argument("--kv-dtype", default="fp16", choices=("fp32", "fp16", "int8"), help="KV storage type")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the S-worker's must match)")
+    g.add_argument("--threads", type=int, default=1, help="native attention threads (one per core it may use)")
+
+
+async def start(node: Node, args: argparse.Namespace) -> dict[str, str]:
+    """Spawn the R-worker as `r-worker`; returns {name: url} for the ready line."""
+    torch.set_num_threads(1)  # torch only reshapes here; its OpenMP team must not compete with the kernel's
+    config = model_config(args.model)
+    ref = await node.spawn(RWorker, "r-worker", n_layers=config.n_layers, n_kv_heads=config.n_kv_heads,
+                           head_dim=config.head_dim, kv_memory=parse_size(args.kv_memory), kv_dtype=args.kv_dtype,
+                           block_size=args.block_size, threads=args.threads)
+    return {"r-worker": ref.url}

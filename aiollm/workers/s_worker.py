@@ -1,0 +1,412 @@
+"""FastDecode's S-worker: the weights and the batched S-part of every decoding sequence; R-workers do the rest.
+
+Requests arrive as DistServe's `Generate` (tokens go back as `Tokens` to `reply_to`, `Cancel`
+stops one, `GetLoad` reports), so `aiollm.workers.cluster_client.ClusterClient` pointed at this
+actor is the HTTP frontend's `Backend` for it. The loop, a task of its own so handlers (and the
+R-workers' KV pulls from here) are served while it waits:
+
+1. pick requests to start: with the load-stabilising schedule (aiollm.sched.sls) a micro-batch of
+   M = B*F/S every F steps when W_lim allows; without it, whenever the batch has room;
+2. prefill them here as one packed batch into a small staging pool in the R-workers' KV format,
+   send the first tokens, place each on the R-worker with the least expected total length that
+   has room, and let that R-worker pull the prompt's KV (`Admit` -> `PullKV` stream -> `AckKV`);
+3. run one decode step for all of them (aiollm.workers.pipeline, with or without the
+   two-minibatch pipeline), sample, send each request's token, release finished sequences.
+
+The S-worker reserves on its side what every R-worker will hold (prompt + max_tokens per
+sequence), so it never picks a request no R-worker has room for; an R-worker's own refusal is
+still honoured (that request fails with the R-worker's message).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from aiollm.actors.actor import Actor, handler
+from aiollm.actors.ref import ActorRef
+from aiollm.log import get_logger
+from aiollm.model.llama import LlamaModel
+from aiollm.model.sampling import SamplingParams
+from aiollm.sched.sls import LoadSchedule, SLSConfig
+from aiollm.workers import runner
+from aiollm.workers.fastdecode_messages import (
+    Admit, GetRLoad, GetTrace, Release, RLoad, Synthetic, Trace,
+)
+from aiollm.workers.messages import (
+    AckKV, Cancel, Delta, Generate, GetLoad, KVBlock, Load, PullKV, Tokens,
+)
+from aiollm.workers.pipeline import StepRow, decode_step, place
+
+if TYPE_CHECKING:
+    from aiollm.actors.node import Node
+
+
+def _log():
+    return get_logger("s_worker")
+
+
+@dataclass(frozen=True)
+class SWorkerConfig:
+    """How the S-worker batches and schedules."""
+
+    # B: most sequences decoding at once
+    max_batch: int = 256
+    # split each step into two mini-batches so S-part and R-part overlap
+    pipeline: bool = True
+    # the load-stabilising schedule (its batch_size must equal max_batch); None: start requests whenever there is room
+    schedule: SLSConfig | None = None
+    # most prompt tokens prefilled in one batch
+    max_prefill_tokens: int = 4096
+    # staging pool for prompt KV waiting to be pulled by the R-workers, in tokens
+    staging_tokens: int = 16384
+    # most requests waiting to start; more are refused as overloaded
+    max_waiting: int = 4096
+    # per-step trace entries kept (for the benchmark's latency plot)
+    trace_len: int = 100_000
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_prefill_tokens", "staging_tokens", "max_waiting", "trace_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SWorkerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.schedule is not None and self.schedule.batch_size != self.max_batch:
+            raise ValueError(f"SWorkerConfig.schedule.batch_size ({self.schedule.batch_size}) must equal "
+                             f"max_batch ({self.max_batch})")
+
+
+@dataclass
+class _Request:
+    """A request from `Generate` (or a synthetic load-test sequence) until it finishes."""
+
+    seq: runner.Sequence
+    reply_to: ActorRef | None
+    # its id on its R-worker, and which R-worker (set when placed)
+    sid: int = -1
+    worker: int = -1
+    # decode step it started at under the schedule (-1: not scheduled)
+    start: int = -1
+
+
+class SWorker(Actor):
+    """Holds the weights; decodes every active sequence as one batch with attention on the R-workers."""
+
+    def __init__(self, model: LlamaModel, r_workers: list[str], config: SWorkerConfig = SWorkerConfig()) -> None:
+        if not r_workers:
+            raise ValueError("r_workers: need at least one R-worker URL")
+        self.model, self.config, self.r_urls = model, config, list(r_workers)
+        self.schedule = LoadSchedule(config.schedule) if config.schedule is not None else None
+        self._waiting: deque[_Request] = deque()
+        self._live: dict[str, _Request] = {}
+        self._cancelled: set[str] = set()
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.step_no = 0
+        self._trace: deque[tuple[float, int, int, int]] = deque(maxlen=config.trace_len)
+        self._started_now = 0
+
+    async def on_start(self) -> None:
+        self.workers: list[ActorRef] = [self.node.ref(url) for url in self.r_urls]
+        loads: list[RLoad] = await asyncio.gather(*(w.ask(GetRLoad(), timeout=30.0) for w in self.workers))
+        kinds = {(load.block_size, load.dtype) for load in loads}
+        if len(kinds) != 1:
+            raise ValueError(f"R-workers disagree on KV block size / dtype: {sorted(kinds)}")
+        self.block_size, self.kv_dtype = kinds.pop()
+        # blocks each R-worker can hold, and what this S-worker has reserved there (it is their only client)
+        self.capacity = [load.blocks_total - load.blocks_used for load in loads]
+        self.reserved = [0] * len(loads)
+        # expected total length (prompt + max_tokens) of the sequences on each R-worker: the balancing key
+        self.expected = [0] * len(loads)
+        self.staging = runner.PagedCache(self.model, -(-self.config.staging_tokens // self.block_size),
+                                         self.block_size, self.kv_dtype)
+        self._task = asyncio.create_task(self._loop(), name=f"{self.name}-loop")
+
+    async def on_stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # --- handlers: they only change state and wake the loop -----------------------------------
+
+    @handler(Generate)
+    async def on_generate(self, msg: Generate) -> None:
+        if len(self._waiting) >= self.config.max_waiting:
+            await msg.reply_to.tell(Tokens([Delta(msg.request_id, [], error="overloaded")], self.name))
+            return
+        try:
+            seq = runner.new_sequence(msg.request_id, msg.prompt_ids, msg.sampling.params(), self.model)
+            self._check_fits(seq)
+        except ValueError as exc:
+            await msg.reply_to.tell(Tokens([Delta(msg.request_id, [], error=f"failed: {exc}")], self.name))
+            return
+        self._waiting.append(_Request(seq, msg.reply_to))
+        self._wake.set()
+
+    @handler(Synthetic)
+    async def on_synthetic(self, msg: Synthetic) -> None:
+        params = SamplingParams(max_tokens=msg.max_tokens, ignore_eos=True)
+        reqs = [_Request(runner.new_sequence(f"synthetic-{next(self._ids)}", [0] * n, params, self.model), None)
+                for n in msg.context_lens]
+        for req in reqs:
+            req.seq.output.append(0)  # the token fed at the first step
+            self._check_fits(req.seq)
+            if not self._place(req):
+                raise ValueError(f"no R-worker has room for a {req.seq.max_length}-token synthetic sequence")
+        await asyncio.gather(*(self._admit(req, placeholder=True) for req in reqs))
+        self._wake.set()
+
+    @handler(Cancel)
+    async def on_cancel(self, msg: Cancel) -> None:
+        self._cancelled.add(msg.request_id)
+        self._wake.set()
+
+    @handler(GetLoad)
+    async def on_get_load(self, msg: GetLoad) -> Load:
+        return Load(waiting=len(self._waiting), running=len(self._live), kv_blocks_used=sum(self.reserved),
+                    kv_blocks_total=sum(self.capacity), kv_block_size=self.block_size)
+
+    @handler(GetTrace)
+    async def on_get_trace(self, msg: GetTrace) -> Trace:
+        steps = list(self._trace)
+        if msg.reset:
+            self._trace.clear()
+        return Trace(step_s=[s[0] for s in steps], batch=[s[1] for s in steps], tokens=[s[2] for s in steps],
+                     started=[s[3] for s in steps])
+
+    @handler(PullKV)
+    async def on_pull(self, msg: PullKV):
+        seq = self._staged(msg.request_id)
+        for index in range(self.staging.blocks_for(len(seq.prompt))):
+            kv = self.staging.pool.read(None, [seq.blocks[index]])
+            yield KVBlock(index, kv.k, kv.v, kv.k_scale, kv.v_scale)
+
+    @handler(AckKV)
+    async def on_ack(self, msg: AckKV) -> None:
+        req = self._live.get(msg.request_id)
+        if req is not None:
+            self.staging.free(req.seq)
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            await self._drop_cancelled()
+            starting = self._pick()
+            if starting:
+                await self._start(starting)
+            if not self._live:
+                if not starting:  # nothing to do until a request (or a cancel) arrives
+                    self._wake.clear()
+                    await self._wake.wait()
+                continue
+            try:
+                await self._step()
+            except Exception as exc:
+                _log().exception("decode step failed", worker=self.name, batch=len(self._live), step=self.step_no)
+                for req in list(self._live.values()):
+                    await self._finish(req, error=f"failed: decode step: {exc}")
+
+    def _pick(self) -> list[_Request]:
+        """Requests to start before this step: a micro-batch under the schedule, else all that fit."""
+        c = self.config
+        schedule = self.schedule
+        limit = c.max_batch - len(self._live)
+        if schedule is not None:
+            if self._live and self.step_no % schedule.config.interval:
+                return []
+            limit = min(limit, schedule.config.micro_batch_size)
+        picked: list[_Request] = []
+        tokens = 0
+        staging_free = self.staging.free_blocks
+        while self._waiting and len(picked) < limit:
+            req = self._waiting[0]
+            need = self.staging.blocks_for(len(req.seq.prompt))
+            if picked and (tokens + len(req.seq.prompt) > c.max_prefill_tokens or need > staging_free):
+                break
+            if need > staging_free or not self._place(req):
+                break
+            self._waiting.popleft()
+            picked.append(req)
+            tokens += len(req.seq.prompt)
+            staging_free -= need
+        if schedule is None or not picked:
+            return picked
+        profile = schedule.micro_batch_load([len(r.seq.prompt) for r in picked], [r.seq.max_length for r in picked])
+        try:
+            start = schedule.earliest_step(profile, not_before=self.step_no)
+        except ValueError:  # longer than the schedule plans for: start it only into an empty batch
+            start = self.step_no if not self._live else -1
+        if start != self.step_no and self._live:
+            for req in reversed(picked):
+                self._unplace(req)
+                self._waiting.appendleft(req)
+            return []
+        self.step_no = start  # an idle S-worker jumps its clock to the micro-batch's slot
+        schedule.advance(start)
+        schedule.add_micro_batch(profile, start)
+        for req in picked:
+            req.start = start
+        return picked
+
+    def _place(self, req: _Request) -> bool:
+        """Choose (and reserve on) the R-worker for `req`; False when none has room."""
+        need = self.staging.blocks_for(req.seq.max_length)
+        full = frozenset(i for i in range(len(self.workers)) if self.reserved[i] + need > self.capacity[i])
+        if len(full) == len(self.workers):
+            return False
+        req.worker = place(self.expected, req.seq.max_length, full)
+        req.sid = next(self._ids)
+        self.reserved[req.worker] += need
+        self.expected[req.worker] += req.seq.max_length
+        return True
+
+    def _unplace(self, req: _Request) -> None:
+        self.reserved[req.worker] -= self.staging.blocks_for(req.seq.max_length)
+        self.expected[req.worker] -= req.seq.max_length
+        req.worker = -1
+
+    async def _start(self, reqs: list[_Request]) -> None:
+        """Prefill into staging, send first tokens, and have each sequence's R-worker pull its KV."""
+        seqs = [r.seq for r in reqs]
+        for seq in seqs:
+            self.staging.reserve(seq, len(seq.prompt))
+        tokens = runner.prefill_into(self.model, self.staging, seqs)
+        self._started_now += len(reqs)
+        for req in reqs:
+            self._live[req.seq.request_id] = req
+        await self._send(reqs, [[t] for t in tokens])
+        await asyncio.gather(*(self._admit(req, placeholder=False) for req in reqs if req.seq.finish is None))
+
+    async def _admit(self, req: _Request, placeholder: bool) -> None:
+        seq = req.seq
+        self._live[seq.request_id] = req
+        n_tokens = seq.length - 1  # KV entries before the first decode step (its fed token is not cached yet)
+        msg = Admit(req.sid, seq.request_id, n_tokens, seq.max_length, None if placeholder else self.ref)
+        try:
+            await self.workers[req.worker].ask(msg, timeout=60.0)
+        except Exception as exc:  # RemoteError (e.g. AdmissionRefused), TimeoutError, the R-worker gone
+            _log().warning("R-worker refused or failed admission", request_id=seq.request_id, error=str(exc))
+            await self._finish(req, error=f"failed: admission on R-worker {self.r_urls[req.worker]}: {exc}",
+                               admitted=False)
+        finally:
+            self.staging.free(seq)
+
+    async def _step(self) -> None:
+        live = list(self._live.values())
+        rows = [StepRow(r.sid, r.worker, r.seq.output[-1], r.seq.length - 1) for r in live]
+        held = sum(r.seq.length for r in live)
+        started = time.perf_counter()
+        logits = await decode_step(self.model, self.workers, rows, self.config.pipeline)
+        with torch.inference_mode():
+            tokens = runner.sample_next([r.seq for r in live], logits)
+        self._trace.append((time.perf_counter() - started, len(live), held, self._started_now))
+        self._started_now = 0
+        await self._send(live, [[t] for t in tokens])
+        self.step_no += 1
+        if self.schedule is not None:
+            self.schedule.advance(self.step_no)
+
+    async def _send(self, reqs: list[_Request], tokens: list[list[int]]) -> None:
+        """Tell each request's client its new tokens; release the sequences that finished."""
+        by_dest: dict[ActorRef, list[Delta]] = defaultdict(list)
+        for req, toks in zip(reqs, tokens):
+            if req.reply_to is not None:
+                by_dest[req.reply_to].append(Delta(req.seq.request_id, toks, req.seq.finish))
+        for dest, deltas in by_dest.items():
+            await dest.tell(Tokens(deltas, self.name))
+        for req in reqs:
+            if req.seq.finish is not None:
+                await self._finish(req)
+
+    async def _finish(self, req: _Request, error: str | None = None, admitted: bool = True) -> None:
+        """Forget a request: free its staging, release it on its R-worker, give back its reservation."""
+        rid = req.seq.request_id
+        if self._live.pop(rid, None) is None:
+            return
+        self.staging.free(req.seq)
+        if admitted:
+            try:
+                await self.workers[req.worker].tell(Release([req.sid]))
+            except Exception as exc:  # the R-worker is gone: nothing left to free there
+                _log().warning("release failed", request_id=rid, error=str(exc))
+        self._unplace(req)
+        if self.schedule is not None and req.start >= 0:
+            self.schedule.remove_sequence(len(req.seq.prompt), req.seq.max_length, req.start, self.step_no)
+        if error is not None and req.reply_to is not None:
+            await req.reply_to.tell(Tokens([Delta(rid, [], error=error)], self.name))
+
+    async def _drop_cancelled(self) -> None:
+        if not self._cancelled:
+            return
+        cancelled, self._cancelled = self._cancelled, set()
+        self._waiting = deque(r for r in self._waiting if r.seq.request_id not in cancelled)
+        for rid in cancelled:
+            req = self._live.get(rid)
+            if req is not None:
+                req.reply_to = None
+                await self._finish(req)
+
+    def _staged(self, request_id: str) -> runner.Sequence:
+        req = self._live.get(request_id)
+        if req is None or not req.seq.blocks:
+            raise KeyError(f"no prompt KV staged for {request_id!r} on {self.name}")
+        return req.seq
+
+    def _check_fits(self, seq: runner.Sequence) -> None:
+        need = self.staging.blocks_for(seq.max_length)
+        if need > max(self.capacity):
+            raise ValueError(f"prompt + max_tokens = {seq.max_length} tokens exceed every R-worker's KV budget")
+        if self.staging.blocks_for(len(seq.prompt)) > self.staging.total_blocks:
+            raise ValueError(f"prompt of {len(seq.prompt)} tokens exceeds the staging pool "
+                             f"({self.config.staging_tokens} tokens)")
+
+
+# --- the role, for `python -m aiollm.node --role s-worker` ---------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("s-worker")
+    g.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
+    g.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="weight dtype of the S-part")
+    g.add_argument("--threads", type=int, default=1, help="torch threads of the S-part")
+    g.add_argument("--r-workers", required=True,
+                   help="R-worker nodes or actors, comma-separated: tcp://127.0.0.1:7001[/r-worker],...")
+    g.add_argument("--max-batch", type=int, default=256, help="B: most sequences decoding at once")
+    g.add_argument("--no-pipeline", action="store_true", help="one mini-batch per step (no S/R overlap)")
+    g.add_argument("--sls-interval", type=int, default=0,
+                   help="F: start a micro-batch every F steps (load-stabilising schedule); 0: off")
+    g.add_argument("--sls-seq-len", type=int, default=1024, help="S the schedule plans for (prompt + completion)")
+    g.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens per prefill batch")
+    g.add_argument("--staging-tokens", type=int, default=16384, help="prompt KV waiting to be pulled, in tokens")
+
+
+def r_worker_urls(text: str) -> list[str]:
+    """'tcp://h:p,tcp://h:p/name' -> actor URLs (a bare node address means its `r-worker` actor)."""
+    urls = [u.strip() for u in text.split(",") if u.strip()]
+    if not urls:
+        raise ValueError("--r-workers: expected tcp://host:port[,tcp://host:port...]")
+    return [u if u.split("://", 1)[-1].count("/") else f"{u}/r-worker" for u in urls]
+
+
+def config_from_args(args: argparse.Namespace) -> SWorkerConfig:
+    schedule = (SLSConfig(batch_size=args.max_batch, seq_len=args.sls_seq_len, interval=args.sls_interval)
+                if args.sls_interval else None)
+    return SWorkerConfig(max_batch=args.max_batch, pipeline=not args.no_pipeline, schedule=schedule,
+                         max_prefill_tokens=args.max_prefill_tokens, staging_tokens=args.staging_tokens)
+
+
+async def start(node: Node, args: argparse.Namespace) -> dict[str, str]:
+    """Load the model, spawn the S-worker as `s-worker`; returns {name: url} for the ready line."""
+    from aiollm.model.loader import load
+
+    torch.set_num_threads(args.threads)
+    config = config_from_args(args)
+    model = await asyncio.to_thread(load, args.model, args.dtype)
+    ref = await node.spawn(SWorker(model, r_worker_urls(args.r_workers), config), "s-worker")
+    return {"s-worker": ref.url}
