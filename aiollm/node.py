@@ -25,6 +25,8 @@ from typing import NoReturn
 ROLES: dict[str, tuple[str, str]] = {
     "echo": ("aiollm.actors.echo", "an `echo` actor answering Ping/Echo/Count/Sleep/Fail (demo, tests, bench)"),
     "empty": ("aiollm.actors.system", "no actor of its own; actors are spawned on it remotely (graph.py)"),
+    "r-worker": ("aiollm.workers.r_worker", "FastDecode R-worker: sequences' KV in RAM under --kv-memory, attention"),
+    "s-worker": ("aiollm.workers.s_worker", "FastDecode S-worker: weights, batched S-part over --r-workers, generate"),
 }
 
 
