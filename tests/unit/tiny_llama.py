@@ -28,14 +28,18 @@ def make_tokenizer():
     return tokenizer
 
 
-def write_hf_dir(directory: Path, tie: bool = True, n_heads: int = 4, n_kv_heads: int = 2, seed: int = 0):
-    """Save a random LlamaForCausalLM + tokenizer in `directory`; return the transformers model (fp32, eval)."""
+def write_hf_dir(directory: Path, tie: bool = True, n_heads: int = 4, n_kv_heads: int = 2, seed: int = 0,
+                 init_std: float = 0.02):
+    """Save a random LlamaForCausalLM + tokenizer in `directory`; return the transformers model (fp32, eval).
+
+    A larger `init_std` spreads the logits, so greedy choices are far from ties (token-exact tests)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     tokenizer = make_tokenizer()
     config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=n_heads, num_key_value_heads=n_kv_heads,
                          max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+                         tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+                         initializer_range=init_std)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # random norms too, so a wrong norm weight shows
