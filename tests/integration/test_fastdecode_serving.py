@@ -1,0 +1,117 @@
+"""FastDecode end to end: an S-worker (here, on the test's node) and R-workers as separate OS processes
+(`python -m aiollm.node --role r-worker`, TCP between them) on a tiny random Llama with fp32 KV.
+
+Greedy tokens equal the colocated `generate()` with and without the two-minibatch pipeline and the
+load-stabilising schedule; an R-worker at its budget refuses a sequence with a clear error and loses
+nothing it holds; a released sequence gives its blocks back."""
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from aiollm.errors import RemoteError
+from aiollm.graph import Graph
+from aiollm.model.engine import generate
+from aiollm.model.loader import load
+from aiollm.model.sampling import SamplingParams
+from aiollm.sched.sls import SLSConfig
+from aiollm.workers.backend import GenerateRequest
+from aiollm.workers.cluster_client import ClusterClient
+from aiollm.workers.fastdecode_messages import Admit, Attend, GetRLoad, GetTrace, Release
+from aiollm.workers.s_worker import SWorker, SWorkerConfig
+from tests.unit.tiny_llama import write_hf_dir
+
+# mixed lengths, crossing 16-token block boundaries while decoding
+PROMPTS = [[5, 17, 42, 99, 3], list(range(20, 57)), [33], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 200],
+           list(range(100, 131)), [9, 9]]
+MAX_TOKENS = [14, 9, 20, 12, 6, 17]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_fastdecode")
+    write_hf_dir(directory, init_std=0.2)
+    return load(directory), directory
+
+
+async def _r_workers(graph: Graph, directory, n: int, kv_memory: str) -> list[str]:
+    args = ("--model", str(directory), "--kv-dtype", "fp32", "--kv-memory", kv_memory, "--threads", "1")
+    nodes = await asyncio.gather(*(graph.start_node("r-worker", process=True, args=args) for _ in range(n)))
+    return [node.actors["r-worker"] for node in nodes]
+
+
+async def _generate(client: ClusterClient, prompts, params) -> list[list[int]]:
+    async def one(i: int) -> list[int]:
+        out = []
+        async for delta in client.submit(GenerateRequest(f"req-{i}", tuple(prompts[i]), params[i])):
+            out += delta.token_ids
+        return out
+    return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+
+async def test_tokens_equal_colocated_generate_with_and_without_pipeline_and_schedule(tiny):
+    model, directory = tiny
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    expected = [c.token_ids for c in generate(model, PROMPTS, params)]
+    async with Graph() as graph:
+        urls = await _r_workers(graph, directory, 2, "4MiB")
+        workers = [graph.ref(u) for u in urls]
+        driver = graph.driver
+        for i, (pipeline, schedule) in enumerate([(False, None), (True, None),
+                                                  (False, SLSConfig(batch_size=4, seq_len=48, interval=4)),
+                                                  (True, SLSConfig(batch_size=4, seq_len=48, interval=4))]):
+            max_batch = 4 if schedule else 8
+            s = await driver.spawn(SWorker(model, urls, SWorkerConfig(max_batch=max_batch, pipeline=pipeline,
+                                                                      schedule=schedule)), f"s-{i}")
+            client = ClusterClient(s.url)
+            await driver.spawn(client, f"client-{i}")
+            got = await _generate(client, PROMPTS, params)
+            assert got == expected, f"pipeline={pipeline} schedule={schedule}"
+            trace = await s.ask(GetTrace())
+            assert max(trace.batch) <= max_batch
+            if schedule is not None:  # micro-batches of M = B*F/S = 1 start at most one per F steps
+                assert all(n <= 1 for n in trace.started)
+            loads = await asyncio.gather(*(w.ask(GetRLoad()) for w in workers))
+            assert all(load.sequences == 0 and load.blocks_used == 0 for load in loads)
+            assert all(load.tokens == 0 for load in loads)
+            await driver.stop_actor(f"s-{i}")
+
+
+async def test_r_worker_at_budget_refuses_and_keeps_what_it_holds(tiny):
+    model, directory = tiny
+    c = model.config
+    # fp32, 2 layers, 2 KV heads x 16 dims: 8 KiB per 16-token block; 64 KiB = 8 blocks = 128 tokens
+    async with Graph() as graph:
+        (url,) = await _r_workers(graph, directory, 1, "64KiB")
+        r = graph.ref(url)
+        load = await r.ask(Admit(0, "a", 20, 100))
+        assert (load.sequences, load.tokens, load.blocks_used, load.blocks_total) == (1, 20, 7, 8)
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(1, c.n_heads, c.head_dim, generator=gen)
+        k = torch.randn(1, c.n_kv_heads, c.head_dim, generator=gen)
+        first = (await r.ask(Attend(0, 0, np.array([0]), q, k, k))).o
+        assert torch.allclose(first, _expected_o(q, k, zeros=20, copies=1), atol=1e-5)
+        with pytest.raises(RemoteError) as refused:
+            await r.ask(Admit(1, "b", 10, 40))
+        assert refused.value.type_name == "AdmissionRefused"
+        assert "KV budget" in refused.value.message and "refuses sequence b" in refused.value.message
+        load = await r.ask(GetRLoad())
+        assert (load.sequences, load.tokens, load.blocks_used) == (1, 21, 7)
+        # the held sequence still attends over exactly what it held, plus the new entry
+        second = (await r.ask(Attend(0, 0, np.array([0]), q, k, k))).o
+        assert torch.allclose(second, _expected_o(q, k, zeros=20, copies=2), atol=1e-5)
+        await r.tell(Release([0]))
+        load = await r.ask(GetRLoad())
+        assert (load.sequences, load.tokens, load.blocks_used) == (0, 0, 0)
+        load = await r.ask(Admit(1, "b", 10, 40))
+        assert (load.sequences, load.blocks_used) == (1, 3)
+
+
+def _expected_o(q, k, zeros: int, copies: int) -> torch.Tensor:
+    """Attention of q over `zeros` zero entries then `copies` entries with K = V = k (grouped heads)."""
+    group = q.shape[1] // k.shape[1]
+    kk = k[0].repeat_interleave(group, dim=0)  # [n_heads, d]
+    score = (q[0] * kk).sum(-1) / q.shape[-1] ** 0.5
+    weight = copies * torch.exp(score) / (zeros + copies * torch.exp(score))
+    return (weight[:, None] * kk)[None]

@@ -1,0 +1,79 @@
+"""FastDecode's pure parts: placement by expected length, mini-batch split, the R-worker's sequence store
+(whole-life reservation, all-or-nothing refusal, release), and the S-worker's flags."""
+import argparse
+
+import numpy as np
+import pytest
+
+from aiollm.errors import KVCacheFull
+from aiollm.kv.pool import KVConfig
+from aiollm.sched.sls import SLSConfig
+from aiollm.workers.pipeline import _worker_slices, place, split
+from aiollm.workers.r_worker import SequenceStore, parse_size
+from aiollm.workers.s_worker import SWorkerConfig, config_from_args, r_worker_urls
+
+
+def test_place_balances_expected_total_length():
+    expected = [0, 0]
+    chosen = []
+    for max_len in [100, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10]:
+        w = place(expected, max_len)
+        expected[w] += max_len
+        chosen.append(w)
+    assert expected == [100, 100]  # the long one alone on worker 0, the ten short ones on worker 1
+    assert chosen[0] == 0 and set(chosen[1:]) == {1}
+    assert place([5, 0, 0], 1, refused=frozenset({1})) == 2
+    with pytest.raises(ValueError):
+        place([0], 1, refused=frozenset({0}))
+
+
+def test_split_and_worker_slices():
+    assert split(7, pipeline=True) == [slice(0, 4), slice(4, 7)]
+    assert split(1, pipeline=True) == [slice(0, 1)]
+    assert split(7, pipeline=False) == [slice(0, 7)]
+    assert _worker_slices([0, 0, 1, 1, 1, 3]) == [(0, slice(0, 2)), (1, slice(2, 5)), (3, slice(5, 6))]
+    assert _worker_slices([]) == []
+
+
+def _store(n_blocks=8):
+    return SequenceStore(KVConfig(n_layers=2, n_blocks=n_blocks, n_kv_heads=1, head_dim=4, block_size=4, dtype="fp32"))
+
+
+def test_store_reserves_whole_life_and_refuses_all_or_nothing():
+    store = _store()
+    store.admit(0, 3, 20)  # 5 blocks for its whole life
+    assert store.load().blocks_used == 5 and store.load().tokens == 3
+    with pytest.raises(KVCacheFull):
+        store.admit(1, 5, 16)  # 4 blocks, 3 free
+    assert store.load().sequences == 1 and store.load().blocks_used == 5
+    slots, tables, lens = store.begin_step(np.array([0]))
+    assert lens.tolist() == [4] and tables.shape == (1, 1) and slots.tolist() == [int(tables[0, 0]) * 4 + 3]
+    slots, tables, lens = store.begin_step(np.array([0]))
+    assert lens.tolist() == [5] and tables.shape == (1, 2) and slots.tolist() == [int(tables[0, 1]) * 4]
+    store.release(0)
+    assert store.load().blocks_used == 0 and store.load().sequences == 0
+    store.admit(1, 5, 16)
+    with pytest.raises(ValueError):
+        store.admit(1, 5, 16)
+
+
+def test_store_stops_at_the_reserved_length():
+    store = _store()
+    store.admit(0, 3, 4)
+    store.begin_step(np.array([0]))
+    with pytest.raises(ValueError, match="reserved length"):
+        store.begin_step(np.array([0]))
+
+
+def test_sizes_urls_and_config():
+    assert parse_size("8GiB") == 8 * 2**30 and parse_size("1.5GB") == 1_500_000_000 and parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="memory size"):
+        parse_size("8 parsecs")
+    assert r_worker_urls("tcp://127.0.0.1:7001,tcp://127.0.0.1:7002/rw") == [
+        "tcp://127.0.0.1:7001/r-worker", "tcp://127.0.0.1:7002/rw"]
+    args = argparse.Namespace(max_batch=64, no_pipeline=False, sls_interval=16, sls_seq_len=256,
+                              max_prefill_tokens=512, staging_tokens=1024)
+    config = config_from_args(args)
+    assert config.pipeline and config.schedule.micro_batch_size == 4
+    with pytest.raises(ValueError, match="batch_size"):
+        SWorkerConfig(max_batch=8, schedule=SLSConfig(batch_size=4, seq_len=16, interval=4))
