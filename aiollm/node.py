@@ -25,6 +25,10 @@ from typing import NoReturn
 ROLES: dict[str, tuple[str, str]] = {
     "echo": ("aiollm.actors.echo", "an `echo` actor answering Ping/Echo/Count/Sleep/Fail (demo, tests, bench)"),
     "empty": ("aiollm.actors.system", "no actor of its own; actors are spawned on it remotely (graph.py)"),
+    "prefill": ("aiollm.workers.roles.prefill", "DistServe prefill instance: FCFS, batches to L_m, holds KV until pulled"),
+    "decode": ("aiollm.workers.roles.decode", "DistServe decode instance: continuous batching, pulls KV"),
+    "controller": ("aiollm.workers.roles.controller", "DistServe controller: dispatch, failover, timings"),
+    "frontend": ("aiollm.workers.roles.frontend", "OpenAI-compatible HTTP API in front of a controller"),
     "r-worker": ("aiollm.workers.r_worker", "FastDecode R-worker: sequences' KV in RAM under --kv-memory, attention"),
     "s-worker": ("aiollm.workers.s_worker", "FastDecode S-worker: weights, batched S-part over --r-workers, generate"),
 }

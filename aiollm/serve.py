@@ -4,24 +4,24 @@
     python -m aiollm serve --colocated              # one process: prefill and decode batched together
 
 Disaggregated: every prefill and decode instance, the controller and the frontend is its own
-`python -m aiollm.node --role ...` subprocess on 127.0.0.1, sharing a fresh cluster secret; the
-instances start first (each loads the model), then the controller, then the frontend. The command
-prints the API base URL once the frontend answers and runs until interrupted (or until a child
-dies), then stops every child it started.
+`python -m aiollm.node --role ...` subprocess on 127.0.0.1 (started through aiollm.graph, which
+shares a fresh cluster secret and always reaps its processes); the instances start first, in
+parallel (each loads the model), then the controller, then the frontend. The command prints the API
+base URL once the frontend answers and runs until interrupted or until a node dies, then stops
+every node.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import secrets
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import threading
-from pathlib import Path
+import urllib.request
+
+from aiollm import log
+from aiollm.graph import Graph
+from aiollm.workers.roles.common import served_name
 
 _READY_TIMEOUT_S = 300.0
 
@@ -41,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-kv-blocks", type=int, default=2048, help="KV pool of each decode instance")
     parser.add_argument("--max-batch-tokens", type=int, default=512, help="L_m: prompt tokens per prefill batch")
     parser.add_argument("--max-running", type=int, default=128, help="most sequences per decode step")
+    parser.add_argument("--log-level", default="WARNING", help="log level of the nodes")
 
 
 def _free_port() -> int:
@@ -49,83 +50,54 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class _Child:
-    """One started node: its process, and its `ready ...` line once printed (other output is passed on)."""
-
-    def __init__(self, name: str, argv: list[str]) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, bufsize=1)
-        self.ready = threading.Event()
-        self.fields: dict[str, str] = {}
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("ready ") and not self.ready.is_set():
-                self.fields = dict(item.split("=", 1) for item in line.split()[1:] if "=" in item)
-                self.ready.set()
-            else:
-                sys.stdout.write(f"[{self.name}] {line}")
-        self.ready.set()  # exited: wake the waiter, which sees the exit code
-
-    def wait_ready(self, timeout: float) -> dict[str, str]:
-        if not self.ready.wait(timeout) or self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name} did not start (exit code {self.proc.poll()})")
-        return self.fields
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
-def _node(role: str, port: int, secret_file: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "aiollm.node", "--role", role, "--listen", f"tcp://127.0.0.1:{port}",
-            "--secret-file", str(secret_file), *extra]
-
-
-def _start_cluster(args: argparse.Namespace, secret_file: Path, children: list[_Child]) -> None:
-    """Start every node, appending each to `children` at once (so the caller can stop them on any error)."""
-    model = ["--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads),
-             "--block-size", str(args.block_size), "--kv-dtype", args.kv_dtype]
-    for i in range(args.prefill):
-        children.append(_Child(f"prefill{i}", _node("prefill", _free_port(), secret_file, "--actor", f"prefill{i}",
-                                                     *model, "--kv-blocks", str(args.prefill_kv_blocks),
-                                                     "--max-batch-tokens", str(args.max_batch_tokens))))
-    for i in range(args.decode):
-        children.append(_Child(f"decode{i}", _node("decode", _free_port(), secret_file, "--actor", f"decode{i}",
-                                                   *model, "--kv-blocks", str(args.decode_kv_blocks),
-                                                   "--max-running", str(args.max_running))))
-    urls = {child.name: child.wait_ready(_READY_TIMEOUT_S)["actor"] for child in children}
-    prefill = ",".join(f"{n}={u}" for n, u in urls.items() if n.startswith("prefill"))
-    decode = ",".join(f"{n}={u}" for n, u in urls.items() if n.startswith("decode"))
-    controller = _Child("controller", _node("controller", _free_port(), secret_file, "--prefill", prefill,
-                                            "--decode", decode))
-    children.append(controller)
-    controller_url = controller.wait_ready(_READY_TIMEOUT_S)["actor"]
-    frontend = _Child("frontend", _node("frontend", _free_port(), secret_file, "--controller", controller_url,
-                                        "--model", args.model, "--http-host", args.host,
-                                        "--http-port", str(args.port)))
-    children.append(frontend)
-    print(f"aiollm: serving {args.model} at {frontend.wait_ready(_READY_TIMEOUT_S)['http']} "
-          f"({args.prefill} prefill + {args.decode} decode instances)", flush=True)
-
-
-def _supervise(children: list[_Child]) -> int:
-    """Wait until a signal arrives (exit 0) or a child exits (exit 1)."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.5):
-        for child in children:
-            if child.proc.poll() is not None:
-                print(f"aiollm: {child.name} exited with code {child.proc.returncode}; stopping", file=sys.stderr)
-                return 1
-    return 0
+async def _serve_cluster(args: argparse.Namespace) -> int:
+    """Start the nodes (instances in parallel, then controller, then frontend) and supervise them."""
+    model = ("--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads),
+             "--block-size", str(args.block_size), "--kv-dtype", args.kv_dtype)
+    port = args.port or _free_port()
+    async with Graph(startup_timeout=_READY_TIMEOUT_S, log_level=args.log_level) as graph:
+        prefill = [graph.start_node("prefill", process=True, args=(
+            "--actor", f"prefill{i}", *model, "--kv-blocks", str(args.prefill_kv_blocks),
+            "--max-batch-tokens", str(args.max_batch_tokens))) for i in range(args.prefill)]
+        decode = [graph.start_node("decode", process=True, args=(
+            "--actor", f"decode{i}", *model, "--kv-blocks", str(args.decode_kv_blocks),
+            "--max-running", str(args.max_running))) for i in range(args.decode)]
+        handles = await asyncio.gather(*prefill, *decode)
+        urls = [url for handle in handles for url in handle.actors.items()]
+        controller = await graph.start_node("controller", process=True, args=(
+            "--prefill", ",".join(f"{n}={u}" for n, u in urls if n.startswith("prefill")),
+            "--decode", ",".join(f"{n}={u}" for n, u in urls if n.startswith("decode"))))
+        await graph.start_node("frontend", process=True, args=(
+            "--controller", next(iter(controller.actors.values())), "--model", args.model,
+            "--http-host", args.host, "--http-port", str(port)))
+        base = f"http://{args.host}:{port}"
+        while not await asyncio.to_thread(_healthy, f"{base}/health"):
+            await asyncio.sleep(0.2)
+        print(f"aiollm: serving {served_name(args.model)} at {base}/v1 "
+              f"({args.prefill} prefill + {args.decode} decode instances)", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        exits = {asyncio.ensure_future(h.process.wait()): h for h in graph.nodes}
+        stopped = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({stopped, *exits}, return_when=asyncio.FIRST_COMPLETED)
+        for future in (stopped, *exits):
+            future.cancel()
+        dead = [exits[f] for f in done if f in exits]
+        if dead:
+            print(f"aiollm: node {dead[0].url} exited with status {dead[0].process.returncode}; stopping",
+                  file=sys.stderr)
+            return 1
+        return 0
 
 
 def _run_colocated(args: argparse.Namespace) -> int:
@@ -135,7 +107,6 @@ def _run_colocated(args: argparse.Namespace) -> int:
     from aiollm.workers.backend import ModelInfo
     from aiollm.workers.engine import ColocatedEngine, EngineConfig
     from aiollm.workers.frontend import Frontend, FrontendConfig, start_server
-    from aiollm.workers.roles import served_name
 
     torch.set_num_threads(args.threads)
     model = load(args.model, dtype=args.dtype)
@@ -163,22 +134,14 @@ def _run_colocated(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    log.configure(args.log_level)
     if args.colocated:
         return _run_colocated(args)
     if args.prefill < 1 or args.decode < 1:
-        print("aiollm serve: --prefill and --decode must be >= 1", file=sys.stderr)
+        print("python -m aiollm serve: error: --prefill and --decode must be >= 1", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="aiollm-") as tmp:
-        secret_file = Path(tmp) / "secret"
-        secret_file.write_text(secrets.token_hex(32))
-        os.chmod(secret_file, 0o600)
-        children: list[_Child] = []
-        try:
-            _start_cluster(args, secret_file, children)
-            return _supervise(children)
-        except RuntimeError as exc:
-            print(f"aiollm serve: {exc}", file=sys.stderr)
-            return 1
-        finally:
-            for child in reversed(children):
-                child.stop()
+    try:
+        return asyncio.run(_serve_cluster(args))
+    except RuntimeError as exc:  # a node did not start
+        print(f"python -m aiollm serve: error: {exc}", file=sys.stderr)
+        return 1

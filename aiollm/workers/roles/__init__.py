@@ -1,0 +1,1 @@
+"""Serving roles for `python -m aiollm.node --role prefill|decode|controller|frontend`."""
