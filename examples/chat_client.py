@@ -1,0 +1,43 @@
+"""Send a real chat request to a running aiollm server through the official openai client.
+
+    python -m aiollm serve --prefill 1 --decode 1 &      # wait for "aiollm: serving smollm2 at ..."
+    python examples/chat_client.py "What is the capital of France?"
+
+Streams the answer as it is generated, then prints the token counts and the time to first token.
+"""
+import argparse
+import time
+
+import openai
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prompt", nargs="?", default="What is the capital of France? Answer in one sentence.")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    args = parser.parse_args()
+
+    client = openai.OpenAI(base_url=args.base_url, api_key="not-needed")
+    start = time.perf_counter()
+    first = None
+    stream = client.chat.completions.create(
+        model=args.model, messages=[{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens,
+        temperature=args.temperature, stream=True, stream_options={"include_usage": True})
+    print(f"user: {args.prompt}\nassistant: ", end="", flush=True)
+    usage = None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            print(chunk.choices[0].delta.content, end="", flush=True)
+        usage = chunk.usage or usage
+    total = time.perf_counter() - start
+    ttft = f"{(first - start) * 1e3:.0f} ms" if first else "n/a"
+    print(f"\n[{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens, "
+          f"first token after {ttft}, {total:.2f} s in all]")
+
+
+if __name__ == "__main__":
+    main()

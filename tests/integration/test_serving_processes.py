@@ -1,0 +1,62 @@
+"""`python -m aiollm serve` as a user runs it: every instance its own OS process, a real chat request
+through the openai client, greedy tokens equal to the colocated generate(), and no process left after."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from aiollm.model.engine import generate
+from aiollm.model.loader import load
+from aiollm.model.sampling import SamplingParams
+from tests.unit.tiny_llama import write_hf_dir
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.slow
+def test_serve_command_answers_a_chat_request_and_cleans_up(tmp_path):
+    write_hf_dir(tmp_path)
+    model = load(str(tmp_path))
+    tok = model.tokenizer
+    messages = [{"role": "user", "content": "Paris is the capital of"}]
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    ref = generate(model, [ids], SamplingParams(max_tokens=16))[0]
+
+    proc = subprocess.Popen([sys.executable, "-m", "aiollm", "serve", "--model", str(tmp_path), "--port", "0",
+                             "--prefill", "1", "--decode", "1"], stdout=subprocess.PIPE, text=True)
+    children = []
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "serving" not in line and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+        assert "serving" in line, f"server did not come up (exit {proc.poll()})"
+        base_url = line.split(" at ")[1].split()[0]
+        children = _children(proc.pid)
+        assert len(children) == 4  # prefill, decode, controller, frontend
+        client = openai.OpenAI(base_url=base_url, api_key="test", max_retries=0, timeout=60)
+        out = client.chat.completions.create(model=tmp_path.name, messages=messages, max_tokens=16, temperature=0)
+        assert out.choices[0].message.content == ref.text
+        assert out.usage.completion_tokens == len(ref.token_ids)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            for pid in children:  # a node the launcher failed to stop would still exist
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    continue
+                os.kill(pid, signal.SIGKILL)
+                pytest.fail(f"node process {pid} outlived `aiollm serve`")
