@@ -5,6 +5,9 @@ Greedy tokens equal the colocated `generate()` with and without the two-minibatc
 load-stabilising schedule; an R-worker at its budget refuses a sequence with a clear error and loses
 nothing it holds; a released sequence gives its blocks back."""
 import asyncio
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -115,3 +118,14 @@ def _expected_o(q, k, zeros: int, copies: int) -> torch.Tensor:
     score = (q[0] * kk).sum(-1) / q.shape[-1] ** 0.5
     weight = copies * torch.exp(score) / (zeros + copies * torch.exp(score))
     return (weight[:, None] * kk)[None]
+
+
+@pytest.mark.slow
+def test_example_graph_runs_s_worker_and_r_worker_processes(tiny):
+    _, directory = tiny
+    example = Path(__file__).parents[2] / "examples" / "fastdecode_graph.py"
+    done = subprocess.run([sys.executable, str(example), "--model", str(directory), "--max-tokens", "4",
+                           "--kv-dtype", "fp32", "--sls-interval", "4"],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "16 tokens in" in done.stdout and "1 S-worker + 2 R-worker processes" in done.stdout
