@@ -72,9 +72,10 @@ def build_requests(args, tokenizer, max_context: int) -> tuple[list[BenchRequest
         reqs = [BenchRequest([rng.randrange(vocab) for _ in range(args.random_input_len)], args.random_output_len)
                 for _ in range(args.num_prompts)]
         return reqs, f"random token ids: {args.random_input_len} in, {args.random_output_len} out"
-    from aiollm.planner.datasets import read_humaneval, read_sharegpt
+    from aiollm.planner.datasets import read_humaneval, read_sharegpt, sharegpt_pairs
     if args.dataset_name == "sharegpt":
-        pairs, parsed = read_sharegpt()
+        conversations, parsed = read_sharegpt()
+        pairs = sharegpt_pairs(conversations, args.seed)  # DistServe's: leading turns as prompt, the next as output
         source = f"ShareGPT V3: {_SHAREGPT_NOTE.format(parsed=parsed)}, {len(pairs)} prompt/answer pairs"
     else:
         pairs = read_humaneval()
