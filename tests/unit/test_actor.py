@@ -200,3 +200,49 @@ async def test_stop_drains_then_fails_what_is_left() -> None:
         actor.gate.set()
         await node.stop_actor("gate2", timeout=1)  # drained within the timeout: every ask answered
         assert await asyncio.gather(*asks) == [None, None, None]
+
+
+class Quit(Message, tag="test.actor.quit"):
+    """Makes the actor stop itself."""
+
+
+class Named(Actor):
+    """Handlers named like runtime internals must not break the actor (the runtime lives in ActorCell)."""
+
+    @handler(Ping)
+    async def start(self, msg: Ping) -> Pong:
+        return Pong(msg.seq)
+
+    @handler(Hold)
+    async def cancel(self, msg: Hold) -> None:
+        return None
+
+    @handler(Quit)
+    async def shutdown(self, msg: Quit) -> None:
+        self.stop()
+
+
+async def test_handler_names_cannot_shadow_the_runtime_and_an_actor_can_stop_itself() -> None:
+    async with started() as node:
+        ref = await node.spawn(Named, "named")
+        assert await ref.ask(Ping(3)) == Pong(3)
+        assert await ref.ask(Hold(1)) is None
+        watcher = Watcher()
+        await node.spawn(watcher, "watcher")
+        await watcher.watch(ref)
+        await ref.ask(Quit())
+        assert (await asyncio.wait_for(watcher.terminated.get(), 1)).reason == "stopped"
+        assert "named" not in node.actors
+
+
+async def test_node_listens_on_several_addresses_and_routes_all_of_them_locally() -> None:
+    async with started(("inproc://multi-a", "tcp://127.0.0.1:0")) as node:
+        assert node.url == "inproc://multi-a" and node.addresses[1].startswith("tcp://127.0.0.1:")
+        await node.spawn(EchoActor, "echo")
+        msg = Echo("same object")
+        for address in node.addresses:
+            assert await node.ref(f"{address}/echo").ask(msg) is msg  # local: no serialisation
+        async with started() as other:
+            for address in node.addresses:
+                out = await other.ref(f"{address}/echo").ask(msg)
+                assert out == msg and out is not msg
