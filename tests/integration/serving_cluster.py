@@ -7,6 +7,7 @@ import contextlib
 from dataclasses import dataclass
 
 import openai
+import pytest
 
 from aiollm.actors import Node, NodeConfig
 from aiollm.workers.backend import ModelInfo
@@ -17,6 +18,16 @@ from aiollm.workers.frontend import Frontend, FrontendConfig, start_server
 from aiollm.workers.prefill import PrefillConfig, PrefillInstance
 
 SECRET = b"integration-test-secret-0123456789"
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A tiny random-weight Llama (HF directory written by transformers), loaded once per session."""
+    from aiollm.model.loader import load
+    from tests.unit.tiny_llama import write_hf_dir
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    write_hf_dir(directory)
+    return load(str(directory))
 
 
 @dataclass

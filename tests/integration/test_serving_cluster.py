@@ -6,22 +6,14 @@ import openai
 import pytest
 
 from aiollm.model.engine import generate
-from aiollm.model.loader import load
 from aiollm.model.sampling import SamplingParams
 from aiollm.workers.controller import ControllerConfig
 from aiollm.workers.decode import DecodeConfig
 from aiollm.workers.prefill import PrefillConfig
-from tests.integration.serving_cluster import cluster
-from tests.unit.tiny_llama import write_hf_dir
+from tests.integration.serving_cluster import cluster, tiny  # noqa: F401 (fixture)
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):", "naïve café"]
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    write_hf_dir(directory)
-    return load(str(directory))
 
 
 async def _wait_until(predicate, timeout=10.0):
