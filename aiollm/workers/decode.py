@@ -8,8 +8,9 @@ instance frees its copy), and joins the next step. Each step sends one `Tokens` 
 controller with every sequence's new token.
 
 Where attention runs is the `DecodeExecutor`'s business: `ColocatedExecutor` keeps the KV in this
-process and uses the native kernel; an offloaded executor (S-worker + R-workers) implements the same
-five calls, so this actor does not change when the R-part moves to other processes.
+process and uses the native kernel; an offloaded executor (S-part here, R-workers that pull their own
+sequences' KV from the prefill instance) implements the same calls, so this actor does not change
+when the R-part moves to other processes.
 """
 from __future__ import annotations
 
@@ -50,23 +51,28 @@ class DecodeConfig:
 
 
 class DecodeExecutor(Protocol):
-    """Where a decode instance keeps KV and runs steps (colocated here; R-workers in the offloaded variant)."""
+    """Where a decode instance keeps KV and runs steps: `ColocatedExecutor` here; an offloaded variant
+    (S-part here, R-workers elsewhere) implements the same calls, its R-workers pulling their own KV."""
 
     total_blocks: int
     used_blocks: int
     block_size: int
 
-    def reserve(self, seq: runner.Sequence) -> None: ...
+    def reserve(self, seq: runner.Sequence) -> None:
+        """Hold room for the whole completion (admission already checked that it fits)."""
 
-    def ingest(self, seq: runner.Sequence, block: KVBlock) -> None: ...
+    async def load_kv(self, seq: runner.Sequence, source: ActorRef) -> None:
+        """Pull the prompt's KV from the prefill actor `source` and acknowledge it there."""
 
-    def step(self, seqs: list[runner.Sequence]) -> list[int]: ...
+    async def step(self, seqs: list[runner.Sequence]) -> list[int]:
+        """One decode step: append each sequence's next token (and set its finish) and return them."""
 
-    def free(self, seq: runner.Sequence) -> None: ...
+    def free(self, seq: runner.Sequence) -> None:
+        """Give back what `seq` holds."""
 
 
 class ColocatedExecutor:
-    """KV in this process's paged pool, attention through the native kernel."""
+    """KV in this process's paged pool, attention through the native kernel, the step in a thread."""
 
     def __init__(self, model: LlamaModel, config: DecodeConfig) -> None:
         self.model, self.config = model, config
@@ -80,14 +86,20 @@ class ColocatedExecutor:
     def reserve(self, seq: runner.Sequence) -> None:
         self.cache.reserve(seq)
 
-    def ingest(self, seq: runner.Sequence, block: KVBlock) -> None:
+    async def load_kv(self, seq: runner.Sequence, source: ActorRef) -> None:
+        """A stream of one block per item, credit window = the blocks reserved; each lands in its own block."""
+        async for block in source.stream(PullKV(seq.request_id), window=len(seq.blocks)):
+            self._ingest(seq, block)
+        await source.tell(AckKV(seq.request_id))
+
+    def _ingest(self, seq: runner.Sequence, block: KVBlock) -> None:
         if not 0 <= block.index < len(seq.blocks):
             raise ValueError(f"KV block {block.index} outside the {len(seq.blocks)} blocks of {seq.request_id}")
         self.cache.pool.write_blocks(None, [seq.blocks[block.index]], block.k, block.v,
                                      k_scale=block.k_scale, v_scale=block.v_scale)
 
-    def step(self, seqs: list[runner.Sequence]) -> list[int]:
-        return runner.decode_step(self.model, self.cache, seqs, self.config.attn_threads)
+    async def step(self, seqs: list[runner.Sequence]) -> list[int]:
+        return await asyncio.to_thread(runner.decode_step, self.model, self.cache, seqs, self.config.attn_threads)
 
     def free(self, seq: runner.Sequence) -> None:
         self.cache.free(seq)
@@ -166,7 +178,7 @@ class DecodeInstance(Actor):
             entries = list(self._running.values())
             seqs = [e.seq for e in entries]
             try:
-                tokens = await asyncio.to_thread(self.executor.step, seqs)
+                tokens = await self.executor.step(seqs)
             except Exception as exc:
                 log.exception("decode step failed", instance=self.name, batch=len(seqs))
                 for entry in entries:
@@ -175,12 +187,10 @@ class DecodeInstance(Actor):
             await self._send(entries, tokens)
 
     async def _pull(self, entry: _Entry) -> None:
-        """Pull the prompt's KV block by block (window = its blocks), ack, and join the batch."""
+        """Have the executor pull the prompt's KV, then join the batch."""
         seq = entry.seq
         try:
-            async for block in entry.source.stream(PullKV(seq.request_id), window=len(seq.blocks)):
-                self.executor.ingest(seq, block)
-            await entry.source.tell(AckKV(seq.request_id))
+            await self.executor.load_kv(seq, entry.source)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
