@@ -54,12 +54,17 @@ class FrontendConfig:
     max_in_flight: int = 512
     # vocabulary size, to validate token-id prompts; 0 skips the check
     vocab_size: int = 0
+    # max_tokens when a request omits it (capped by the context): decode instances reserve KV for the
+    # whole completion, so "the rest of an 8k context" for every chat request would starve admission
+    default_max_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"FrontendConfig.port must be in [0, 65535], got {self.port}")
         if self.max_in_flight <= 0:
             raise ValueError(f"FrontendConfig.max_in_flight must be > 0, got {self.max_in_flight}")
+        if self.default_max_tokens <= 0:
+            raise ValueError(f"FrontendConfig.default_max_tokens must be > 0, got {self.default_max_tokens}")
 
 
 class HTTPError(Exception):
@@ -152,7 +157,10 @@ class Frontend:
         if prompt_len >= context:
             raise _bad(f"This model's maximum context length is {context} tokens; the {prompt_param} has "
                        f"{prompt_len} tokens.", prompt_param, "context_length_exceeded")
-        max_tokens = body.max_tokens if body.max_tokens is not None else context - prompt_len
+        if body.max_tokens is not None:
+            max_tokens = body.max_tokens
+        else:
+            max_tokens = min(context - prompt_len, self.config.default_max_tokens)
         if prompt_len + max_tokens > context:
             param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
             raise _bad(f"This model's maximum context length is {context} tokens. However, you requested "

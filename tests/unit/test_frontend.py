@@ -73,7 +73,7 @@ class ScriptedBackend:
 async def served():
     backend = ScriptedBackend()
     frontend = Frontend(backend, CharTokenizer(), ModelInfo("tiny", max_context=64),
-                        FrontendConfig(port=0, max_in_flight=4, vocab_size=256))
+                        FrontendConfig(port=0, max_in_flight=4, vocab_size=256, default_max_tokens=40))
     server, task, port = await start_server(frontend.app, "127.0.0.1", 0)
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     try:
@@ -117,7 +117,9 @@ async def test_chat_uses_template_and_fills_max_tokens(served):
     await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hey"}])
     prompt = "user: hey\nassistant:"
     assert backend.requests[0].prompt_ids == tuple(map(ord, prompt))
-    assert backend.requests[0].sampling.max_tokens == 64 - len(prompt)
+    assert backend.requests[0].sampling.max_tokens == 40  # the configured default, under the context's rest
+    await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 30}])
+    assert backend.requests[1].sampling.max_tokens == 64 - len("user: \nassistant:") - 30  # the context's rest
 
 
 async def test_stop_string_truncates_and_cancels(served):
