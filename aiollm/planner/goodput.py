@@ -91,9 +91,10 @@ def capacity_estimate(config: SimConfig, workload: Workload, slo: SLO) -> float:
     return min(prefill_rate, decode_rate)
 
 
-def probe_workload(workload: Workload, slo: SLO, rate: float) -> Workload:
-    """`workload`, lengthened so that its arrivals at `rate` span SPAN_LIFETIMES request lifetimes."""
-    lifetime = slo.ttft + slo.tpot * float(workload.output.mean())
+def probe_workload(workload: Workload, slo: SLO, rate: float, phase: str = "both") -> Workload:
+    """`workload`, lengthened so that its arrivals at `rate` span SPAN_LIFETIMES request lifetimes
+    (for the prefill phase alone a request lives about its TTFT)."""
+    lifetime = slo.ttft if phase == "prefill" else slo.ttft + slo.tpot * float(workload.output.mean())
     return workload.longer(min(MAX_GROWTH * len(workload), math.ceil(rate * SPAN_LIFETIMES * lifetime)))
 
 
@@ -101,7 +102,7 @@ def goodput(config: SimConfig, workload: Workload, slo: SLO, phase: str = "both"
             hint: float | None = None) -> float:
     """Highest rate (req/s) whose simulation meets `slo` (to within rel_tol); 0.0 if none does."""
     def ok(rate: float) -> bool:
-        return slo.met_by(simulate(config, probe_workload(workload, slo, rate), rate), phase)
+        return slo.met_by(simulate(config, probe_workload(workload, slo, rate, phase), rate), phase)
 
     guess = hint or capacity_estimate(config, workload, slo)
     if not math.isfinite(guess) or guess <= 0:

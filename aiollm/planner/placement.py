@@ -200,22 +200,38 @@ class Planner:
         """Run the missing per-phase goodput searches for `configs`, in parallel when workers > 1."""
         jobs = []
         for phase in ("prefill", "decode"):
-            mode = "prefill-only" if phase == "prefill" else "decode-only"
             for tp, pp in configs:
                 if (phase, tp, pp) not in self._memo:
-                    jobs.append(((phase, tp, pp), (self._sim_config(mode, (tp, pp), (tp, pp), math.inf),
-                                                   self.workload, self.config.slo, phase, self.config.rel_tol)))
+                    config, factor = self._phase_config(phase, tp, pp)
+                    jobs.append(((phase, tp, pp), factor,
+                                 (config, self.workload, self.config.slo, phase, self.config.rel_tol)))
         if self.config.workers <= 1 or len(jobs) < 2:
             return
         context = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(self.config.workers, mp_context=context) as pool:
-            for (key, _), value in zip(jobs, pool.map(goodput_task, [args for _, args in jobs])):
-                self._memo[key] = value
+            for (key, factor, _), value in zip(jobs, pool.map(goodput_task, [job[2] for job in jobs])):
+                self._memo[key] = factor * value
                 self.simulated += 1
 
+    def _phase_config(self, phase: str, tp: int, pp: int) -> tuple[SimConfig, int]:
+        """The simulation that measures one phase of a tp x pp instance, and the factor its goodput is
+        multiplied by. A decode instance's pp lanes are independent batches with 1/pp of the KV each, fed
+        by the least-loaded dispatch; the search simulates one lane at 1/pp of the rate (pp times fewer
+        requests per probe; a random split, so slightly pessimistic) and the verification of the chosen
+        plan simulates every lane together."""
+        if phase == "prefill":
+            return self._sim_config("prefill-only", (tp, pp), (tp, pp), math.inf), 1
+        lane = replace(self._sim_config("decode-only", (tp, 1), (tp, 1), math.inf),
+                       decode_kv_tokens=max(1, self.kv_tokens(tp, pp) // pp))
+        return lane, pp
+
     def phase_goodput(self, phase: str, tp: int, pp: int) -> float:
-        mode = "prefill-only" if phase == "prefill" else "decode-only"
-        return self._goodput((phase, tp, pp), self._sim_config(mode, (tp, pp), (tp, pp), math.inf), phase)
+        key = (phase, tp, pp)
+        if key not in self._memo:
+            config, factor = self._phase_config(phase, tp, pp)
+            self._memo[key] = factor * goodput(config, self.workload, self.config.slo, phase, self.config.rel_tol)
+            self.simulated += 1
+        return self._memo[key]
 
     def pair_goodput(self, prefill: tuple[int, int], decode: tuple[int, int], bandwidth: float) -> float:
         cfg = self._sim_config("disaggregated", prefill, decode, bandwidth)
