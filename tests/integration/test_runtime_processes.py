@@ -18,7 +18,7 @@ from aiollm.actors import Node, NodeConfig
 from aiollm.actors.echo import Count, Echo, EchoActor, Fail, GetStats, Ping, PingPeer, Pong, Sleep
 from aiollm.errors import AuthenticationFailed, RemoteError
 from aiollm.graph import Graph
-from tests.unit.actor_helpers import SECRET, Watcher, wait_until
+from tests.unit.actor_helpers import SECRET, Watcher
 
 ROOT = Path(__file__).resolve().parents[2]
 # Liveness settings for these tests: a dead peer must be noticed within HEARTBEAT_TIMEOUT.

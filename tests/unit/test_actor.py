@@ -246,3 +246,22 @@ async def test_node_listens_on_several_addresses_and_routes_all_of_them_locally(
             for address in node.addresses:
                 out = await other.ref(f"{address}/echo").ask(msg)
                 assert out == msg and out is not msg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"secret": b"short"}, "secret"),
+        ({"heartbeat_interval": 0}, "heartbeat_interval"),
+        ({"heartbeat_interval": 2.0, "heartbeat_timeout": 1.0}, "heartbeat_timeout"),
+        ({"mailbox_size": 0}, "mailbox_size"),
+        ({"max_frame_bytes": -1}, "max_frame_bytes"),
+        ({"stream_window": 0}, "stream_window"),
+        ({"name": "a/b"}, "name"),
+    ],
+)
+def test_node_config_names_the_bad_field(overrides: dict, field: str) -> None:
+    from aiollm.actors import NodeConfig
+
+    with pytest.raises(ValueError, match=f"NodeConfig.{field}"):
+        NodeConfig(**{"secret": b"0123456789abcdef", **overrides})

@@ -11,7 +11,7 @@ from aiollm.actors import Actor, Message, handler
 from aiollm.actors.auth import handshake
 from aiollm.actors.codec import Codec
 from aiollm.actors.echo import Count, Echo, EchoActor, Fail, GetStats, Ping, Pong, Sleep
-from aiollm.actors.messages import ASK, PROTOCOL_VERSION, Failure, Reply, Request, TensorMeta
+from aiollm.actors.messages import ASK, PROTOCOL_VERSION, Failure, Reply, TensorMeta
 from aiollm.actors.ref import ActorRef
 from aiollm.errors import AuthenticationFailed, NodeUnreachable, ProtocolError, RemoteError
 from aiollm.transports import connect, listen
