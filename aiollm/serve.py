@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", default="fp32", choices=["fp32", "fp16", "int8"], help="KV storage type")
     parser.add_argument("--prefill-kv-blocks", type=int, default=1024, help="KV buffer of each prefill instance")
     parser.add_argument("--decode-kv-blocks", type=int, default=2048, help="KV pool of each decode instance")
-    parser.add_argument("--max-batch-tokens", type=int, default=512, help="L_m: prompt tokens per prefill batch")
+    parser.add_argument("--max-batch-tokens", type=int, default=0,
+                        help="L_m: prompt tokens per prefill batch (default: from this machine's latency profile, else 512)")
     parser.add_argument("--max-running", type=int, default=128, help="most sequences per decode step")
     parser.add_argument("--log-level", default="WARNING", help="log level of the nodes")
 
@@ -107,6 +108,7 @@ def _run_colocated(args: argparse.Namespace) -> int:
     from aiollm.workers.backend import ModelInfo
     from aiollm.workers.engine import ColocatedEngine, EngineConfig
     from aiollm.workers.frontend import Frontend, FrontendConfig, start_server
+    from aiollm.workers.roles.prefill import compute_bound_length
 
     torch.set_num_threads(args.threads)
     model = load(args.model, dtype=args.dtype)
@@ -114,7 +116,8 @@ def _run_colocated(args: argparse.Namespace) -> int:
     async def main() -> None:
         engine = ColocatedEngine(model, EngineConfig(
             kv_blocks=args.decode_kv_blocks, block_size=args.block_size, kv_dtype=args.kv_dtype,
-            max_batch_tokens=args.max_batch_tokens, max_running=args.max_running, attn_threads=args.threads))
+            max_batch_tokens=args.max_batch_tokens or compute_bound_length(args.model), max_running=args.max_running,
+            attn_threads=args.threads))
         await engine.start()
         frontend = Frontend(engine, model.tokenizer, ModelInfo(served_name(args.model), model.config.max_context),
                             FrontendConfig(host=args.host, port=args.port, vocab_size=model.config.vocab))

@@ -5,21 +5,43 @@ import argparse
 import asyncio
 
 from aiollm.actors.node import Node
+from aiollm.log import get_logger
 from aiollm.workers.prefill import PrefillConfig, PrefillInstance
 from aiollm.workers.roles.common import actor_arg, load_model, model_args
+
+log = get_logger("roles.prefill")
 
 
 def add_arguments(parser) -> None:
     actor_arg(parser, "prefill")
     model_args(parser)
     parser.add_argument("--kv-blocks", type=int, default=1024, help="KV buffer of prefilled sequences, in blocks")
-    parser.add_argument("--max-batch-tokens", type=int, default=512, help="L_m: prompt tokens per prefill batch")
+    parser.add_argument("--max-batch-tokens", type=int, default=0,
+                        help="L_m: prompt tokens per prefill batch (default: the compute-bound length from this "
+                             "machine's profile, `python -m aiollm.plan profile`; 512 without one)")
     parser.add_argument("--lease", type=float, default=60.0, help="seconds a prefilled KV waits for its pull")
+
+
+def compute_bound_length(model: str) -> int:
+    """L_m measured on this machine (the local latency profile), or 512 when there is none for `model`."""
+    from aiollm.planner.profiles import load_local
+    from aiollm.workers.roles.common import served_name
+    try:
+        profile = load_local().get(served_name(model))
+    except FileNotFoundError:
+        profile = None
+    if profile is None:
+        log.info("no local latency profile: L_m = 512", model=model)
+        return 512
+    length = profile.compute_bound_length()
+    log.info("L_m from the local latency profile", model=model, tokens=length)
+    return length
 
 
 async def start(node: Node, args: argparse.Namespace) -> dict[str, str]:
     config = PrefillConfig(kv_blocks=args.kv_blocks, block_size=args.block_size, kv_dtype=args.kv_dtype,
-                           max_batch_tokens=args.max_batch_tokens, lease_s=args.lease)
+                           max_batch_tokens=args.max_batch_tokens or compute_bound_length(args.model),
+                           lease_s=args.lease)
     model = await asyncio.to_thread(load_model, args)
     ref = await node.spawn(PrefillInstance(model, config), args.actor)
     return {args.actor: ref.url}
