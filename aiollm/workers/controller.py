@@ -31,7 +31,10 @@ from aiollm.workers.messages import (
     Cancel, Decode, Delta, Generate, GetLoad, KVLost, Load, Prefill, Prefilled, Sampling, Tokens,
 )
 
-log = get_logger("controller")
+
+def _log():
+    """Bound at call time, after the process configured logging (a module-level logger would not be)."""
+    return get_logger("controller")
 
 
 @dataclass(frozen=True)
@@ -232,7 +235,7 @@ class Controller(Actor):
         name = next((n for n, ref in self._refs.items() if ref.url == msg.url), None)
         if name is None:
             return
-        log.warning("instance lost", instance=name, reason=msg.reason)
+        _log().warning("instance lost", instance=name, reason=msg.reason)
         self.dispatcher.mark_dead(name)
         for req in list(self._requests.values()):
             if req.stage == "prefill" and req.prefill == name:
@@ -291,7 +294,7 @@ class Controller(Actor):
         if req.retries >= self.config.max_retries or req.remaining <= 0:
             await self._fail(req, f"failed: {reason}")
             return
-        log.warning("request failed over", request_id=req.request_id, reason=reason, retry=req.retries + 1)
+        _log().warning("request failed over", request_id=req.request_id, reason=reason, retry=req.retries + 1)
         req.retries += 1
         req.stage, req.prefill, req.decode = "waiting", None, None
         self._queue.appendleft(req)
@@ -305,7 +308,7 @@ class Controller(Actor):
         try:
             await dest.tell(Tokens(deltas))
         except Exception as exc:
-            log.warning("frontend unreachable: cancelling its requests", frontend=dest.url, error=str(exc))
+            _log().warning("frontend unreachable: cancelling its requests", frontend=dest.url, error=str(exc))
             for delta in deltas:
                 if delta.request_id in self._requests:
                     await self.on_cancel(Cancel(delta.request_id))
@@ -319,7 +322,7 @@ class Controller(Actor):
             try:
                 self.replan(timing)
             except Exception:
-                log.exception("replanning hook failed")
+                _log().exception("replanning hook failed")
 
     async def _tell(self, name: str | None, msg) -> None:
         if name is None:
@@ -327,7 +330,7 @@ class Controller(Actor):
         try:
             await self._refs[name].tell(msg)
         except Exception as exc:  # a dead instance: its Terminated notice does the failover
-            log.warning("send failed", instance=name, message=type(msg).__name__, error=str(exc))
+            _log().warning("send failed", instance=name, message=type(msg).__name__, error=str(exc))
 
     async def _ask_load(self, ref: ActorRef, attempts: int = 1) -> Load:
         for attempt in range(attempts):

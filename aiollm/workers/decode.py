@@ -28,7 +28,10 @@ from aiollm.sched.decode_admission import DecodeAdmission
 from aiollm.workers import runner
 from aiollm.workers.messages import AckKV, Cancel, Decode, Delta, GetLoad, KVBlock, Load, PullKV, Tokens
 
-log = get_logger("decode")
+
+def _log():
+    """Bound at call time, after the process configured logging (a module-level logger would not be)."""
+    return get_logger("decode")
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,7 @@ class DecodeInstance(Actor):
             try:
                 tokens = await self.executor.step(seqs)
             except Exception as exc:
-                log.exception("decode step failed", instance=self.name, batch=len(seqs))
+                _log().exception("decode step failed", instance=self.name, batch=len(seqs))
                 for entry in entries:
                     await self._fail(entry, f"failed: decode step: {exc}")
                 continue
@@ -194,7 +197,7 @@ class DecodeInstance(Actor):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.warning("KV pull failed", instance=self.name, request_id=seq.request_id, error=str(exc))
+            _log().warning("KV pull failed", instance=self.name, request_id=seq.request_id, error=str(exc))
             await self._fail(entry, f"failed: KV pull: {exc}")
             return
         entry.pull = None
@@ -224,7 +227,7 @@ class DecodeInstance(Actor):
         try:
             await dest.tell(msg)
         except AiollmError as exc:
-            log.warning("controller unreachable: dropping its requests", controller=dest.url, error=str(exc))
+            _log().warning("controller unreachable: dropping its requests", controller=dest.url, error=str(exc))
             for entry in [e for e in self._entries.values() if e.reply_to == dest]:
                 if entry.pull is not None:
                     entry.pull.cancel()

@@ -13,13 +13,10 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
 from aiollm.sched.prefill_batching import take_batch
 from aiollm.workers import runner
 from aiollm.workers.backend import BackendStats, GenerateRequest, Overloaded, TokenDelta
-
-log = get_logger("engine")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,10 @@ from aiollm.workers.backend import FINISH_STOP, Backend, GenerateRequest, ModelI
 from aiollm.workers.detokenize import IncrementalText
 from aiollm.workers.metrics import CONTENT_TYPE, ServingMetrics
 
-log = get_logger("frontend")
+
+def _log():
+    """Bound at call time, after the process configured logging (a module-level logger would not be)."""
+    return get_logger("frontend")
 
 
 class TextTokenizer(Protocol):
@@ -283,7 +286,7 @@ class _Run:
         while True:
             message = await self.http.receive()
             if message["type"] == "http.disconnect":
-                log.info("client disconnected", request_id=self.request.request_id)
+                _log().info("client disconnected", request_id=self.request.request_id)
                 await self.frontend.backend.cancel(self.request.request_id)
                 return
 

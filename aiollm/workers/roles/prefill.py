@@ -9,7 +9,10 @@ from aiollm.log import get_logger
 from aiollm.workers.prefill import PrefillConfig, PrefillInstance
 from aiollm.workers.roles.common import actor_arg, load_model, model_args
 
-log = get_logger("roles.prefill")
+
+def _log():
+    """Bound at call time, after the process configured logging (a module-level logger would not be)."""
+    return get_logger("roles.prefill")
 
 
 def add_arguments(parser) -> None:
@@ -31,10 +34,10 @@ def compute_bound_length(model: str) -> int:
     except FileNotFoundError:
         profile = None
     if profile is None:
-        log.info("no local latency profile: L_m = 512", model=model)
+        _log().info("no local latency profile: L_m = 512", model=model)
         return 512
     length = profile.compute_bound_length()
-    log.info("L_m from the local latency profile", model=model, tokens=length)
+    _log().info("L_m from the local latency profile", model=model, tokens=length)
     return length
 
 
