@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+import jinja2
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -137,7 +138,10 @@ class Frontend:
         async def chat(body: oai.ChatCompletionRequest, request: Request) -> Response:
             self._check_model(body.model)
             messages = [{"role": m.role, "content": m.content} for m in body.messages]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            try:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            except (ValueError, jinja2.TemplateError) as exc:  # e.g. a role the model's template refuses
+                raise _bad(f"messages: the chat template refused them: {exc}", "messages") from exc
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             return await self._respond(request, body, ids, chat=True)
 
