@@ -1,14 +1,42 @@
-"""Send a real chat request to a running aiollm server through the official openai client.
+"""Send a real chat request to an aiollm server through the official openai client.
 
     python -m aiollm serve --prefill 1 --decode 1 &      # wait for "aiollm: serving smollm2 at ..."
     python examples/chat_client.py "What is the capital of France?"
 
+    python examples/chat_client.py --serve               # start a local cluster, ask, stop it again
+
 Streams the answer as it is generated, then prints the token counts and the time to first token.
 """
 import argparse
+import contextlib
+import signal
+import subprocess
+import sys
 import time
 
 import openai
+
+
+@contextlib.contextmanager
+def local_cluster(model: str, prefill: int, decode: int):
+    """`python -m aiollm serve` on a free port for the duration; yields its API base URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "aiollm", "serve", "--model", model, "--port", "0",
+                             "--prefill", str(prefill), "--decode", str(decode)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                raise SystemExit(f"aiollm serve exited with status {proc.returncode}")
+        print(line.strip(), flush=True)
+        yield line.split(" at ")[1].split()[0]
+    finally:
+        proc.send_signal(signal.SIGINT)  # it stops every node it started
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def main() -> None:
@@ -18,9 +46,17 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--serve", action="store_true", help="start a local cluster (1 prefill + 1 decode) first")
     args = parser.parse_args()
+    if args.serve:
+        with local_cluster(args.model, 1, 1) as base_url:
+            chat(args, base_url)
+    else:
+        chat(args, args.base_url)
 
-    client = openai.OpenAI(base_url=args.base_url, api_key="not-needed")
+
+def chat(args: argparse.Namespace, base_url: str) -> None:
+    client = openai.OpenAI(base_url=base_url, api_key="not-needed")
     start = time.perf_counter()
     first = None
     stream = client.chat.completions.create(

@@ -235,7 +235,9 @@ class Controller(Actor):
         name = next((n for n, ref in self._refs.items() if ref.url == msg.url), None)
         if name is None:
             return
-        _log().warning("instance lost", instance=name, reason=msg.reason)
+        # an orderly stop (the cluster shutting down) is not a fault worth a warning
+        (_log().info if msg.reason == "node stopped" else _log().warning)("instance lost", instance=name,
+                                                                          reason=msg.reason)
         self.dispatcher.mark_dead(name)
         for req in list(self._requests.values()):
             if req.stage == "prefill" and req.prefill == name:
