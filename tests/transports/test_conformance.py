@@ -29,6 +29,13 @@ async def within(awaitable, seconds: float = STEP):
     return await asyncio.wait_for(awaitable, seconds)
 
 
+async def transfer(sender, receiver, header, buffers, allocate=None):
+    """Send and receive one frame concurrently: a transport may finish `send` only once the peer receives
+    (UCX rendezvous does; TCP returns once the kernel took the bytes)."""
+    _, frame = await within(asyncio.gather(sender.send(header, buffers), receiver.recv(allocate)))
+    return frame
+
+
 @pytest.mark.parametrize(
     "buffers",
     [
@@ -43,8 +50,7 @@ async def within(awaitable, seconds: float = STEP):
 @pytest.mark.parametrize("header", [b"", b"hdr", bytes(range(256)) * 400], ids=["empty-header", "header", "100KB-header"])
 async def test_round_trip_header_and_buffers(pair, header, buffers):
     p = await pair()
-    await within(p.client.send(header, buffers))
-    frame = await within(p.server.recv())
+    frame = await transfer(p.client, p.server, header, buffers)
     assert frame.header == header
     assert [as_bytes(b) for b in frame.buffers] == [as_bytes(memoryview(b).cast("B")) for b in buffers]
 
@@ -52,8 +58,7 @@ async def test_round_trip_header_and_buffers(pair, header, buffers):
 async def test_typed_and_multidimensional_arrays_arrive_as_bytes(pair):
     p = await pair()
     arrays = [np.arange(12, dtype=np.float16).reshape(3, 4), np.zeros((0, 5), np.float32), np.array(7, np.int64)]
-    await within(p.client.send(b"t", arrays))
-    frame = await within(p.server.recv())
+    frame = await transfer(p.client, p.server, b"t", arrays)
     assert [as_bytes(b) for b in frame.buffers] == [a.tobytes() for a in arrays]
 
 
@@ -260,8 +265,7 @@ async def test_allocate_callback_receives_into_caller_memory(pair):
         return views
 
     buffers = [pattern(3 * MiB, 9), pattern(10, 1), b""]
-    await within(p.client.send(b"kv", buffers))
-    frame = await within(p.server.recv(allocate))
+    frame = await transfer(p.client, p.server, b"kv", buffers, allocate)
     assert calls == [(b"kv", [3 * MiB, 10, 0])]
     assert np.shares_memory(np.frombuffer(frame.buffers[0], np.uint8), pool)
     assert np.array_equal(pool[:3 * MiB], buffers[0])
