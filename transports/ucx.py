@@ -31,7 +31,6 @@ import asyncio
 import os
 import secrets
 import struct
-import weakref
 from collections import deque
 from collections.abc import Sequence
 
@@ -109,7 +108,29 @@ class _Engine:
         self.scheduled = False
         self.safety: asyncio.TimerHandle | None = None
         self.fd = self.worker.epoll_file_descriptor
+        self.users = 0  # open listeners, connections and handshakes; at zero the worker is released
+        self.active = True  # the loop watches the worker's fd
         loop.add_reader(self.fd, self.kick)
+
+    def acquire(self) -> None:
+        if self.users == 0 and not self.active:
+            self.active = True
+            self.loop.add_reader(self.fd, self.kick)
+            _ENGINES.setdefault(self.loop, self)
+        self.users += 1
+
+    def release(self) -> None:
+        """Drop one user; after the last one the loop stops watching the worker, which can then be freed."""
+        self.users -= 1
+        if self.users == 0 and self.active:
+            self.active = False
+            if _ENGINES.get(self.loop) is self:
+                del _ENGINES[self.loop]
+            self.worker.progress()
+            self.loop.remove_reader(self.fd)
+            if self.safety is not None:
+                self.safety.cancel()
+                self.safety = None
 
     def submit(self, request, keep: object) -> asyncio.Future:
         """Track `request` (keeping `keep`, its buffer, alive) until it completes; returns its future."""
@@ -154,7 +175,8 @@ class _Engine:
         self.kick()
 
 
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# event loop -> its engine, while the loop has UCX listeners or connections.
+_ENGINES: dict[asyncio.AbstractEventLoop, _Engine] = {}
 
 
 def _engine(config: TransportConfig) -> _Engine:
@@ -200,6 +222,7 @@ class UcxConnection(Connection):
         self._waiters: list[asyncio.Future] = []
         self._recv_lock = asyncio.Lock()
         engine.connections.add(self)
+        engine.acquire()
         endpoint.set_close_callback(self._endpoint_failed)
         self._monitor = engine.loop.create_task(self._watch_bootstrap())
 
@@ -346,12 +369,13 @@ class UcxConnection(Connection):
 
     def _teardown(self) -> None:
         """Release UCX resources; posted operations are cancelled and their waiters fail."""
-        self._engine.connections.discard(self)
         if self._ep is not None:
+            self._engine.connections.discard(self)
             self._ep.remove_close_callback()
             self._ep.close_blocking(period=0, max_attempts=1)
             self._ep = None
             self._engine.kick()
+            self._engine.release()
         if self._monitor is not asyncio.current_task():
             self._monitor.cancel()
 
@@ -409,14 +433,18 @@ class UcxConnection(Connection):
 async def _handshake(bootstrap: Connection, engine: _Engine, timeout: float) -> tuple[object, int, int]:
     """Exchange worker addresses and receive ids over the bootstrap; returns (endpoint, recv id, send id)."""
     recv_id = secrets.randbits(62)
-    await bootstrap.send(_HELLO, [engine.address, _UINT64.pack(recv_id)])
-    frame = await asyncio.wait_for(bootstrap.recv(), timeout)
-    if frame.header != _HELLO or len(frame.buffers) != 2 or frame.buffers[1].nbytes != 8:
-        raise ChannelBroken("ucx handshake: the peer is not an aiollm ucx endpoint")
-    address = ucx_api.UCXAddress.create_from_buffer(bytes(frame.buffers[0]))
-    endpoint = ucx_api.UCXEndpoint.create_from_worker_address(engine.worker, address, True)
-    engine.kick()
-    return endpoint, recv_id, _UINT64.unpack(frame.buffers[1])[0]
+    engine.acquire()  # held across the awaits, so the worker is not released under the handshake
+    try:
+        await bootstrap.send(_HELLO, [engine.address, _UINT64.pack(recv_id)])
+        frame = await asyncio.wait_for(bootstrap.recv(), timeout)
+        if frame.header != _HELLO or len(frame.buffers) != 2 or frame.buffers[1].nbytes != 8:
+            raise ChannelBroken("ucx handshake: the peer is not an aiollm ucx endpoint")
+        address = ucx_api.UCXAddress.create_from_buffer(bytes(frame.buffers[0]))
+        endpoint = ucx_api.UCXEndpoint.create_from_worker_address(engine.worker, address, True)
+        engine.kick()
+        return endpoint, recv_id, _UINT64.unpack(frame.buffers[1])[0]
+    finally:
+        engine.release()
 
 
 def _bootstrap_config(config: TransportConfig) -> TransportConfig:
@@ -427,13 +455,18 @@ def _bootstrap_config(config: TransportConfig) -> TransportConfig:
 class UcxListener(Listener):
     """The TCP bootstrap listener; each accepted connection is upgraded to UCX, then handed to the handler."""
 
-    def __init__(self, bootstrap: Listener) -> None:
+    def __init__(self, bootstrap: Listener, engine: _Engine) -> None:
         self._bootstrap = bootstrap
+        self._engine = engine
+        engine.acquire()
         self.address = bootstrap.address.replace("tcp://", "ucx://", 1)
 
     async def close(self) -> None:
         """Stop accepting; established connections stay open."""
-        await self._bootstrap.close()
+        if self._engine is not None:
+            await self._bootstrap.close()
+            self._engine.release()
+            self._engine = None
 
 
 class UcxTransport(Transport):
@@ -454,7 +487,7 @@ class UcxTransport(Transport):
             await handler(UcxConnection(engine, endpoint, bootstrap, config, recv_id, send_id, local, peer))
 
         bootstrap = await tcp.TRANSPORT.listen(address._replace(scheme="tcp"), upgrade, _bootstrap_config(config))
-        return UcxListener(bootstrap)
+        return UcxListener(bootstrap, engine)
 
     async def connect(self, address: Address, config: TransportConfig) -> Connection:
         """Connect within `config.connect_timeout`; `NodeUnreachable` if the peer cannot be reached."""

@@ -1,0 +1,156 @@
+"""Transport round trips and throughput between two processes on 127.0.0.1, against raw sockets.
+
+Rows: raw blocking sockets with `recv_into` (the practical limit), aiollm's tcp transport (received
+into preallocated memory through `allocate`, and into fresh arrays), aiollm's ucx transport where
+its binding is installed, pyzmq, Ray (where installed) and the actor-level ask (bench.transport_ask).
+Round trips are reported unpinned and with both processes pinned to one CPU: on these VMs a wake-up
+across vCPUs dominates a small round trip. Throughput is one-way, best of `repeats` runs.
+Run it as `flock /tmp/aiollm-bench.lock python -m bench transport [--quick] [--json PATH]`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench import transport_peers
+from bench.report import table
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1024 * 1024
+# (label, size in bytes, messages per run in the full and the quick setting)
+SIZES = [("64KiB", 64 * 1024, 4096, 1024), ("1MiB", MiB, 256, 64), ("64MiB", 64 * MiB, 8, 3)]
+# Environment of the measured processes: quiet UCX, and the UCX settings this bench documents.
+UCX_ENV = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TLS": os.environ.get("UCX_TLS", "tcp,sm,cma")}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (a few seconds per row)")
+    parser.add_argument("--iterations", type=int, help="round trips per RTT measurement (default 5000, quick 1000)")
+    parser.add_argument("--repeats", type=int, help="throughput runs per size, best kept (default 3, quick 2)")
+
+
+def _plan(rtt_iterations: int, repeats: int, quick: bool, fresh: bool, with_throughput: bool) -> list:
+    plan: list = [["rtt", rtt_iterations]]
+    if with_throughput:
+        for _label, size, full, short in SIZES:
+            plan += [["tput", size, short if quick else full, fresh]] * repeats
+    return plan
+
+
+def _measure(kind: str, plan: list, pinned: bool) -> list:
+    """Run the server side of `kind` in a child process and the client here; both pinned if asked."""
+    original = os.sched_getaffinity(0)
+    if pinned:
+        os.sched_setaffinity(0, {min(original)})  # the child inherits it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.transport_peers", kind, json.dumps(plan)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, **UCX_ENV},
+    )
+    try:
+        address = proc.stdout.readline().strip()
+        if not address:
+            raise RuntimeError(f"{kind} peer failed to start (exit code {proc.wait()})")
+        results = transport_peers.CLIENTS[kind](plan, address)
+        proc.wait(timeout=30)
+        return results
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.sched_setaffinity(0, original)
+
+
+def _row(name: str, unpinned: list, pinned: list, plan: list) -> dict:
+    row = {"transport": name, "rtt_p50_us": unpinned[0]["p50_us"], "rtt_p99_us": unpinned[0]["p99_us"],
+           "rtt_pinned_p50_us": pinned[0]["p50_us"] if pinned else float("nan")}
+    for label, size, _full, _short in SIZES:
+        runs = [r for step, r in zip(plan, unpinned) if step[0] == "tput" and step[1] == size]
+        if runs:
+            count = next(step[2] for step in plan if step[0] == "tput" and step[1] == size)
+            row[f"GBps_{label}"] = size * count / min(r["seconds"] for r in runs) / 1e9
+    return row
+
+
+def run(args: argparse.Namespace) -> dict:
+    quick = args.quick
+    iterations = args.iterations or (1000 if quick else 5000)
+    repeats = args.repeats or (2 if quick else 3)
+    rtt_only = _plan(iterations, repeats, quick, False, False)
+    kinds = [("raw", "raw", False), ("tcp", "tcp", False), ("tcp_fresh", "tcp", True), ("zmq", "zmq", False)]
+    if importlib.util.find_spec("ucxx") is not None:
+        kinds[3:3] = [("ucx", "ucx", False), ("ucx_polling", "ucx_polling", False)]
+    else:
+        print("ucx: not installed (pip install 'aiollm[ucx]')")
+    rows = []
+    for name, kind, fresh in kinds:
+        plan = _plan(iterations, repeats, quick, fresh, True)
+        unpinned = _measure(kind, plan, pinned=False)
+        pinned = [] if fresh else _measure(kind, rtt_only, pinned=True)
+        rows.append(_row(name, unpinned, pinned, plan))
+        print(f"measured {name}", flush=True)
+    if importlib.util.find_spec("ray") is None:
+        print("ray: not installed")
+    if importlib.util.find_spec("libucx") is not None:
+        rows += [_ucx_perftest(tls, quick) for tls in ("sm", "tcp")]
+    figures = {"rows": rows, "rtt_iterations": iterations, "quick": quick, "ucx_tls": UCX_ENV["UCX_TLS"]}
+    by_name = {row["transport"]: row for row in rows}
+    for row in rows:
+        for key, value in row.items():
+            if key != "transport":
+                figures[f"{row['transport']}_{key}"] = value
+    for label, *_ in SIZES:
+        figures[f"ratio_tcp_vs_raw_{label}"] = by_name["tcp"][f"GBps_{label}"] / by_name["raw"][f"GBps_{label}"]
+        if "ucx" in by_name:
+            figures[f"ratio_ucx_vs_tcp_{label}"] = by_name["ucx"][f"GBps_{label}"] / by_name["tcp"][f"GBps_{label}"]
+    _add_ask(figures, rows, by_name["raw"], iterations)
+    print(table(rows))
+    return figures
+
+
+def _ucx_perftest(tls: str, quick: bool) -> dict:
+    """UCX's own tag bandwidth, from the `ucx_perftest` the wheel ships, in loopback mode (one process).
+
+    Loopback because the two-process mode's rendezvous socket binds the wildcard address, and this
+    project binds 127.0.0.1 only; one process also has no cross-process wake-ups, so it is an upper bound.
+    """
+    root = Path(importlib.util.find_spec("libucx").submodule_search_locations[0])
+    env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TLS": tls,
+           "LD_LIBRARY_PATH": str(root / "lib")}
+    row = {"transport": f"ucx_perftest loopback {tls}"}
+    for label, size, full, short in SIZES:
+        iterations = short if quick else full
+        out = subprocess.run(
+            [str(root / "bin" / "ucx_perftest"), "-l", "-t", "tag_bw", "-s", str(size), "-n", str(iterations),
+             "-w", str(max(2, iterations // 10)), "-f"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
+        numbers = [line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+        if out.returncode or not numbers:
+            print(f"ucx_perftest {tls} {label}: failed ({out.stderr.strip()[-200:]})")
+            continue
+        row[f"GBps_{label}"] = float(numbers[-1][5]) * MiB / 1e9  # overall bandwidth, reported in MiB/s
+    return row
+
+
+def _add_ask(figures: dict, rows: list, raw: dict, iterations: int) -> None:
+    """The actor-level ask round trip, measured by the actor runtime's own bench module."""
+    try:
+        from bench.transport_ask import measure_ask_rtt
+    except ModuleNotFoundError as exc:
+        if exc.name != "bench.transport_ask":
+            raise
+        print("ask: bench.transport_ask not present")
+        return
+    unpinned = measure_ask_rtt(pinned=False, iterations=iterations)
+    pinned = measure_ask_rtt(pinned=True, iterations=iterations)
+    rows.append({"transport": "actor ask (tcp)", "rtt_p50_us": unpinned["p50_us"], "rtt_p99_us": unpinned["p99_us"],
+                 "rtt_pinned_p50_us": pinned["p50_us"]})
+    figures["ask_rtt_p50_us"] = unpinned["p50_us"]
+    figures["ask_rtt_p99_us"] = unpinned["p99_us"]
+    figures["ask_rtt_pinned_us"] = pinned["p50_us"]
+    figures["ratio_ask_rtt_vs_raw"] = unpinned["p50_us"] / raw["rtt_p50_us"]
