@@ -35,15 +35,18 @@ T512 INLINE __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(y, fx);
 }
 
-/* Scores of 16 tokens (chunk column `col` of a K tile) for GB q heads, NP partial sums each to hide FMA latency. */
-T512 INLINE void scores(int dt, const void *kt, int64_t col, int BS, int D, const float *qs, int GB, int NP,
+/* Scores of 16 tokens (chunk column `col` of a K tile) for GB q heads, NP partial sums each to hide FMA
+ * latency. Pointer walks, not index arithmetic: the loop body is loads and FMAs only. */
+T512 INLINE void scores(int dt, const char *kt, int64_t col, int64_t BS, int D, const float *qs, int GB, int NP,
                         __m512 *out) {
+    const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1, step = BS * es;
+    const char *kp = kt + col * es;
     __m512 acc[4][4];
     for (int g = 0; g < GB; g++)
         for (int p = 0; p < NP; p++) acc[g][p] = _mm512_setzero_ps();
-    for (int d = 0; d < D; d += NP) {
+    for (int d = 0; d < D; d += NP, kp += NP * step) {
         for (int p = 0; p < NP; p++) {
-            const __m512 k = ld16(dt, kt, (int64_t)(d + p) * BS + col);
+            const __m512 k = ld16(dt, kp + p * step, 0);
             for (int g = 0; g < GB; g++)
                 acc[g][p] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + d + p]), k, acc[g][p]);
         }
@@ -56,16 +59,20 @@ T512 INLINE void scores(int dt, const void *kt, int64_t col, int BS, int D, cons
 }
 
 /* acc[g][16*(dv..dv+VC)] = alpha[g] * acc + sum over the chunk's nv tokens of pb[g][t] * V row t. */
-T512 INLINE void vaccum(int dt, const void *vt, int64_t row0, int nv, int D, int dv, int VC, const float *pb,
+T512 INLINE void vaccum(int dt, const char *vt, int64_t row0, int nv, int D, int dv, int VC, const float *pb,
                         const float *alpha, float *acc, int GB) {
+    const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1;
+    const char *vp = vt + (row0 * D + dv * 16) * es;
     __m512 r[4][4];
     for (int g = 0; g < GB; g++)
         for (int v = 0; v < VC; v++)
             r[g][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + (dv + v) * 16), _mm512_set1_ps(alpha[g]));
-    for (int t = 0; t < nv; t++) {
+    for (int t = 0; t < nv; t++, vp += D * es) {
+        __m512 w[4];
+        for (int g = 0; g < GB; g++) w[g] = _mm512_set1_ps(pb[g * 16 + t]);
         for (int v = 0; v < VC; v++) {
-            const __m512 x = ld16(dt, vt, (row0 + t) * D + (dv + v) * 16);
-            for (int g = 0; g < GB; g++) r[g][v] = _mm512_fmadd_ps(_mm512_set1_ps(pb[g * 16 + t]), x, r[g][v]);
+            const __m512 x = ld16(dt, vp, v * 16);
+            for (int g = 0; g < GB; g++) r[g][v] = _mm512_fmadd_ps(w[g], x, r[g][v]);
         }
     }
     for (int g = 0; g < GB; g++)
@@ -165,7 +172,11 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
             for (int c = 0; c * 16 < BS; c++) {
                 int nv = n - (blk * BS + c * 16);
                 if (nv <= 0) break;
-                chunk(dt, kt, vt, ks, vs, c, nv > 16 ? 16 : nv, G, D, BS, qs + h * GD, acc + h * GD, m + h * G, l + h * G);
+                const int w = nv > 16 ? 16 : nv;
+                float *ah = acc + h * GD, *mh = m + h * G, *lh = l + h * G;
+                if (D == 64) chunk(dt, kt, vt, ks, vs, c, w, G, 64, BS, qs + h * GD, ah, mh, lh);
+                else if (D == 128) chunk(dt, kt, vt, ks, vs, c, w, G, 128, BS, qs + h * GD, ah, mh, lh);
+                else chunk(dt, kt, vt, ks, vs, c, w, G, D, BS, qs + h * GD, ah, mh, lh);
             }
         }
     }
