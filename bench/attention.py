@@ -21,6 +21,9 @@ from bench.report import table
 
 SHAPES = {"smollm2": (9, 3, 64), "llama7b": (32, 32, 128)}
 BLOCK = 16
+COLUMNS = ["shape", "batch", "ctx", "run_batch", "kv_mib", "fp16_1t_gbs", "pct_read_1t", "fp16_gbs", "pct_read",
+           "fp16_shuf_gbs", "fp16_tok_s", "int8_tok_s", "int8_x_fp16", "sdpa_bf16_tok_s", "sdpa_fp32_tok_s",
+           "x_sdpa_bf16", "x_sdpa_fp32"]
 
 
 def add_arguments(parser) -> None:
@@ -94,6 +97,53 @@ def sdpa(batch, ctx, n_q, n_kv, d, dtype, n_threads, reps) -> float:
     return batch / best
 
 
+def torch_interaction(n_threads: int, reps: int) -> dict:
+    """ms per attention call (SmolLM2, batch 64, context 1024) alone, right after a torch GEMM in the same
+    thread (torch's OpenMP team just went idle), and while another Python thread runs torch GEMMs."""
+    import threading
+
+    import torch
+
+    from aiollm.kv import attention
+
+    k, v, _, tables = _cache(64, 1024, 3, 64, "fp16", False)
+    q = np.random.default_rng(1).standard_normal((64, 9, 64)).astype(np.float32)
+    lens = np.full(64, 1024, np.int32)
+    a = torch.randn(512, 2048)
+    b = torch.randn(2048, 2048)
+
+    def attend():
+        attention.decode_attention(k, v, q, tables, lens, n_threads=n_threads)
+
+    def gemm_then_attend():
+        torch.mm(a, b)
+        t0 = time.perf_counter()
+        attend()
+        return time.perf_counter() - t0
+
+    torch.set_num_threads(n_threads)
+    figures = {"alone_ms": _best(attend, reps * 3) * 1e3}
+    gemm_then_attend()
+    figures["after_torch_ms"] = min(gemm_then_attend() for _ in range(reps * 3)) * 1e3
+    for torch_threads in sorted({1, n_threads}):
+        torch.set_num_threads(torch_threads)
+        stop = threading.Event()
+
+        def churn():
+            while not stop.is_set():
+                torch.mm(a, b)
+
+        worker = threading.Thread(target=churn)
+        worker.start()
+        try:
+            figures[f"concurrent_torch{torch_threads}_ms"] = _best(attend, reps * 3) * 1e3
+        finally:
+            stop.set()
+            worker.join()
+    torch.set_num_threads(n_threads)
+    return figures
+
+
 def _shape_list(quick: bool):
     for name, (n_q, n_kv, d) in SHAPES.items():
         for batch in (64,) if quick else (64, 256):
@@ -108,6 +158,8 @@ def run(args) -> dict:
     nt = args.threads
     bw1, bwn = read_bandwidth(1, reps), read_bandwidth(nt, reps)
     print(f"read bandwidth (1 GiB, {attention.isa()}): 1 thread {bw1:.1f} GB/s, {nt} threads {bwn:.1f} GB/s")
+    inter = torch_interaction(nt, reps)
+    print("attention next to torch (SmolLM2 64x1024, ms/call): " + ", ".join(f"{k} {v:.2f}" for k, v in inter.items()))
     rows = []
     for name, n_q, n_kv, d, batch, ctx in _shape_list(args.quick):
         per_seq = ctx * n_kv * d * 2 * 2
@@ -129,9 +181,9 @@ def run(args) -> dict:
         row["x_sdpa_fp32"] = row["fp16_tok_s"] / row["sdpa_fp32_tok_s"]
         row["int8_x_fp16"] = row["int8_tok_s"] / row["fp16_tok_s"]
         rows.append(row)
-        print(table([row]).splitlines()[-1] if len(rows) > 1 else table([row]), flush=True)
+        print(f"measured {name} batch {batch} ctx {ctx}", flush=True)
     print()
-    print(table(rows))
+    print(table(rows, COLUMNS))
     long = [r for r in rows if r["ctx"] >= 1024]
     return {
         "isa": attention.isa(),
@@ -139,6 +191,7 @@ def run(args) -> dict:
         "read_bw_1t_gbs": bw1,
         f"read_bw_{nt}t_gbs": bwn,
         "rows": rows,
+        **{f"torch_{k}": v for k, v in inter.items()},
         "ratio_fp16_vs_read_bw": min(r["fp16_gbs"] for r in long) / bwn,
         "ratio_fp16_1t_vs_read_bw_1t": min(r["fp16_1t_gbs"] for r in long) / bw1,
         "ratio_fp16_shuffled_vs_read_bw": min(r["fp16_shuf_gbs"] for r in long) / bwn,

@@ -12,6 +12,8 @@
 #define AIOLLM_CPU_F16C 4
 #define AIOLLM_CPU_AVX512F 8
 #define AIOLLM_CPU_AVX512BW 16
+#define AIOLLM_CPU_AVX512VNNI 32  /* with VBMI below: int8 K scores as int8 dot products (vpdpbusd) */
+#define AIOLLM_CPU_AVX512VBMI 64
 uint32_t aiollm_cpu_features(void);
 
 /* ---- status codes: every entry point that can fail returns one ---- */

@@ -9,5 +9,7 @@ uint32_t aiollm_cpu_features(void) {
     if (__builtin_cpu_supports("f16c")) flags |= AIOLLM_CPU_F16C;
     if (__builtin_cpu_supports("avx512f")) flags |= AIOLLM_CPU_AVX512F;
     if (__builtin_cpu_supports("avx512bw")) flags |= AIOLLM_CPU_AVX512BW;
+    if (__builtin_cpu_supports("avx512vnni")) flags |= AIOLLM_CPU_AVX512VNNI;
+    if (__builtin_cpu_supports("avx512vbmi")) flags |= AIOLLM_CPU_AVX512VBMI;
     return flags;
 }

@@ -126,6 +126,8 @@ int aiollm_decode_attention(const aiollm_kv_layer *kv, const float *q, int64_t q
     };
     const int isa = aiollm_isa(), simd_shape = kv->head_dim % 16 == 0 && kv->block_size % 16 == 0;
     if (simd_shape && isa == AIOLLM_ISA_AVX512) job.fn = attn_item_avx512;
+    const uint32_t dot = AIOLLM_CPU_AVX512VNNI | AIOLLM_CPU_AVX512VBMI;
+    job.args.int8_dot = (aiollm_cpu_features() & dot) == dot;
     if (simd_shape && isa == AIOLLM_ISA_AVX2) job.fn = attn_item_avx2;
 
     /* Longest first: sort keys (INT32_MAX - len, seq) ascending, then keep the seq part. */

@@ -16,3 +16,6 @@ def test_native_library_reports_the_cpu_features_linux_reports():
     assert bool(features & lib.AIOLLM_CPU_FMA) == ("fma" in flags)
     assert bool(features & lib.AIOLLM_CPU_F16C) == ("f16c" in flags)
     assert bool(features & lib.AIOLLM_CPU_AVX512F) == ("avx512f" in flags)
+    assert bool(features & lib.AIOLLM_CPU_AVX512BW) == ("avx512bw" in flags)
+    assert bool(features & lib.AIOLLM_CPU_AVX512VNNI) == ("avx512_vnni" in flags)
+    assert bool(features & lib.AIOLLM_CPU_AVX512VBMI) == ("avx512vbmi" in flags)
