@@ -116,3 +116,5 @@ class Trace(Message, tag="fd.trace"):
     tokens: list[int]
     # sequences started (prefilled) just before each step
     started: list[int]
+    # the S-worker's time.perf_counter() at the end of each step (gaps between steps include prefills)
+    ended: list[float]

@@ -86,6 +86,14 @@ class SequenceStore:
         self.lengths[seq] = n_tokens
         self.max_lens[seq] = max_len
 
+    def fill_zeros(self, seq: int) -> None:
+        """Write zeros into every block of `seq`, so its memory is really allocated (untouched pages would all
+        map the kernel's one shared zero page and make attention over them look faster than it is)."""
+        at = self.blocks[seq]
+        for arr in (self.pool.k, self.pool.v, self.pool.k_scale, self.pool.v_scale):
+            if arr is not None:
+                arr[:, at] = 0
+
     def ingest(self, seq: int, block: KVBlock) -> None:
         """Import one raw block of every layer (the pull stream's item) at the sequence's block `block.index`."""
         blocks = self.blocks[seq]
@@ -154,6 +162,7 @@ class RWorker(Actor):
                                    f"{store.blocks_for(msg.max_len) * store.config.bytes_per_block / 2**20:.1f} MiB"
                                    ) from None
         if msg.source is None:
+            store.fill_zeros(msg.seq)
             return store.load()
         try:
             window = store.blocks_for(msg.n_tokens)

@@ -108,7 +108,8 @@ class SWorker(Actor):
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.step_no = 0
-        self._trace: deque[tuple[float, int, int, int]] = deque(maxlen=config.trace_len)
+        # per step: (seconds, batch, KV entries held, sequences started before it, perf_counter at its end)
+        self._trace: deque[tuple[float, int, int, int, float]] = deque(maxlen=config.trace_len)
         self._started_now = 0
 
     async def on_start(self) -> None:
@@ -150,7 +151,8 @@ class SWorker(Actor):
 
     @handler(Synthetic)
     async def on_synthetic(self, msg: Synthetic) -> None:
-        params = SamplingParams(max_tokens=msg.max_tokens, ignore_eos=True)
+        # + 1: the placeholder token fed at the first step counts as output, and each must decode max_tokens steps
+        params = SamplingParams(max_tokens=msg.max_tokens + 1, ignore_eos=True)
         reqs = [_Request(runner.new_sequence(f"synthetic-{next(self._ids)}", [0] * n, params, self.model), None)
                 for n in msg.context_lens]
         for req in reqs:
@@ -177,7 +179,7 @@ class SWorker(Actor):
         if msg.reset:
             self._trace.clear()
         return Trace(step_s=[s[0] for s in steps], batch=[s[1] for s in steps], tokens=[s[2] for s in steps],
-                     started=[s[3] for s in steps])
+                     started=[s[3] for s in steps], ended=[s[4] for s in steps])
 
     @handler(PullKV)
     async def on_pull(self, msg: PullKV):
@@ -305,7 +307,8 @@ class SWorker(Actor):
         logits = await decode_step(self.model, self.workers, rows, self.config.pipeline)
         with torch.inference_mode():
             tokens = runner.sample_next([r.seq for r in live], logits)
-        self._trace.append((time.perf_counter() - started, len(live), held, self._started_now))
+        ended = time.perf_counter()
+        self._trace.append((ended - started, len(live), held, self._started_now, ended))
         self._started_now = 0
         await self._send(live, [[t] for t in tokens])
         self.step_no += 1
