@@ -111,6 +111,64 @@ T512 INLINE void vaccum(int dt, const char *vt, int64_t row0, int nv, int D, int
         for (int v = 0; v < VC; v++) _mm512_storeu_ps(acc + g * D + (dv + v) * 16, r[g][v]);
 }
 
+#if WITH_VNNI
+/* int8 V: sum over the chunk's 16 tokens of p[g][t] * V row t as int8 dot products. p (already times the V
+ * scales) is quantised per (chunk, q head) to u8; 4 token rows are byte-interleaved so each int32 lane holds
+ * one dimension of 4 tokens. The interleave permutes dimensions inside a 64-dim slab, so `acc` is kept in
+ * that order for the whole item (unpermute_acc restores it): position z*16 + L*4 + i holds dim L*16 + z*4 + i.
+ * Tokens past nv have p = 0 and contribute exact zeros (their bytes are never NaN). */
+T512 INLINE void vaccum_vnni(const char *vt, int64_t row0, int D, const float *pb, const float *alpha, float *acc,
+                             int GB) {
+    uint8_t pq[4 * 16] __attribute__((aligned(64)));
+    float psc[4];
+    for (int g = 0; g < GB; g++) {
+        const __m512 p = _mm512_load_ps(pb + g * 16);
+        const float pm = _mm512_reduce_max_ps(p), inv = pm > 0.0f ? 255.0f / pm : 0.0f;
+        _mm_store_si128((__m128i *)(pq + g * 16), _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(_mm512_mul_ps(p, _mm512_set1_ps(inv)))));
+        psc[g] = pm / 255.0f;
+    }
+    for (int dz = 0; dz < D / 64; dz++) {
+        __m512i ai[4][4];
+        for (int g = 0; g < GB; g++)
+            for (int z = 0; z < 4; z++) ai[g][z] = _mm512_setzero_si512();
+        for (int tg = 0; tg < 4; tg++) {
+            const char *r = vt + (row0 + tg * 4) * D + dz * 64;
+            const __m512i r0 = _mm512_loadu_si512((const void *)r), r1 = _mm512_loadu_si512((const void *)(r + D));
+            const __m512i r2 = _mm512_loadu_si512((const void *)(r + 2 * D)), r3 = _mm512_loadu_si512((const void *)(r + 3 * D));
+            const __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
+            const __m512i c = _mm512_unpacklo_epi8(r2, r3), d = _mm512_unpackhi_epi8(r2, r3);
+            const __m512i zv[4] = {_mm512_unpacklo_epi16(a, c), _mm512_unpackhi_epi16(a, c),
+                                   _mm512_unpacklo_epi16(b, d), _mm512_unpackhi_epi16(b, d)};
+            for (int g = 0; g < GB; g++) {
+                int32_t word;
+                memcpy(&word, pq + g * 16 + tg * 4, 4);
+                const __m512i w = _mm512_set1_epi32(word);
+                for (int z = 0; z < 4; z++) ai[g][z] = _mm512_dpbusd_epi32(ai[g][z], w, zv[z]);
+            }
+        }
+        for (int g = 0; g < GB; g++) {
+            const __m512 al = _mm512_set1_ps(alpha[g]), sc = _mm512_set1_ps(psc[g]);
+            for (int z = 0; z < 4; z++) {
+                float *f = acc + g * D + dz * 64 + z * 16;
+                _mm512_storeu_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[g][z]), sc, _mm512_mul_ps(_mm512_loadu_ps(f), al)));
+            }
+        }
+    }
+}
+
+static inline void unpermute_acc(float *acc, int rows, int D) {
+    float tmp[64];
+    for (int r = 0; r < rows; r++)
+        for (int dz = 0; dz < D / 64; dz++) {
+            float *slab = acc + r * D + dz * 64;
+            for (int z = 0; z < 4; z++)
+                for (int L = 0; L < 4; L++)
+                    for (int i = 0; i < 4; i++) tmp[L * 16 + z * 4 + i] = slab[z * 16 + L * 4 + i];
+            memcpy(slab, tmp, sizeof(tmp));
+        }
+}
+#endif
+
 static inline void prefetch_tile(const char *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
@@ -156,6 +214,20 @@ T512 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, 
             _mm512_store_ps(pb + (g0 + g) * 16, p);
         }
     }
+#if WITH_VNNI
+    if (q4 && D % 64 == 0) {
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const int gb = G - g0 < 4 ? G - g0 : 4;
+            switch (gb) {
+            case 1: vaccum_vnni(vt, c * 16, D, pb + g0 * 16, alpha + g0, acc + g0 * D, 1); break;
+            case 2: vaccum_vnni(vt, c * 16, D, pb + g0 * 16, alpha + g0, acc + g0 * D, 2); break;
+            case 3: vaccum_vnni(vt, c * 16, D, pb + g0 * 16, alpha + g0, acc + g0 * D, 3); break;
+            default: vaccum_vnni(vt, c * 16, D, pb + g0 * 16, alpha + g0, acc + g0 * D, 4); break;
+            }
+        }
+        return;
+    }
+#endif
     for (int g0 = 0; g0 < G; g0 += 4) {
         const int gb = G - g0 < 4 ? G - g0 : 4;
         const float *pg = pb + g0 * 16, *ag = alpha + g0;
@@ -253,6 +325,9 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
             }
         }
     }
+#if WITH_VNNI
+    if (vnni && D % 64 == 0) unpermute_acc(acc, NH * G, D);
+#endif
     for (int r = 0; r < NH * G; r++) {
         const __m512 inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
         for (int d = 0; d < D; d += 16) _mm512_store_ps(acc + r * D + d, _mm512_mul_ps(_mm512_load_ps(acc + r * D + d), inv));
