@@ -1,8 +1,9 @@
 """The `echo` role: a small real actor that exercises every path of the runtime.
 
 Used by the two-node demo, the runtime's integration tests and the ask-latency benchmark:
-asks (`Ping`, `Echo` with an optional tensor, `PingPeer` to ping another node), a stream (`Count`), a slow handler that can be
-cancelled (`Sleep`), a handler that raises (`Fail`), and counters to observe all of it (`Stats`).
+asks (`Ping`, `Echo` with an optional tensor, `PingPeer` to ping another node), a stream
+(`Count`), a slow handler that can be cancelled (`Sleep`), a handler that raises (`Fail`), and
+counters to observe all of it (`Stats`).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -206,13 +206,17 @@ class Node:
         else:
             await (await self.peer(ref.node_url)).tell(ref.name, msg)
 
-    async def ask(self, ref: ActorRef, msg: Message, timeout: float | None) -> Message | None:
+    def ask(self, ref: ActorRef, msg: Message, timeout: float | None) -> Awaitable[Message | None]:
         _check(msg)
+        peer = self._peers.get(ref.node_url)
+        if peer is not None and not peer.closed:  # the hot path: a connected peer, no extra coroutine
+            return peer.ask(ref.name, msg, timeout)
+        return self._ask(ref, msg, timeout)
+
+    async def _ask(self, ref: ActorRef, msg: Message, timeout: float | None) -> Message | None:
         if ref.node_url in self._local_urls:
             return await self._local(ref).ask_local(msg, timeout)
-        peer = self._peers.get(ref.node_url)
-        if peer is None or peer.closed:
-            peer = await self.peer(ref.node_url)
+        peer = await self.peer(ref.node_url)
         return await peer.ask(ref.name, msg, timeout)
 
     def stream(self, ref: ActorRef, msg: Message, window: int | None) -> AsyncIterator[Message]:

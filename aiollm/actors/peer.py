@@ -35,7 +35,7 @@ from aiollm.actors.messages import (
     Watch,
 )
 from aiollm.actors.reply import Reply as ReplySlot
-from aiollm.actors.reply import Sink, wait_reply
+from aiollm.actors.reply import Sink, expire
 from aiollm.actors.stream import StreamReceiver, consume
 from aiollm.errors import (
     ActorDied,
@@ -122,15 +122,17 @@ class Peer:
         rid = next(self._ids)
         fut = self._loop.create_future()
         self._pending[rid] = fut
+        timer = None if timeout is None else self._loop.call_later(timeout, expire, fut, timeout)
         try:
-            try:
-                await self.send(Request(V, rid, ASK, name, 0, msg))
-            except asyncio.CancelledError:
-                self._abandon(rid)
-                raise
-            return await wait_reply(fut, timeout, lambda: self._abandon(rid))
+            await self.send(Request(V, rid, ASK, name, 0, msg))
+            return await fut
+        except (asyncio.CancelledError, TimeoutError):
+            self._abandon(rid)
+            raise
         finally:
             self._pending.pop(rid, None)
+            if timer is not None:
+                timer.cancel()
 
     def stream(self, name: str, msg: Message, window: int) -> AsyncIterator[Message]:
         rid = next(self._ids)
@@ -349,7 +351,7 @@ class _RemoteReply(ReplySlot):
     __slots__ = ("peer", "rid")
 
     def __init__(self, peer: Peer, rid: int) -> None:
-        super().__init__()
+        self.cancelled = self.cancel_requested = False  # Reply's fields, set here: one call less per ask
         self.peer = peer
         self.rid = rid
 

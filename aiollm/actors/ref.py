@@ -7,7 +7,7 @@ message fields: they travel as their URL and are re-bound to the receiving node.
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING
 
 from aiollm.transports.base import parse_address
@@ -42,15 +42,16 @@ class ActorRef:
         """
         await self._router.tell(self, msg)
 
-    async def ask(self, msg: Message, timeout: float | None = None) -> Message | None:
+    def ask(self, msg: Message, timeout: float | None = None) -> Awaitable[Message | None]:
         """Send and wait for the handler's return value.
 
         Raises `TimeoutError` (asyncio.TimeoutError) after `timeout` s, `ActorDied`, `NodeUnreachable`,
         `RemoteError` (the handler raised: type, message, traceback text), `ProtocolError` (the
         message was rejected: unknown type, no handler, invalid fields). Cancelling the awaiting task
-        or timing out cancels the remote handler.
+        or timing out cancels the remote handler. (A plain method returning the router's coroutine:
+        one frame less on the hottest path.)
         """
-        return await self._router.ask(self, msg, timeout)
+        return self._router.ask(self, msg, timeout)
 
     def stream(self, msg: Message, window: int | None = None) -> AsyncIterator[Message]:
         """Iterate the items yielded by the target's async-generator handler for `msg`.

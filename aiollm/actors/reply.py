@@ -119,7 +119,7 @@ async def wait_reply(fut: asyncio.Future, timeout: float | None, on_abandon: Cal
     if timeout is None:
         handle = None
     else:
-        handle = asyncio.get_running_loop().call_later(timeout, _expire, fut, timeout)
+        handle = asyncio.get_running_loop().call_later(timeout, expire, fut, timeout)
     try:
         return await fut
     except (asyncio.CancelledError, TimeoutError):
@@ -130,6 +130,7 @@ async def wait_reply(fut: asyncio.Future, timeout: float | None, on_abandon: Cal
             handle.cancel()
 
 
-def _expire(fut: asyncio.Future, timeout: float) -> None:
+def expire(fut: asyncio.Future, timeout: float) -> None:
+    """Timer callback: fail an ask's future with TimeoutError unless it is already settled."""
     if not fut.done():
         fut.set_exception(TimeoutError(f"no reply within {timeout} s"))
