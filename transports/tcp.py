@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections import deque
 from collections.abc import Sequence
 
 from aiollm.errors import ChannelBroken, ClosedError, NodeUnreachable
@@ -42,7 +43,9 @@ from aiollm.transports.base import (
     TransportConfig,
 )
 from aiollm.transports.framing import (
+    MAGIC,
     PREFIX,
+    VERSION,
     allocate_buffers,
     byte_view,
     check_limits,
@@ -78,6 +81,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.config = config
         self.direct_min = int(opts["tcp.direct_min_bytes"])
         self.join_max = int(opts["tcp.join_max_bytes"])
+        # Largest header a control-only frame may carry (both limits apply to it).
+        self.header_max = min(config.max_header_bytes, config.max_frame_bytes)
         scratch = max(int(opts["tcp.scratch_bytes"]), PREFIX.size + 8 * config.max_buffers)
         self.scratch = memoryview(bytearray(scratch))
         self.rpos = self.wpos = 0
@@ -182,8 +187,15 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         are needed. Raises `ChannelBroken` for malformed frames, `ValueError` from `allocate`.
         """
         if self.stage == _PREFIX:
-            if self.wpos - self.rpos < PREFIX.size:
+            avail = self.wpos - self.rpos
+            if avail < PREFIX.size:
                 return None
+            rpos = self.rpos
+            magic, version, _, header_len, count = PREFIX.unpack_from(self.scratch, rpos)
+            if (count == 0 and magic == MAGIC and version == VERSION and avail >= PREFIX.size + header_len
+                    and header_len <= self.header_max):  # fast path: a whole control-only frame
+                self.rpos = rpos + PREFIX.size + header_len
+                return Frame(bytes(self.scratch[rpos + PREFIX.size:self.rpos]), [])
             self.header_len, self.count = decode_prefix(self.scratch[self.rpos:self.rpos + PREFIX.size], self.config)
             self.rpos += PREFIX.size
             self.stage = _SIZES
@@ -272,7 +284,8 @@ class TcpConnection(Connection):
 
     def __init__(self, protocol: _FrameProtocol) -> None:
         self._p = protocol
-        self._recv_lock = asyncio.Lock()
+        self._receiving = False
+        self._turns: deque[asyncio.Future] = deque()
         sock = protocol.transport.get_extra_info("sockname")
         self.local_address = f"tcp://{sock[0]}:{sock[1]}"
         self.peer_address = protocol.peername()
@@ -284,15 +297,24 @@ class TcpConnection(Connection):
         `ValueError` if the frame exceeds this side's limits or a buffer is not contiguous.
         """
         p = self._p
-        views = [byte_view(b) for b in buffers]
         head = header if isinstance(header, bytes) else bytes(header)
+        if not buffers and len(head) <= p.join_max:  # fast path: a small control-only frame
+            if len(head) > p.header_max:
+                check_limits(p.config, len(head), (), ValueError)
+            while p.ended is not None or p.write_paused:
+                if p.ended is not None:
+                    raise p.ended
+                await self._drained()
+            p.transport.write(PREFIX.pack(MAGIC, VERSION, 0, len(head), 0) + head)
+            if p.write_paused:
+                await self._drained()
+            return
+        views = [byte_view(b) for b in buffers]
         sizes = [v.nbytes for v in views]
         check_limits(p.config, len(head), sizes, ValueError)
-        while True:
+        while p.ended is not None or p.write_paused:
             if p.ended is not None:
                 raise p.ended
-            if not p.write_paused:
-                break
             await self._drained()
         prefix = encode_prefix(len(head), sizes)
         if len(head) + sum(sizes) <= p.join_max:
@@ -317,32 +339,48 @@ class TcpConnection(Connection):
         over-limit frame (the connection is then closed), `ValueError` if `allocate` returns
         unsuitable buffers (the connection is then closed too: its byte stream lost its place).
         """
-        async with self._recv_lock:
-            p = self._p
-            if isinstance(p.ended, ClosedError):
-                raise p.ended
-            if p.ready is not None:
-                frame, p.ready = p.ready, None
-                return frame
-            p.allocate = allocate
-            try:
-                frame = p.parse(True) if p.ended is None or isinstance(p.ended, NodeUnreachable) else None
-            except Exception as exc:
-                p.fail(exc)
-                raise
-            if frame is not None:
-                p.allocate = None
+        while self._receiving:  # one recv at a time; later callers take turns
+            fut = asyncio.get_running_loop().create_future()
+            self._turns.append(fut)
+            await fut
+        self._receiving = True
+        try:
+            return await self._recv(allocate)
+        finally:
+            self._receiving = False
+            if self._turns:
+                turn = self._turns.popleft()
+                if not turn.done():
+                    turn.set_result(None)
+
+    async def _recv(self, allocate: Allocator | None) -> Frame:
+        p = self._p
+        if isinstance(p.ended, ClosedError):
+            raise p.ended
+        if p.ready is not None:
+            frame, p.ready = p.ready, None
+            return frame
+        p.allocate = allocate
+        try:
+            frame = p.parse(True) if p.ended is None or isinstance(p.ended, NodeUnreachable) else None
+        except Exception as exc:
+            p.fail(exc)
+            raise
+        if frame is not None:
+            p.allocate = None
+            if p.reading_paused:
                 p.resume()
-                return frame
-            if p.ended is not None:
-                raise p.ended
-            p.waiter = asyncio.get_running_loop().create_future()
+            return frame
+        if p.ended is not None:
+            raise p.ended
+        p.waiter = asyncio.get_running_loop().create_future()
+        if p.reading_paused:
             p.resume()
-            try:
-                return await p.waiter
-            finally:
-                p.waiter = None
-                p.allocate = None
+        try:
+            return await p.waiter
+        finally:
+            p.waiter = None
+            p.allocate = None
 
     async def close(self) -> None:
         """Close the connection (idempotent); pending and later calls here raise `ClosedError`.
