@@ -45,16 +45,18 @@ T256 INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
-/* Scores of 16 tokens as two halves, GB q heads, NP partial sums per half. */
+/* Scores of 16 tokens as two halves, GB q heads, NP partial sums per half; pointer walks, no index math. */
 T256 INLINE void scores(int dt, const void *kt, int64_t col, int BS, int D, const float *qs, int GB, int NP,
                         __m256 *lo, __m256 *hi) {
+    const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1, step = (int64_t)BS * es;
+    const char *kp = (const char *)kt + col * es;
     __m256 a0[4][2], a1[4][2];
     for (int g = 0; g < GB; g++)
         for (int p = 0; p < NP; p++) a0[g][p] = a1[g][p] = _mm256_setzero_ps();
-    for (int d = 0; d < D; d += NP) {
+    for (int d = 0; d < D; d += NP, kp += NP * step) {
         for (int p = 0; p < NP; p++) {
-            const __m256 k0 = ld8(dt, kt, (int64_t)(d + p) * BS + col);
-            const __m256 k1 = ld8(dt, kt, (int64_t)(d + p) * BS + col + 8);
+            const __m256 k0 = ld8(dt, kp + p * step, 0);
+            const __m256 k1 = ld8(dt, kp + p * step, 8);
             for (int g = 0; g < GB; g++) {
                 const __m256 qv = _mm256_broadcast_ss(qs + g * D + d + p);
                 a0[g][p] = _mm256_fmadd_ps(qv, k0, a0[g][p]);
@@ -75,13 +77,15 @@ T256 INLINE void scores(int dt, const void *kt, int64_t col, int BS, int D, cons
 /* acc[g][8*(dv..dv+VC)] = alpha[g] * acc + sum over nv tokens of pb[g][t] * V row t. */
 T256 INLINE void vaccum(int dt, const void *vt, int64_t row0, int nv, int D, int dv, int VC, const float *pb,
                         const float *alpha, float *acc, int GB) {
+    const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1;
+    const char *vp = (const char *)vt + (row0 * D + dv * 8) * es;
     __m256 r[4][2];
     for (int g = 0; g < GB; g++)
         for (int v = 0; v < VC; v++)
             r[g][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + (dv + v) * 8), _mm256_set1_ps(alpha[g]));
-    for (int t = 0; t < nv; t++) {
+    for (int t = 0; t < nv; t++, vp += D * es) {
         for (int v = 0; v < VC; v++) {
-            const __m256 x = ld8(dt, vt, (row0 + t) * D + (dv + v) * 8);
+            const __m256 x = ld8(dt, vp, v * 8);
             for (int g = 0; g < GB; g++) r[g][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(pb + g * 16 + t), x, r[g][v]);
         }
     }
@@ -184,7 +188,11 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
             for (int c = 0; c * 16 < BS; c++) {
                 int nv = n - (blk * BS + c * 16);
                 if (nv <= 0) break;
-                chunk(dt, kt, vt, ks, vs, c, nv > 16 ? 16 : nv, G, D, BS, qs + h * GD, acc + h * GD, m + h * G, l + h * G);
+                const int w = nv > 16 ? 16 : nv;
+                float *ah = acc + h * GD, *mh = m + h * G, *lh = l + h * G;
+                if (D == 64) chunk(dt, kt, vt, ks, vs, c, w, G, 64, BS, qs + h * GD, ah, mh, lh);
+                else if (D == 128) chunk(dt, kt, vt, ks, vs, c, w, G, 128, BS, qs + h * GD, ah, mh, lh);
+                else chunk(dt, kt, vt, ks, vs, c, w, G, D, BS, qs + h * GD, ah, mh, lh);
             }
         }
     }
