@@ -126,7 +126,7 @@ T256 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, 
             const __m256 mv = _mm256_set1_ps(mn);
             __m256 p0 = _mm256_and_ps(m0, exp256(_mm256_sub_ps(s0, mv)));
             __m256 p1 = _mm256_and_ps(m1, exp256(_mm256_sub_ps(s1, mv)));
-            const float al = expf(mo - mn);
+            const float al = mn == mo ? 1.0f : expf(mo - mn); /* the max rarely moves after a few chunks */
             l[g0 + g] = l[g0 + g] * al + hsum8(_mm256_add_ps(p0, p1));
             m[g0 + g] = mn;
             alpha[g0 + g] = al;

@@ -206,7 +206,7 @@ T512 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, 
             sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), sc);
             const float mx = _mm512_reduce_max_ps(sc), mo = m[g0 + g], mn = mx > mo ? mx : mo;
             __m512 p = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mn))));
-            const float al = expf(mo - mn);
+            const float al = mn == mo ? 1.0f : expf(mo - mn); /* the max rarely moves after a few chunks */
             l[g0 + g] = l[g0 + g] * al + _mm512_reduce_add_ps(p);
             m[g0 + g] = mn;
             alpha[g0 + g] = al;
