@@ -8,7 +8,7 @@ the same as without the split (rows are independent), so the tokens are the same
 
 Within a half, rows are ordered by R-worker, so each R-worker's q/k/v are one contiguous slice
 (no gather) and the outputs are concatenated back in the same order. The pure helpers
-(`place`, `split`) are tested on their own.
+(`place`, `minibatches`) are tested on their own.
 """
 from __future__ import annotations
 
@@ -47,25 +47,29 @@ def place(expected: Sequence[int], max_len: int, refused: frozenset[int] = froze
     return min(candidates, key=lambda i: (expected[i] + max_len, i))
 
 
-def split(n: int, pipeline: bool) -> list[slice]:
-    """Row ranges of the mini-batches: two halves with the pipeline (when there are >= 2 rows), else one."""
-    if not pipeline or n < 2:
-        return [slice(0, n)]
-    half = (n + 1) // 2
-    return [slice(0, half), slice(half, n)]
+def minibatches(workers_of_rows: Sequence[int], pipeline: bool) -> list[list[int]]:
+    """Row indices of each mini-batch, each sorted by R-worker: two with the pipeline (>= 2 rows), else one.
+
+    Rows are dealt alternately after sorting by worker, so each half holds about half of every
+    worker's rows and every R-worker has work in both halves (halving the sorted list instead would
+    leave R-worker 0 idle while half B attends, and R-worker 1 while half A does)."""
+    order = sorted(range(len(workers_of_rows)), key=lambda i: workers_of_rows[i])
+    if not pipeline or len(order) < 2:
+        return [order]
+    return [order[0::2], order[1::2]]
 
 
 async def decode_step(model: LlamaModel, workers: Sequence[ActorRef], rows: Sequence[StepRow],
                       pipeline: bool) -> torch.Tensor:
     """fp32 logits [len(rows), vocab] of one decode step over every row (rows in any worker order)."""
-    order = sorted(range(len(rows)), key=lambda i: rows[i].worker)
-    ordered = [rows[i] for i in order]
-    parts = await asyncio.gather(*(_minibatch(model, workers, ordered[s], g)
-                                   for g, s in enumerate(split(len(ordered), pipeline))))
-    logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
-    return logits[inverse]
+    groups = minibatches([r.worker for r in rows], pipeline)
+    parts = await asyncio.gather(*(_minibatch(model, workers, [rows[i] for i in g], n) for n, g in enumerate(groups)))
+    if len(parts) == 1:
+        return parts[0][torch.argsort(torch.tensor(groups[0]))]
+    logits = torch.empty(len(rows), parts[0].shape[1], dtype=parts[0].dtype)
+    for g, part in zip(groups, parts):
+        logits[torch.tensor(g)] = part
+    return logits
 
 
 async def _minibatch(model: LlamaModel, workers: Sequence[ActorRef], rows: Sequence[StepRow],

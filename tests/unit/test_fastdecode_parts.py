@@ -1,4 +1,4 @@
-"""FastDecode's pure parts: placement by expected length, mini-batch split, the R-worker's sequence store
+"""FastDecode's pure parts: placement by expected length, the mini-batch split, the R-worker's sequence store
 (whole-life reservation, all-or-nothing refusal, release), and the S-worker's flags."""
 import argparse
 
@@ -8,7 +8,7 @@ import pytest
 from aiollm.errors import KVCacheFull
 from aiollm.kv.pool import KVConfig
 from aiollm.sched.sls import SLSConfig
-from aiollm.workers.pipeline import _worker_slices, place, split
+from aiollm.workers.pipeline import _worker_slices, minibatches, place
 from aiollm.workers.r_worker import SequenceStore, parse_size
 from aiollm.workers.s_worker import SWorkerConfig, config_from_args, r_worker_urls
 
@@ -27,10 +27,15 @@ def test_place_balances_expected_total_length():
         place([0], 1, refused=frozenset({0}))
 
 
-def test_split_and_worker_slices():
-    assert split(7, pipeline=True) == [slice(0, 4), slice(4, 7)]
-    assert split(1, pipeline=True) == [slice(0, 1)]
-    assert split(7, pipeline=False) == [slice(0, 7)]
+def test_minibatches_give_every_worker_rows_in_both_halves():
+    workers = [1, 0, 1, 0, 1, 1, 0]
+    a, b = minibatches(workers, pipeline=True)
+    assert sorted(a + b) == list(range(7))
+    for half in (a, b):
+        assert [workers[i] for i in half] == sorted(workers[i] for i in half)  # sorted by worker
+        assert {workers[i] for i in half} == {0, 1}
+    assert minibatches([0], pipeline=True) == [[0]]
+    assert minibatches(workers, pipeline=False) == [[1, 3, 6, 0, 2, 4, 5]]
     assert _worker_slices([0, 0, 1, 1, 1, 3]) == [(0, slice(0, 2)), (1, slice(2, 5)), (3, slice(5, 6))]
     assert _worker_slices([]) == []
 
