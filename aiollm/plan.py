@@ -74,7 +74,12 @@ def cmd_fastdecode(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from aiollm.planner.measure import measure_profile
 
-    path = measure_profile(args.model, args.out, quick=args.quick)
+    path = measure_profile(args.model, args.out, quick=args.quick, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                           threads=args.threads)
+    entry = next(iter(json.loads(path.read_text())["models"].values()))
+    print(f"prefill (a, b, c) = {entry['prefill']}, decode (d, e, f) = {entry['decode']} (seconds); largest fit "
+          f"error over the measured points: prefill {entry['max_relative_error']['prefill']*100:.0f} %, "
+          f"decode {entry['max_relative_error']['decode']*100:.0f} %")
     print(f"wrote {path}")
     return 0
 
@@ -122,7 +127,10 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("profile", help="measure this machine's prefill/decode step times and fit the latency model")
     m.add_argument("--model", default="smollm2")
     m.add_argument("--out", type=Path, help="profile JSON (default ~/.cache/aiollm/latency-profile-local.json)")
-    m.add_argument("--quick", action="store_true", help="fewer, smaller points (about 20 s)")
+    m.add_argument("--quick", action="store_true", help="fewer, smaller points")
+    m.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="weights (serving default fp32)")
+    m.add_argument("--kv-dtype", default="fp32", choices=("fp32", "fp16", "int8"), help="KV cache storage")
+    m.add_argument("--threads", type=int, default=1, help="threads, as one serving instance uses")
     m.set_defaults(func=cmd_profile)
     return p
 

@@ -195,8 +195,9 @@ def plot_attainment(args) -> dict:
 def read_serve_results(path: Path) -> dict | None:
     """A real serving run to compare with, or None if the file does not exist.
 
-    The file this reads (to be written by `python -m bench serve --json PATH`, issue 7) is JSON with
+    The file this reads (written by `python -m bench serve --json PATH`, issue 7) is JSON with
       "model": "smollm2", "ttft_slo": seconds, "tpot_slo": seconds, "kv_tokens": decode KV capacity,
+      optional "max_running" (default 128) and "max_batch_tokens" (default: L_m of the local profile),
       "runs": [{"setup": "disaggregated", "rate": req/s, "attainment": share in [0, 1] meeting both SLOs,
                 "prompt_lens": [...], "output_lens": [...], "arrivals": [seconds from start, ...]}, ...]
     and the latency profile measured on the same machine by `python -m aiollm.plan profile`.
@@ -210,21 +211,33 @@ def read_serve_results(path: Path) -> dict | None:
 
 
 def sim_vs_real(path: Path) -> dict:
-    """Max |simulated - measured| attainment (percentage points) over the real run's rates."""
-    data = read_serve_results(path)
-    if data is None:
+    """Max |simulated - measured| attainment (percentage points) over the real run's rates: one prefill and
+    one decode instance on the local latency profile, fed the run's own requests at their own arrival times."""
+    try:
+        data = read_serve_results(path)
+        if data is None:
+            raise FileNotFoundError(f"no {path}")
+        latency = load_local()[get_model(data["model"]).name]
+    except (FileNotFoundError, ValueError, KeyError) as exc:
         return {"sim_vs_real_attainment_max_diff_points": None,
-                "sim_vs_real_status": f"not measured: bench serve not available (no {path})"}
-    latency = load_local()[get_model(data["model"]).name]
-    diffs = []
+                "sim_vs_real_status": f"not measured: bench serve results or local profile not available ({exc})"}
+    rows, diffs = [], []
     for run_ in data["runs"]:
         if run_["setup"] != "disaggregated":
             continue
         lengths = LengthSample("served", np.array(run_["prompt_lens"]), np.array(run_["output_lens"]))
         workload = Workload(lengths, np.array(run_["arrivals"]) * run_["rate"])
         cfg = SimConfig(latency, "disaggregated", InstanceSpec(1), InstanceSpec(1), data["kv_tokens"],
-                        data["kv_tokens"], 1)
-        sim = simulate(cfg, workload, run_["rate"]).attainment(data["ttft_slo"], data["tpot_slo"])["both"]
+                        data["kv_tokens"], 1, max_batch_tokens=data.get("max_batch_tokens", 0),
+                        max_running=data.get("max_running", 128))
+        result = simulate(cfg, workload, run_["rate"])
+        sim = result.attainment(data["ttft_slo"], data["tpot_slo"])["both"]
         diffs.append(abs(sim - run_["attainment"]) * 100)
-    return {"sim_vs_real_attainment_max_diff_points": max(diffs) if diffs else None,
+        rows.append({"rate": run_["rate"], "requests": len(lengths.prompt), "real attainment %": run_["attainment"] * 100,
+                     "simulated %": sim * 100, "diff points": diffs[-1],
+                     "sim TTFT p90 ms": float(np.percentile(result.ttft, 90)) * 1e3,
+                     "sim TPOT p90 ms": float(np.percentile(result.tpot, 90)) * 1e3})
+    print(f"\nSimulator vs the real bench serve run in {path} (local profile: {latency.source})")
+    print(table(rows))
+    return {"sim_vs_real_attainment_max_diff_points": max(diffs) if diffs else None, "sim_vs_real_rows": rows,
             "sim_vs_real_status": f"measured against {path} ({len(diffs)} rates)"}

@@ -27,8 +27,9 @@ QUICK_DECODE = [(1, 128), (8, 256), (32, 128), (16, 512)]
 
 
 def measure_profile(model_name: str = "smollm2", out: Path | None = None, quick: bool = False,
-                    dtype: str = "bf16") -> Path:
-    """Measure, fit, and write the profile JSON; returns its path."""
+                    dtype: str = "fp32", kv_dtype: str = "fp32", threads: int = 1) -> Path:
+    """Measure, fit, and write the profile JSON; returns its path. The defaults match one serving
+    instance (`python -m aiollm.node --role prefill|decode`: fp32 weights and KV, one thread)."""
     try:
         import torch
 
@@ -37,6 +38,7 @@ def measure_profile(model_name: str = "smollm2", out: Path | None = None, quick:
         from aiollm.model.attention import paged_decode_attention
     except ImportError as exc:
         raise ImportError(f"`profile` needs aiollm.model and aiollm.kv (not importable: {exc})") from None
+    torch.set_num_threads(threads)
     model = aiollm_model.load(model_name, dtype=dtype)
     c = model.config
     prefill_pts, decode_pts = [], []
@@ -49,7 +51,7 @@ def measure_profile(model_name: str = "smollm2", out: Path | None = None, quick:
             block = 16
             per_seq = -(-(ctx + 1) // block)
             pool = KVPool(KVConfig(n_layers=c.n_layers, n_blocks=batch * per_seq, n_kv_heads=c.n_kv_heads,
-                                   head_dim=c.head_dim, block_size=block, dtype="fp16"))
+                                   head_dim=c.head_dim, block_size=block, dtype=kv_dtype))
             tables = torch.arange(batch * per_seq, dtype=torch.int32).reshape(batch, per_seq)
             lens = torch.full((batch,), ctx + 1, dtype=torch.int32)
             slots = tables[:, ctx // block].long() * block + ctx % block
@@ -61,7 +63,7 @@ def measure_profile(model_name: str = "smollm2", out: Path | None = None, quick:
                 rope = model.rope(positions)
                 for layer in range(c.n_layers):
                     q, k, v = model.pre_attention(layer, h, positions, rope)
-                    o = paged_decode_attention(pool, layer, q, k, v, slots, tables, lens)
+                    o = paged_decode_attention(pool, layer, q, k, v, slots, tables, lens, n_threads=threads)
                     h = model.post_attention(layer, h, o)
                 model.logits(h)
             decode_pts.append({"batch": batch, "context": ctx, "seconds": _best_of(step)})
@@ -69,12 +71,17 @@ def measure_profile(model_name: str = "smollm2", out: Path | None = None, quick:
                            [p["batch"] * p["length"] ** 2 for p in prefill_pts], [p["seconds"] for p in prefill_pts])
     d, e, f = fit_decode([p["batch"] for p in decode_pts], [p["batch"] * (p["context"] + 1) for p in decode_pts],
                          [p["seconds"] for p in decode_pts])
-    hardware = f"{_cpu_name()} ({os.cpu_count()} cores, torch {torch.get_num_threads()} threads, {dtype})"
+    prefill_err = max(abs(a + b * p["batch"] * p["length"] + cc * p["batch"] * p["length"] ** 2 - p["seconds"])
+                      / p["seconds"] for p in prefill_pts)
+    decode_err = max(abs(d + e * p["batch"] + f * p["batch"] * (p["context"] + 1) - p["seconds"]) / p["seconds"]
+                     for p in decode_pts)
+    hardware = f"{_cpu_name()} ({os.cpu_count()} cores, {threads} thread(s), {dtype} weights, {kv_dtype} KV)"
     path = Path(out) if out else LOCAL_PROFILE
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"format": LOCAL_FORMAT, "hardware": hardware, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "models": {_planner_name(model_name): {"prefill": [a, b, cc], "decode": [d, e, f],
-                                                   "prefill_points": prefill_pts, "decode_points": decode_pts}}}
+                                                   "prefill_points": prefill_pts, "decode_points": decode_pts,
+                                                   "max_relative_error": {"prefill": prefill_err, "decode": decode_err}}}}
     path.write_text(json.dumps(data, indent=2))
     return path
 

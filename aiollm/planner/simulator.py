@@ -70,14 +70,16 @@ class SimConfig:
     # L_m: prefill batch token limit; 0 = the latency model's compute-bound length.
     max_batch_tokens: int = 0
     block_size: int = 16
+    # Most sequences in one decode batch (0 = only KV memory limits it).
+    max_running: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"SimConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.n_prefill <= 0 or self.n_decode <= 0:
             raise ValueError("SimConfig: n_prefill and n_decode must be > 0")
-        if self.link_bandwidth <= 0 or self.block_size <= 0 or self.max_batch_tokens < 0:
-            raise ValueError("SimConfig: link_bandwidth, block_size must be > 0 and max_batch_tokens >= 0")
+        if self.link_bandwidth <= 0 or self.block_size <= 0 or self.max_batch_tokens < 0 or self.max_running < 0:
+            raise ValueError("SimConfig: link_bandwidth, block_size must be > 0; max_batch_tokens, max_running >= 0")
 
 
 @dataclass
@@ -182,7 +184,7 @@ class _DecodeLane:
     def __init__(self, sim: "_Simulation", name: str, stack: StackLatency, kv_tokens: int, colocated: bool) -> None:
         self.sim, self.name, self.stack, self.colocated = sim, name, stack, colocated
         block = sim.config.block_size
-        self.admission = DecodeAdmission(max(1, kv_tokens // block), block, 10 ** 9)
+        self.admission = DecodeAdmission(max(1, kv_tokens // block), block, sim.config.max_running or 10 ** 9)
         self.capacity = kv_tokens
         self.running: list[tuple[int, int]] = []  # heap of (finish step, request)
         self.pending: list[tuple[float, int]] = []  # heap of (KV ready time, request)
