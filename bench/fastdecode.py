@@ -187,8 +187,7 @@ async def _synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_
     span = seq_len - PROMPT_LEN - total - 1
     lens = [PROMPT_LEN + (i * span) // batch for i in range(batch)]
     await s.ask(Synthetic(lens, total), timeout=600)
-    while len((await s.ask(GetTrace())).step_s) < total:
-        await asyncio.sleep(0.05)
+    await _wait_steps(s, total)
     trace = await s.ask(GetTrace())
     while (await s.ask(GetLoad())).running:
         await asyncio.sleep(0.05)
@@ -196,6 +195,15 @@ async def _synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_
     step = statistics.median(trace.step_s[warm:total])
     return {"batch": batch, "r_workers": len(urls), "step_ms": 1e3 * step, "tokens_per_s": batch / step,
             "kv_tokens": int(statistics.mean(trace.tokens[warm:total]))}
+
+
+async def _wait_steps(s, steps: int) -> None:
+    """Wait until the S-worker has run `steps` steps; RuntimeError if it stops working before."""
+    while len((await s.ask(GetTrace())).step_s) < steps:
+        load = await s.ask(GetLoad())
+        if not load.running and not load.waiting and len((await s.ask(GetTrace())).step_s) < steps:
+            raise RuntimeError(f"the S-worker stopped after fewer than {steps} steps (its log says why)")
+        await asyncio.sleep(0.1)
 
 
 async def _throughput(model, batches: list[int], seq_len: int) -> list[dict]:
@@ -293,8 +301,7 @@ async def _trace(model, batch: int, seq_len: int, schedule: SLSConfig | None) ->
                             ignore_eos=True)
         for i, prompt in enumerate(_prompts(model, 4 * batch, PROMPT_LEN)):
             await s.tell(Generate(f"trace-{i}", prompt, sampling, sink_ref))
-        while len((await s.ask(GetTrace())).step_s) < steps:
-            await asyncio.sleep(0.2)
+        await _wait_steps(s, steps)
         trace = await s.ask(GetTrace())
         await graph.driver.stop_actor("s-trace")
     return {"step_s": trace.step_s[:steps], "batch": trace.batch[:steps], "tokens": trace.tokens[:steps],

@@ -186,9 +186,9 @@ class RWorker(Actor):
         pool = self.store.pool
         pool.write(msg.layer, slots, msg.k, msg.v)
         q = msg.q
+        # the kernel takes fp32 queries and writes fp32 or bf16 directly: bf16 in, bf16 back (half the bytes)
         out = torch.empty(q.shape, dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
-        pool.attend(msg.layer, q if q.dtype in (torch.float32, torch.bfloat16) else q.float(), tables, lens,
-                    out=out, n_threads=self.threads)
+        pool.attend(msg.layer, q.float(), tables, lens, out=out, n_threads=self.threads)
         return Attended(out)
 
     @handler(Release)

@@ -38,8 +38,8 @@ def tiny(tmp_path_factory):
     return load(directory), directory
 
 
-async def _r_workers(graph: Graph, directory, n: int, kv_memory: str) -> list[str]:
-    args = ("--model", str(directory), "--kv-dtype", "fp32", "--kv-memory", kv_memory, "--threads", "1")
+async def _r_workers(graph: Graph, directory, n: int, kv_memory: str, kv_dtype: str = "fp32") -> list[str]:
+    args = ("--model", str(directory), "--kv-dtype", kv_dtype, "--kv-memory", kv_memory, "--threads", "1")
     nodes = await asyncio.gather(*(graph.start_node("r-worker", process=True, args=args) for _ in range(n)))
     return [node.actors["r-worker"] for node in nodes]
 
@@ -53,6 +53,7 @@ async def _generate(client: ClusterClient, prompts, params) -> list[list[int]]:
     return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
 
+@pytest.mark.slow
 async def test_tokens_equal_colocated_generate_with_and_without_pipeline_and_schedule(tiny):
     model, directory = tiny
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
@@ -79,6 +80,14 @@ async def test_tokens_equal_colocated_generate_with_and_without_pipeline_and_sch
             assert all(load.sequences == 0 and load.blocks_used == 0 for load in loads)
             assert all(load.tokens == 0 for load in loads)
             await driver.stop_actor(f"s-{i}")
+        # bf16 weights (bf16 q/o on the wire) with fp16 KV, as served: equal to colocated bf16 with fp16 KV
+        bf16 = load(directory, dtype="bf16")
+        expected = [c.token_ids for c in generate(bf16, PROMPTS, params, kv_dtype="fp16")]
+        urls = await _r_workers(graph, directory, 2, "4MiB", kv_dtype="fp16")
+        s = await driver.spawn(SWorker(bf16, urls, SWorkerConfig(max_batch=8)), "s-bf16")
+        client = ClusterClient(s.url)
+        await driver.spawn(client, "client-bf16")
+        assert await _generate(client, PROMPTS, params) == expected
 
 
 async def test_r_worker_at_budget_refuses_and_keeps_what_it_holds(tiny):
