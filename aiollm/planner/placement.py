@@ -144,7 +144,7 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def _instance_line(kind: str, inst: InstancePlan) -> str:
     return (f"  {kind}: {inst.count} x (tp={inst.tp}, pp={inst.pp}) = {inst.gpus} GPUs, "
-            f"{inst.goodput:.3f} req/s each, KV {inst.kv_tokens} tokens each")
+            f"{inst.goodput:.3f} req/s each alone, KV {inst.kv_tokens} tokens each")
 
 
 class Planner:
@@ -359,8 +359,9 @@ class Planner:
         stages_per_node = per_node // (tp_p + tp_d)
         max_pairs = (c.cluster.nodes * stages_per_node) // pp
         pairs = math.ceil(c.rate / g) if c.rate is not None else max_pairs
-        prefill = InstancePlan(tp_p, pp, pairs, g, self.kv_tokens(tp_p, pp))
-        decode = InstancePlan(tp_d, pp, pairs, g, self.kv_tokens(tp_d, pp))
+        # Each instance's own goodput (its phase alone); the pair sustains g together.
+        prefill = InstancePlan(tp_p, pp, pairs, self.phase_goodput("prefill", tp_p, pp), self.kv_tokens(tp_p, pp))
+        decode = InstancePlan(tp_d, pp, pairs, self.phase_goodput("decode", tp_d, pp), self.kv_tokens(tp_d, pp))
         plan = self._make_plan(prefill, decode, per_gpu, pairs * g,
                                ["Algorithm 2: each stage's prefill and decode segments share a node; KV moves over "
                                 f"NVLink at {c.cluster.gpu.nvlink_bandwidth / 1e9:.0f} GB/s"])
