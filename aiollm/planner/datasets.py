@@ -97,12 +97,16 @@ def tokenizer_for(model: str):
 
 
 def _smollm2_tokenizer():
+    """SmolLM2's own BPE, rebuilt by aiollm.model from the bundled GGUF's metadata (None if unavailable)."""
     try:
-        from aiollm import model as aiollm_model
-        tokenizer = aiollm_model.load_tokenizer("smollm2")
-    except (ImportError, AttributeError):
+        from aiollm.model.gguf_file import GGUFFile
+        from aiollm.model.loader import resolve
+        from aiollm.model.tokenizer import Tokenizer
+        source = GGUFFile(resolve("smollm2"))
+        tokenizer = Tokenizer.from_gguf_fields(source.field, source.path, source.config.eos_ids)
+    except (ImportError, FileNotFoundError):
         return None
-    return lambda texts: [len(tokenizer.encode(t)) for t in texts]
+    return lambda texts: [len(e.ids) for e in tokenizer.backend.encode_batch(texts, add_special_tokens=False)]
 
 
 def load_lengths(dataset: str, model: str = "opt-13b", refresh: bool = False) -> LengthSample:

