@@ -107,6 +107,11 @@ async def serve(args: argparse.Namespace, config: object, role: object) -> int:
     from aiollm.log import get_logger
 
     log = get_logger("node")
+    # Handlers first: a launcher may send SIGTERM as soon as it has read the ready line.
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     node = Node(config)
     try:
         await node.start(args.listen)
@@ -122,10 +127,6 @@ async def serve(args: argparse.Namespace, config: object, role: object) -> int:
                 log.warning("peer not reachable at start", peer=url, error=str(exc))
         ready = {"ready": True, "role": args.role, "addresses": node.addresses, "actors": actors, "pid": os.getpid()}
         print(json.dumps(ready), flush=True)
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         stopped = asyncio.ensure_future(node.wait_stopped())
         signalled = asyncio.ensure_future(stop.wait())
         await asyncio.wait({stopped, signalled}, return_when=asyncio.FIRST_COMPLETED)

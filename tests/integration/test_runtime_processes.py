@@ -107,9 +107,9 @@ async def test_frozen_peer_is_declared_dead_by_heartbeat() -> None:
         alpha.process.send_signal(signal.SIGSTOP)  # alive but silent: only the heartbeat can tell
         try:
             start = loop.time()
-            notice = await asyncio.wait_for(watcher.terminated.get(), HEARTBEAT_TIMEOUT + 1.0)
+            notice = await asyncio.wait_for(watcher.terminated.get(), HEARTBEAT_TIMEOUT + 2.0)
             assert notice.reason == "heartbeat timeout"
-            assert HEARTBEAT_TIMEOUT <= loop.time() - start <= HEARTBEAT_TIMEOUT + 2 * HEARTBEAT_INTERVAL
+            assert HEARTBEAT_TIMEOUT <= loop.time() - start <= HEARTBEAT_TIMEOUT + 1.0  # checked every 0.2 s
         finally:
             alpha.process.send_signal(signal.SIGCONT)
 

@@ -236,6 +236,6 @@ async def test_silent_peer_is_declared_dead_after_the_heartbeat_timeout() -> Non
             await watcher.watch(a.ref("inproc://silent/x"))
             notice = await asyncio.wait_for(watcher.terminated.get(), 2)
             assert notice.reason == "heartbeat timeout"
-            assert 0.5 <= loop.time() - start < 1.0  # heartbeat_timeout=0.5, checked every 0.1 s
+            assert 0.5 <= loop.time() - start < 1.5  # heartbeat_timeout=0.5, checked every 0.1 s (slack for CI)
     finally:
         await listener.close()
