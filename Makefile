@@ -24,7 +24,7 @@ native: $(STAMP)
 	$(VPY) setup.py -q build_ext --inplace
 
 test: $(STAMP) native
-	$(VPY) -m pytest -q -ra tests
+	$(VPY) -m pytest -q -ra --timeout 300 tests
 
 test-fast: $(STAMP) native
 	$(VPY) -m pytest -q -ra tests/unit tests/native

