@@ -61,7 +61,7 @@ def cmd_fastdecode(args: argparse.Namespace) -> int:
     from aiollm.planner.fastdecode import measure_r, measure_t_of_b, read_t_of_b, size
 
     get_model(args.model)
-    t_of_b = read_t_of_b(args.t_of_b) if args.t_of_b else measure_t_of_b(args.model, args.batches)
+    t_of_b = read_t_of_b(args.t_of_b, args.t_of_b_key) if args.t_of_b else measure_t_of_b(args.model, args.batches)
     r = args.r_per_token if args.r_per_token else measure_r(args.model, args.seq_len)
     result = size(t_of_b, r, args.seq_len, args.latency_target)
     print(result.explain())
@@ -118,6 +118,7 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--seq-len", type=int, required=True, help="context length S per sequence")
     f.add_argument("--latency-target", type=float, help="largest acceptable S-part step time T(B), seconds")
     f.add_argument("--t-of-b", type=Path, help="JSON from `python -m bench model --json` (key t_of_b) instead of measuring")
+    f.add_argument("--t-of-b-key", default="t_of_b", help="key in that JSON (t_of_b is fp32, t_of_b_bf16 bf16)")
     f.add_argument("--r-per-token", type=float, help="R: seconds of attention per context token on one R-worker "
                                                       "(instead of measuring with aiollm.kv)")
     f.add_argument("--batches", default="1,4,16,64,256", help="batch sizes to measure T(B) at")

@@ -87,14 +87,18 @@ def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_tar
     return Sizing(batch, t, r_per_token, seq_len, exact, workers, batch / t, lines)
 
 
-def read_t_of_b(path: str | Path) -> dict[int, float]:
-    """T(B) from `python -m bench model --json` output (key `t_of_b`: {batch: seconds} or [[batch, seconds], ...])."""
+def read_t_of_b(path: str | Path, key: str = "t_of_b") -> dict[int, float]:
+    """T(B) from `python -m bench model --json` output: under `key` (`t_of_b` for fp32, `t_of_b_bf16`...),
+    [{"batch": B, "seconds": T}, ...] as bench model writes it, or {B: T}, or [[B, T], ...]."""
     data = json.loads(Path(path).read_text())
-    if "t_of_b" not in data:
-        raise ValueError(f"{path}: no key 't_of_b' (expected the JSON of `python -m bench model --json`)")
-    raw = data["t_of_b"]
-    items = raw.items() if isinstance(raw, dict) else raw
-    return {int(b): float(t) for b, t in items}
+    if key not in data:
+        raise ValueError(f"{path}: no key {key!r} (expected the JSON of `python -m bench model --json`)")
+    raw = data[key]
+    if isinstance(raw, dict):
+        return {int(b): float(t) for b, t in raw.items()}
+    if raw and isinstance(raw[0], dict):
+        return {int(row["batch"]): float(row["seconds"]) for row in raw}
+    return {int(b): float(t) for b, t in raw}
 
 
 def measure_t_of_b(model_name: str, batches: str | list[int], repeats: int = 3) -> dict[int, float]:

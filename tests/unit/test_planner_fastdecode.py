@@ -24,12 +24,14 @@ def test_latency_target_picks_the_largest_batch_within_it():
         size(CURVE, 2e-6, 1024, latency_target=0.005)
 
 
-def test_reads_bench_model_json_in_both_shapes(tmp_path):
+def test_reads_bench_model_json_in_its_shapes(tmp_path):
     a = tmp_path / "a.json"
     a.write_text(json.dumps({"t_of_b": {"1": 0.01, "8": 0.02}}))
     b = tmp_path / "b.json"
     b.write_text(json.dumps({"t_of_b": [[1, 0.01], [8, 0.02]]}))
-    assert read_t_of_b(a) == read_t_of_b(b) == {1: 0.01, 8: 0.02}
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({"t_of_b_bf16": [{"batch": 1, "seconds": 0.01}, {"batch": 8, "seconds": 0.02}]}))
+    assert read_t_of_b(a) == read_t_of_b(b) == read_t_of_b(rows, "t_of_b_bf16") == {1: 0.01, 8: 0.02}
     c = tmp_path / "c.json"
     c.write_text("{}")
     with pytest.raises(ValueError, match="t_of_b"):
