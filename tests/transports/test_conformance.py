@@ -219,8 +219,9 @@ async def test_local_close_gives_closed_error(pair):
         ({"max_frame_bytes": 4096}, b"h", [bytes(5000)], "max_frame_bytes"),
         ({"max_buffers": 2}, b"h", [b"a", b"b", b"c"], "max_buffers"),
         ({"max_header_bytes": 16}, bytes(17), [], "max_header_bytes"),
+        ({"max_frame_bytes": 64}, bytes(100), [], "max_frame_bytes"),
     ],
-    ids=["frame-too-big", "too-many-buffers", "header-too-big"],
+    ids=["frame-too-big", "too-many-buffers", "header-too-big", "header-over-frame-limit"],
 )
 async def test_over_limit_frame_breaks_channel_and_listener_keeps_accepting(pair, limits, header, buffers, fragment):
     p = await pair(server_config=TransportConfig(**limits))
