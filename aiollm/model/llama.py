@@ -27,10 +27,8 @@ KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 and cast back before the weight, exactly as transformers does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """RMSNorm as one fused op (in fp32 it gives transformers' bits; in bf16 it rounds once instead of twice)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class LlamaModel:
@@ -44,7 +42,6 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.rotary = RotaryTable(config, dtype, device)
-        self._split_qkv = (config.q_size, config.kv_size, config.kv_size)
 
     # ---- S-part -------------------------------------------------------------------------------------
 
@@ -63,17 +60,16 @@ class LlamaModel:
         """RMSNorm, QKV projection and RoPE of layer `layer` for packed hidden states h [n, hidden].
 
         `positions` are the tokens' positions in their own sequences (1-D, length n); pass `rope` from
-        `self.rope(positions)` to skip the table lookup. Returns q [n, n_heads, d], k and v [n, n_kv_heads, d].
+        `self.rope(positions)` to skip the table lookup. Returns q [n, n_heads, d], k and v [n, n_kv_heads, d]:
+        views whose heads and dims are contiguous (each token's row has a stride; `.contiguous()` if needed).
         """
         w = self.weights.layers[layer]
         c = self.config
         cos, sin = rope if rope is not None else self.rope(positions)
-        qkv = F.linear(rms_norm(h, w.attn_norm, c.rms_eps), w.qkv)
-        q, k, v = qkv.split(self._split_qkv, dim=-1)
         n = h.shape[0]
-        q = apply_rotary(q.view(n, c.n_heads, c.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, c.n_kv_heads, c.head_dim), cos, sin)
-        return q, k, v.reshape(n, c.n_kv_heads, c.head_dim)
+        qkv = F.linear(rms_norm(h, w.attn_norm, c.rms_eps), w.qkv).view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
+        qk = apply_rotary(qkv[:, :c.n_heads + c.n_kv_heads], cos, sin)  # q and k heads rotated in one go
+        return qk[:, :c.n_heads], qk[:, c.n_heads:], qkv[:, c.n_heads + c.n_kv_heads:]
 
     def post_attention(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection + residual, RMSNorm, SiLU-gated MLP + residual. attn_out [n, n_heads, d] (any float)."""

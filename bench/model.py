@@ -1,0 +1,142 @@
+"""Model: prefill tokens/s, the S-part step time T(B), and colocated decode tokens/s beside transformers.
+
+T(B) is one decode step's S-part over all layers for a batch of B tokens (embedding, every layer's
+norms, projections and MLP, final norm and logits; attention left out): the curve the FastDecode
+planner sizes the S-worker batch with. Decode compares the colocated engine (paged KV pool, native
+attention) with transformers' `generate` on the same GGUF, same batch, same dtype, same prompts
+(equal lengths, so transformers needs no padding), 128 new tokens each, prefill included in both.
+"""
+import copy
+import os
+import time
+
+import torch
+
+from aiollm.model import load
+from aiollm.model.engine import ColocatedEngine
+from aiollm.model.loader import bundled_path
+from aiollm.model.sampling import SamplingParams
+from bench.report import table
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small sizes only (a short run while developing)")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32,bf16")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+
+
+def _timed(fn, min_seconds: float, max_reps: int) -> float:
+    """Seconds per call: one warm-up call, then repeat until min_seconds or max_reps."""
+    fn()
+    reps, started = 0, time.perf_counter()
+    while True:
+        fn()
+        reps += 1
+        elapsed = time.perf_counter() - started
+        if elapsed >= min_seconds or reps >= max_reps:
+            return elapsed / reps
+
+
+def s_part_step(model, h: torch.Tensor, rope) -> torch.Tensor:
+    """Every layer's S-part for the batch h with attention left out (q stands in for its output), then logits."""
+    for layer in range(model.config.n_layers):
+        q, _, _ = model.pre_attention(layer, h, None, rope)
+        h = model.post_attention(layer, h, q)
+    return model.logits(h)
+
+
+def t_of_b(model, batches: list[int], min_seconds: float) -> list[dict]:
+    rows = []
+    with torch.inference_mode():
+        for b in batches:
+            ids = torch.randint(0, model.config.vocab, (b,))
+            rope = model.rope(torch.arange(b) % 1024 + 64)
+            seconds = _timed(lambda: s_part_step(model, model.embed(ids), rope), min_seconds, 20)
+            rows.append({"batch": b, "seconds": seconds, "tokens_per_s": b / seconds})
+    return rows
+
+
+def prefill(model, hf, lengths: list[int]) -> list[dict]:
+    rows = []
+    with torch.inference_mode():
+        for n in lengths:
+            ids = torch.randint(0, model.config.vocab, (n,))
+            ours = _timed(lambda: model.prefill([ids.tolist()]), 0.5, 3)
+            row = {"prompt_len": n, "tokens_per_s": n / ours}
+            if hf is not None:
+                theirs = _timed(lambda: hf(ids[None]), 0.5, 3)
+                row.update(transformers_tokens_per_s=n / theirs, ratio=theirs / ours)
+            rows.append(row)
+    return rows
+
+
+def decode(model, hf, batches: list[int], new_tokens: int, prompt: list[int]) -> list[dict]:
+    rows = []
+    engine = ColocatedEngine(model, kv_dtype="fp32", n_blocks=max(batches) * ((len(prompt) + new_tokens) // 16 + 2))
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    for b in batches:
+        started = time.perf_counter()
+        engine.generate([prompt] * b, params)
+        ours = time.perf_counter() - started
+        row = {"batch": b, "new_tokens": new_tokens, "tokens_per_s": b * new_tokens / ours}
+        if hf is not None:
+            ids = torch.tensor([prompt] * b)
+            kwargs = dict(do_sample=False, pad_token_id=model.config.eos_ids[0])
+            with torch.inference_mode():
+                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, **kwargs)  # warm-up
+                started = time.perf_counter()
+                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens, **kwargs)
+            theirs = time.perf_counter() - started
+            row.update(transformers_tokens_per_s=b * new_tokens / theirs, ratio=theirs / ours)
+        rows.append(row)
+    return rows
+
+
+def _load_transformers(dtype: torch.dtype, cache: dict):
+    if "fp32" not in cache:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        from transformers import AutoModelForCausalLM
+        path = bundled_path("smollm2")
+        cache["fp32"] = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+    if dtype == torch.float32:
+        return cache["fp32"]
+    return copy.deepcopy(cache["fp32"]).to(dtype)
+
+
+def run(args) -> dict:
+    quick = args.quick
+    batches_t = [2 ** i for i in range(7 if quick else 11)]
+    lengths = [128] if quick else [128, 512, 2048]
+    decode_batches = [1, 8] if quick else [1, 8, 32, 64]
+    new_tokens = 32 if quick else 128
+    figures: dict = {"torch_threads": torch.get_num_threads(), "quick": quick}
+    hf_cache: dict = {}
+    ratios = []
+    for name in args.dtypes.split(","):
+        dtype = DTYPES[name]
+        model = load("smollm2", dtype=dtype)
+        hf = None if args.no_transformers else _load_transformers(dtype, hf_cache)
+        prompt = model.tokenizer.encode(model.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Tell me a long story about a dragon who learns to cook."}]))
+        curve = t_of_b(model, batches_t, 0.2 if quick else 0.5)
+        pre = prefill(model, hf, lengths)
+        dec = decode(model, hf, decode_batches, new_tokens, prompt)
+        key = "t_of_b" if name == "fp32" else f"t_of_b_{name}"
+        figures[key] = [{"batch": r["batch"], "seconds": r["seconds"]} for r in curve]
+        figures[f"prefill_{name}"] = pre
+        figures[f"decode_{name}"] = dec
+        print(f"\n-- {name}: S-part step time T(B) (all layers + logits, no attention)\n{table(curve)}")
+        print(f"\n-- {name}: prefill, one prompt\n{table(pre)}")
+        print(f"\n-- {name}: colocated decode, {new_tokens} new tokens, prompt {len(prompt)} tokens\n{table(dec)}")
+        if hf is not None:
+            ratio = min(r["ratio"] for r in dec if r["batch"] >= 8)
+            figures[f"ratio_decode_vs_transformers_{name}"] = ratio
+            ratios.append(ratio)
+    if ratios:
+        figures["ratio_decode_vs_transformers"] = min(ratios)
+    return figures
