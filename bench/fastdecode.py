@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import uvloop
 
 from aiollm.actors.actor import Actor, handler
 from aiollm.graph import Graph
@@ -35,7 +36,7 @@ from aiollm.model.sampling import SamplingParams
 from aiollm.planner.fastdecode import size
 from aiollm.sched.sls import SLSConfig
 from aiollm.workers.fastdecode_messages import GetTrace, Synthetic
-from aiollm.workers.messages import GetLoad, Generate, Sampling, Tokens
+from aiollm.workers.messages import Generate, GetLoad, Sampling, Tokens
 from aiollm.workers.s_worker import SWorker, SWorkerConfig
 from bench.model import t_of_b
 from bench.report import table
@@ -92,14 +93,14 @@ def run(args) -> dict:
     figures.update(t_of_b={str(b): t for b, t in curve.items()}, r_per_token_s=r_per_token,
                    sizing_batch=sizing.batch, sizing_workers=sizing.workers)
 
-    rows = asyncio.run(_throughput(model, batches, seq_len))
+    rows = uvloop.run(_throughput(model, batches, seq_len))
     print(f"\n-- S-worker + R-worker processes, decode at context S={seq_len} (placeholder contexts over "
           f"[{PROMPT_LEN}, S))\n{table(rows)}")
     figures["fastdecode"] = rows
     best = max(rows, key=lambda r: r["tokens_per_s"])
     figures["fastdecode_best_tokens_per_s"] = best["tokens_per_s"]
 
-    naive = asyncio.run(_naive_threads(model, min(64, max(batches)), seq_len, cores))
+    naive = uvloop.run(_naive_threads(model, min(64, max(batches)), seq_len, cores))
     deliberate = next(r for r in rows if r["batch"] == naive["batch"] and r["r_workers"] == 2)
     print(f"\n-- threads when sharing {cores} cores (B={naive['batch']}, 2 R-workers): deliberate "
           f"{deliberate['step_ms']:.1f} ms/step vs naive {naive['step_ms']:.1f} ms/step "
@@ -137,7 +138,7 @@ def run(args) -> dict:
     torch.set_num_threads(1)
 
     schedule = _trace_schedule(trace_batch, trace_seq, args.trace_micro_batch)
-    traces = {name: asyncio.run(_trace(model, trace_batch, trace_seq, sls))
+    traces = {name: uvloop.run(_trace(model, trace_batch, trace_seq, sls))
               for name, sls in (("without", None), ("with", schedule))}
     summary = [_summarise(name, trace, trace_seq) for name, trace in traces.items()]
     title = (f"B={trace_batch}, S={trace_seq}, F={schedule.interval}, M={schedule.micro_batch_size}, "

@@ -36,12 +36,8 @@ from aiollm.model.llama import LlamaModel
 from aiollm.model.sampling import SamplingParams
 from aiollm.sched.sls import LoadSchedule, SLSConfig
 from aiollm.workers import runner
-from aiollm.workers.fastdecode_messages import (
-    Admit, GetRLoad, GetTrace, Release, RLoad, Synthetic, Trace,
-)
-from aiollm.workers.messages import (
-    AckKV, Cancel, Delta, Generate, GetLoad, KVBlock, Load, PullKV, Tokens,
-)
+from aiollm.workers.fastdecode_messages import Admit, GetRLoad, GetTrace, Release, RLoad, Synthetic, Trace
+from aiollm.workers.messages import AckKV, Cancel, Delta, Generate, GetLoad, KVBlock, Load, PullKV, Tokens
 from aiollm.workers.pipeline import StepRow, decode_step, place
 
 if TYPE_CHECKING:

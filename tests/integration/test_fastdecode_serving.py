@@ -135,6 +135,6 @@ def test_example_graph_runs_s_worker_and_r_worker_processes(tiny):
     example = Path(__file__).parents[2] / "examples" / "fastdecode_graph.py"
     done = subprocess.run([sys.executable, str(example), "--model", str(directory), "--max-tokens", "4",
                            "--kv-dtype", "fp32", "--sls-interval", "4"],
-                          capture_output=True, text=True, timeout=180)
+                          check=False, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "16 tokens in" in done.stdout and "1 S-worker + 2 R-worker processes" in done.stdout
