@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from aiollm.planner.datasets import load_lengths
-from aiollm.planner.goodput import SLO
+from aiollm.planner.goodput import SLO, probe_workload
 from aiollm.planner.hardware import parse_cluster
 from aiollm.planner.models import get_model
 from aiollm.planner.placement import PlacementConfig, Planner
@@ -165,14 +165,13 @@ def plot_attainment(args) -> dict:
     cfg = _config("opt-13b", "1x4xA100-80G", slo, "low", 1)
     workload = Workload.build(lengths, args.requests, 0)
     planner = Planner(cfg, workload)
-    pair = planner._sim_config("disaggregated", (2, 1), (1, 1), 300e9)
+    pair = planner.sim_config("disaggregated", (2, 1), (1, 1), 300e9)
     colocated = SimConfig(cfg.colocated_latency, "colocated", InstanceSpec(4), InstanceSpec(4), 1,
                           planner.kv_tokens(4, 1), cfg.model.kv_bytes_per_token)
     rates = np.linspace(0.25, 4.0, 16)
     curves = {}
     for name, sim_cfg, gpus in (("disaggregated tp_p=2 + tp_d=1 (3 GPUs)", pair, 3),
                                 ("colocated tp=4 (4 GPUs, vLLM profile)", colocated, 4)):
-        from aiollm.planner.goodput import probe_workload
         curves[name] = [simulate(sim_cfg, probe_workload(workload, slo, r * gpus), r * gpus).attainment(0.2, 0.1)["both"]
                         for r in rates]
     args.plot.parent.mkdir(parents=True, exist_ok=True)

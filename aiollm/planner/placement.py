@@ -182,7 +182,7 @@ class Planner:
         return out
 
     # --- simulations ------------------------------------------------------------------------------
-    def _sim_config(self, mode: str, prefill: tuple[int, int], decode: tuple[int, int], bandwidth: float,
+    def sim_config(self, mode: str, prefill: tuple[int, int], decode: tuple[int, int], bandwidth: float,
                     n_prefill: int = 1, n_decode: int = 1) -> SimConfig:
         c = self.config
         return SimConfig(c.latency, mode, InstanceSpec(*prefill), InstanceSpec(*decode),
@@ -220,8 +220,8 @@ class Planner:
         requests per probe; a random split, so slightly pessimistic) and the verification of the chosen
         plan simulates every lane together."""
         if phase == "prefill":
-            return self._sim_config("prefill-only", (tp, pp), (tp, pp), math.inf), 1
-        lane = replace(self._sim_config("decode-only", (tp, 1), (tp, 1), math.inf),
+            return self.sim_config("prefill-only", (tp, pp), (tp, pp), math.inf), 1
+        lane = replace(self.sim_config("decode-only", (tp, 1), (tp, 1), math.inf),
                        decode_kv_tokens=max(1, self.kv_tokens(tp, pp) // pp))
         return lane, pp
 
@@ -234,11 +234,11 @@ class Planner:
         return self._memo[key]
 
     def pair_goodput(self, prefill: tuple[int, int], decode: tuple[int, int], bandwidth: float) -> float:
-        cfg = self._sim_config("disaggregated", prefill, decode, bandwidth)
+        cfg = self.sim_config("disaggregated", prefill, decode, bandwidth)
         return self._goodput(("pair", prefill, decode, bandwidth), cfg, "both")
 
     def colocated_goodput(self, tp: int, pp: int) -> float:
-        cfg = self._sim_config("colocated", (tp, pp), (tp, pp), math.inf)
+        cfg = self.sim_config("colocated", (tp, pp), (tp, pp), math.inf)
         if self.config.colocated_latency is not None:
             cfg = replace(cfg, latency=self.config.colocated_latency)
         return self._goodput(("colocated", tp, pp), cfg, "both")
@@ -396,13 +396,13 @@ class Planner:
         """Simulate all instances of the plan together (with the KV transfer) and record what they sustain."""
         c = self.config
         if plan.prefill is None:
-            cfg = self._sim_config("colocated", (plan.decode.tp, plan.decode.pp), (plan.decode.tp, plan.decode.pp),
+            cfg = self.sim_config("colocated", (plan.decode.tp, plan.decode.pp), (plan.decode.tp, plan.decode.pp),
                                    math.inf, n_decode=plan.decode.count)
             if c.colocated_latency is not None:
                 cfg = replace(cfg, latency=c.colocated_latency)
         else:
             bandwidth = c.cluster.inter_node_bandwidth if plan.affinity == "high" else c.cluster.gpu.nvlink_bandwidth
-            cfg = self._sim_config("disaggregated", (plan.prefill.tp, plan.prefill.pp), (plan.decode.tp, plan.decode.pp),
+            cfg = self.sim_config("disaggregated", (plan.prefill.tp, plan.prefill.pp), (plan.decode.tp, plan.decode.pp),
                                    bandwidth, plan.prefill.count, plan.decode.count)
         # More requests for more replicas, so the sample spans the same time at the higher rate.
         rate = c.rate if c.rate is not None else plan.system_goodput
