@@ -184,6 +184,7 @@ class Planner:
     # --- simulations ------------------------------------------------------------------------------
     def sim_config(self, mode: str, prefill: tuple[int, int], decode: tuple[int, int], bandwidth: float,
                     n_prefill: int = 1, n_decode: int = 1) -> SimConfig:
+        """A simulation of these instances of this planner's model on its cluster (KV capacity from memory)."""
         c = self.config
         return SimConfig(c.latency, mode, InstanceSpec(*prefill), InstanceSpec(*decode),
                          self.kv_tokens(*prefill) or 1, self.kv_tokens(*decode) or 1, c.model.kv_bytes_per_token,
