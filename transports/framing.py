@@ -48,9 +48,9 @@ def check_limits(config: TransportConfig, header_len: int, sizes: Sequence[int],
         raise error(f"frame of {total} bytes exceeds max_frame_bytes={config.max_frame_bytes}")
 
 
-def encode_prefix(header_len: int, sizes: Sequence[int]) -> bytes:
-    """The fixed prefix plus the size table for a frame."""
-    return PREFIX.pack(MAGIC, VERSION, 0, header_len, len(sizes)) + struct.pack(f"<{len(sizes)}Q", *sizes)
+def encode_prefix(header_len: int, sizes: Sequence[int], kind: int = 0) -> bytes:
+    """The fixed prefix plus the size table for a frame; `kind` fills the reserved field (a ucx message kind)."""
+    return PREFIX.pack(MAGIC, VERSION, kind, header_len, len(sizes)) + struct.pack(f"<{len(sizes)}Q", *sizes)
 
 
 def decode_prefix(data: Buffer, config: TransportConfig) -> tuple[int, int]:

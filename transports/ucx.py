@@ -80,10 +80,12 @@ DEFAULT_OPTIONS: dict[str, int | str] = {
     "ucx.tls": "tcp,sm,self",
     # Frames a sender may have in flight before the receiver grants more credits.
     "ucx.window_frames": 64,
+    # Frames whose buffers total at most this many bytes travel as one message (buffers copied into it).
+    "ucx.inline_bytes": 8192,
 }
 _PROGRESS_MODES = ("event", "polling")
 # Control message kinds, in the prefix's reserved field.
-_FRAME, _CREDIT, _BYE = 0, 1, 2
+_FRAME, _CREDIT, _BYE, _INLINE = 0, 1, 2, 3
 # Seconds between safety-net progress calls while operations are pending (an event could be missed).
 _SAFETY_PROGRESS = 0.05
 # Seconds to wait, after the bootstrap connection dropped, for a BYE still in flight over UCX.
@@ -205,7 +207,9 @@ class UcxConnection(Connection):
         self._ep = endpoint
         self._bootstrap = bootstrap
         self._config = config
-        self._window = int(options_for(config, "ucx", DEFAULT_OPTIONS)["ucx.window_frames"])
+        opts = options_for(config, "ucx", DEFAULT_OPTIONS)
+        self._window = int(opts["ucx.window_frames"])
+        self._inline_max = int(opts["ucx.inline_bytes"])
         self._credits = self._window
         self._consumed = 0
         self._ctrl_tag = ucx_api.UCXXTag(recv_id << 1)
@@ -244,6 +248,10 @@ class UcxConnection(Connection):
                 break
             await self._wait()
         self._credits -= 1
+        if sum(sizes) <= self._inline_max:  # one message: fewer wake-ups beat one small copy
+            message = b"".join((encode_prefix(len(head), sizes, _INLINE), head, *views))
+            await self._complete([self._post_send(message, self._peer_ctrl)])
+            return
         futures = [self._post_send(encode_prefix(len(head), sizes) + head, self._peer_ctrl)]
         futures += [self._post_send(v, self._peer_data) for v in views if v.nbytes]
         await self._complete(futures)
@@ -294,13 +302,15 @@ class UcxConnection(Connection):
             self._credits += value
         elif kind == _BYE:
             self._peer_gone = NodeUnreachable(f"{self.peer_address}: peer closed the connection")
-        elif kind == _FRAME:
+        elif kind in (_FRAME, _INLINE):
             header_len, count = decode_prefix(buf[:PREFIX.size], self._config)
             end = PREFIX.size + 8 * count
-            if len(buf) != end + header_len:
-                raise ChannelBroken(f"control message of {len(buf)} bytes, its prefix announces {end + header_len}")
             sizes = decode_sizes(buf[PREFIX.size:end], count, header_len, self._config)
-            self._frames.append((bytes(buf[end:]), sizes))
+            expected = end + header_len + (sum(sizes) if kind == _INLINE else 0)
+            if len(buf) != expected:
+                raise ChannelBroken(f"control message of {len(buf)} bytes, its prefix announces {expected}")
+            payload = memoryview(buf)[end + header_len:] if kind == _INLINE else None
+            self._frames.append((bytes(buf[end:end + header_len]), sizes, payload))
         else:
             raise ChannelBroken(f"unknown control message kind {kind}")
         self._wake()
@@ -323,7 +333,9 @@ class UcxConnection(Connection):
                     await self._wait()
                 if isinstance(self._ended, ClosedError):
                     raise self._ended
-                header, sizes = self._frames.popleft()
+                header, sizes, payload = self._frames.popleft()
+                if payload is not None:
+                    return self._consume(header, self._unpack_inline(allocate, header, sizes, payload))
                 try:
                     dests = allocate_buffers(allocate, header, sizes)
                 except ValueError as exc:
@@ -338,10 +350,32 @@ class UcxConnection(Connection):
                 self._partial = None
                 raise
             self._partial = None
-            self._consumed += 1
-            if self._consumed % (self._window // 2) == 0 and self._ended is None and self._peer_gone is None:
-                self._post_send(_control(_CREDIT, self._window // 2), self._peer_ctrl)
-            return Frame(header, dests)
+            return self._consume(header, dests)
+
+    def _unpack_inline(self, allocate: Allocator | None, header: bytes, sizes: list[int],
+                       payload: memoryview) -> list[memoryview]:
+        """An inline frame's buffers: views of the received message, or copies into `allocate`'s memory."""
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        views = [payload[a:b] for a, b in zip(offsets, offsets[1:])]
+        if allocate is None:
+            return views
+        try:
+            dests = allocate_buffers(allocate, header, sizes)
+        except ValueError as exc:
+            self._break(ChannelBroken(f"receive failed: {exc}"))
+            raise
+        for dest, view in zip(dests, views):
+            dest[:] = view
+        return dests
+
+    def _consume(self, header: bytes, dests: list[memoryview]) -> Frame:
+        """Count a delivered frame, granting the peer more credits every half window."""
+        self._consumed += 1
+        if self._consumed % (self._window // 2) == 0 and self._ended is None and self._peer_gone is None:
+            self._post_send(_control(_CREDIT, self._window // 2), self._peer_ctrl)
+        return Frame(header, dests)
 
     def _post_recv(self, dest: memoryview) -> asyncio.Future:
         if self._ep is None:
