@@ -6,11 +6,13 @@ What it runs, in one process tree on this machine (SmolLM2-135M, bf16 weights, f
   load-stabilising schedule keeps), so a step's attention covers ~B*S/2 entries without first generating
   them; the S-worker runs in this process (one torch thread), the R-workers in their own.
 - beside it transformers `generate` at its best batch and dtype and the colocated `generate()` engine,
-  both decoding from prompts of S/2 tokens (the same mean context), prefill excluded from their rate.
+  both decoding from prompts of S/2 tokens (the same mean context), prefill excluded from their rate, each
+  at its best of 1 and all torch threads.
 - the effect of thread counts and OpenMP wait policy when the processes share the cores.
 - a per-step latency trace with and without the schedule (real requests, short prompts), plotted to PNG
   like FastDecode's Fig. 11, with max and median step latency and tokens/s after warm-up.
-- the sizing model's predicted step time against the measured one.
+- the sizing model's predicted step time against the measured one: max(T(B), R*W/P, (T(B) + R*W)/cores)
+  plus one measured ask round trip per layer, W being the KV entries a step attends over.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
 from aiollm.planner.fastdecode import size
 from aiollm.sched.sls import SLSConfig
-from aiollm.workers.fastdecode_messages import GetTrace, Synthetic
+from aiollm.workers.fastdecode_messages import GetRLoad, GetTrace, Synthetic
 from aiollm.workers.messages import Generate, GetLoad, Sampling, Tokens
 from aiollm.workers.s_worker import SWorker, SWorkerConfig
 from bench.model import t_of_b
@@ -109,11 +111,14 @@ def run(args) -> dict:
                    ratio_naive_vs_deliberate_threads_step=naive["step_ms"] / deliberate["step_ms"])
 
     # prediction: the pipelined step is bounded by the S-part T(B), by one R-worker's share of the attention,
-    # and by all the work over the cores they share; the inputs are T(B), R and the step's held KV entries
+    # and by all the work over the cores they share, plus one round trip per layer (the two mini-batches'
+    # trips overlap each other); inputs: T(B), R, the step's held KV entries, the measured round trip
+    layers = model.config.n_layers
     for row in rows:
         t_b = curve[row["batch"]]
         r_work = r_per_token * row["kv_tokens"]
-        row["predicted_ms"] = 1e3 * max(t_b, r_work / row["r_workers"], (t_b + r_work) / cores)
+        row["predicted_ms"] = (1e3 * max(t_b, r_work / row["r_workers"], (t_b + r_work) / cores)
+                               + layers * row["rtt_ms"])
     check = next(r for r in rows if r["batch"] == max(b for b in batches if b <= max(sizing.batch, batches[0]))
                  and r["r_workers"] == 2)
     figures.update(predicted_step_ms=check["predicted_ms"], measured_step_ms=check["step_ms"],
@@ -121,15 +126,22 @@ def run(args) -> dict:
                    ratio_predicted_vs_measured_step=check["predicted_ms"] / check["step_ms"])
     print(f"\n-- predicted vs measured step (B={check['batch']}, 2 R-workers): {check['predicted_ms']:.1f} ms "
           f"vs {check['step_ms']:.1f} ms; all rows:\n"
-          + table([{k: r[k] for k in ("batch", "r_workers", "predicted_ms", "step_ms")} for r in rows]))
+          + table([{k: r[k] for k in ("batch", "r_workers", "rtt_ms", "predicted_ms", "step_ms")} for r in rows]))
 
-    torch.set_num_threads(cores)
-    colocated = _colocated(model, 16 if quick else 64, seq_len)
-    print(f"\n-- colocated generate (bf16, fp16 KV, {cores} threads), prompts of S/2 tokens\n{table([colocated])}")
-    figures["colocated"] = colocated
+    # the baselines get their best thread count too: with other processes on the cores, 2 spinning OpenMP
+    # threads can be slower than 1
+    threads = sorted({1, cores})
+    colocated_rows = []
+    for n in threads:
+        torch.set_num_threads(n)
+        colocated_rows.append(_colocated(model, 16 if quick else 32, seq_len))
+    colocated = max(colocated_rows, key=lambda r: r["tokens_per_s"])
+    print(f"\n-- colocated generate (bf16, fp16 KV), prompts of S/2 tokens\n{table(colocated_rows)}")
+    figures["colocated"] = colocated_rows
     if not args.no_transformers:
-        hf_rows = _transformers(seq_len, [("bf16", 16)] if quick else [("bf16", 16), ("bf16", 64), ("fp32", 64)])
-        print(f"\n-- transformers generate ({cores} threads), prompts of S/2 tokens\n{table(hf_rows)}")
+        configs = [("bf16", 16)] if quick else [("bf16", 16), ("bf16", 64), ("fp32", 64)]
+        hf_rows = _transformers(seq_len, [(d, b, n) for d, b in configs for n in threads])
+        print(f"\n-- transformers generate, prompts of S/2 tokens\n{table(hf_rows)}")
         figures["transformers"] = hf_rows
         hf_best = max(hf_rows, key=lambda r: r["tokens_per_s"])
         figures.update(transformers_best_tokens_per_s=hf_best["tokens_per_s"],
@@ -212,9 +224,22 @@ async def _throughput(model, batches: list[int], seq_len: int) -> list[dict]:
     for n in (1, 2):
         async with Graph(startup_timeout=120.0) as graph:
             urls = await _r_workers(graph, n)
+            rtt = await _round_trip(graph, urls[0])
             for batch in batches:
-                rows.append(await _synthetic_step(graph, model, urls, batch, seq_len, f"s-{n}-{batch}"))
+                row = await _synthetic_step(graph, model, urls, batch, seq_len, f"s-{n}-{batch}")
+                rows.append({**row, "rtt_ms": 1e3 * rtt})
     return rows
+
+
+async def _round_trip(graph: Graph, url: str, n: int = 200) -> float:
+    """Median seconds of one small ask to an R-worker process and back (the per-layer communication floor)."""
+    ref = graph.ref(url)
+    times = []
+    for _ in range(n):
+        started = time.perf_counter()
+        await ref.ask(GetRLoad())
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 async def _naive_threads(model, batch: int, seq_len: int, cores: int) -> dict:
@@ -246,10 +271,11 @@ def _colocated(model, batch: int, seq_len: int) -> dict:
         engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         times.append(time.perf_counter() - started)
     step = (times[1] - times[0]) / n
-    return {"batch": batch, "prompt_len": seq_len // 2, "step_ms": 1e3 * step, "tokens_per_s": batch / step}
+    return {"threads": torch.get_num_threads(), "batch": batch, "prompt_len": seq_len // 2, "step_ms": 1e3 * step,
+            "tokens_per_s": batch / step}
 
 
-def _transformers(seq_len: int, configs: list[tuple[str, int]]) -> list[dict]:
+def _transformers(seq_len: int, configs: list[tuple[str, int, int]]) -> list[dict]:
     """transformers `generate` (greedy, KV cache, SDPA), each step timed by a logits processor."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
@@ -266,8 +292,10 @@ def _transformers(seq_len: int, configs: list[tuple[str, int]]) -> list[dict]:
     base = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     rows = []
     n = 17
-    for dtype, batch in configs:
-        hf = base if dtype == "fp32" else copy.deepcopy(base).to(torch.bfloat16)
+    bf16 = copy.deepcopy(base).to(torch.bfloat16)
+    for dtype, batch, threads in configs:
+        torch.set_num_threads(threads)
+        hf = base if dtype == "fp32" else bf16
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(100, base.config.vocab_size, (batch, seq_len // 2), generator=gen)
         clock = Clock()
@@ -275,7 +303,8 @@ def _transformers(seq_len: int, configs: list[tuple[str, int]]) -> list[dict]:
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                         do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
         step = (clock.stamps[-1] - clock.stamps[0]) / (len(clock.stamps) - 1)  # decode steps only
-        rows.append({"dtype": dtype, "batch": batch, "prompt_len": seq_len // 2, "step_ms": 1e3 * step,
+        rows.append({"dtype": dtype, "threads": threads, "batch": batch, "prompt_len": seq_len // 2,
+                     "step_ms": 1e3 * step,
                      "tokens_per_s": batch / step})
     return rows
 
