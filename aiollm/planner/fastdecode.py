@@ -9,6 +9,7 @@ reaches 90 % of the best measured S-part throughput B/T(B) (past it, more batch 
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -149,7 +150,9 @@ def measure_r(model_name: str, seq_len: int, batch: int = 16, repeats: int = 3) 
     return best / (batch * seq_len)
 
 
+@functools.lru_cache(maxsize=1)
 def _load_model(name: str):
+    """The model once per process (T(B) and R are measured on the same one)."""
     try:
         import torch
 
