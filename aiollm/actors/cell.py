@@ -52,6 +52,14 @@ class ActorCell:
     async def start(self) -> None:
         await self.actor.on_start()
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"actor:{self.name}")
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The loop only ends by draining or cancellation; if a runtime bug ends it otherwise, say so and stop
+        the actor rather than leave askers waiting on a mailbox nobody reads."""
+        if not task.cancelled() and task.exception() is not None:
+            _log().error("actor loop crashed", actor=self.name, exc_info=task.exception())
+            asyncio.get_running_loop().create_task(self.actor.node.stop_actor(self.name, 0.0, "crashed"))
 
     async def tell_local(self, msg: Message) -> None:
         item = (msg, None)
