@@ -55,7 +55,7 @@ def _measure(kind: str, plan: list, pinned: bool) -> list:
         address = proc.stdout.readline().strip()
         if not address:
             raise RuntimeError(f"{kind} peer failed to start (exit code {proc.wait()})")
-        results = transport_peers.CLIENTS[kind](plan, address)
+        results = transport_peers.client(kind, plan, address)
         proc.wait(timeout=30)
         return results
     finally:
@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> dict:
     rtt_only = _plan(iterations, repeats, quick, False, False)
     kinds = [("raw", "raw", False), ("tcp", "tcp", False), ("tcp_fresh", "tcp", True), ("zmq", "zmq", False)]
     if importlib.util.find_spec("ucxx") is not None:
-        kinds[3:3] = [("ucx", "ucx", False), ("ucx_polling", "ucx_polling", False)]
+        kinds[3:3] = [("ucxx_raw_polling", "ucxx_raw", False), ("ucx", "ucx", False),
+                      ("ucx_nospin", "ucx[spin_us=0]", False), ("ucx_polling", "ucx[progress=polling]", False)]
     else:
         print("ucx: not installed (pip install 'aiollm[ucx]')")
     rows = []
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> dict:
         plan = _plan(iterations, repeats, quick, fresh, True)
         unpinned = _measure(kind, plan, pinned=False)
         # A spinning peer on the same CPU costs a scheduler slice per round trip: keep that run short.
-        pinned_plan = _plan(min(iterations, 200), repeats, quick, False, False) if kind == "ucx_polling" else rtt_only
+        pinned_plan = _plan(min(iterations, 200), repeats, quick, False, False) if "polling" in name else rtt_only
         pinned = [] if fresh else _measure(kind, pinned_plan, pinned=True)
         rows.append(_row(name, unpinned, pinned, plan))
         print(f"measured {name}", flush=True)

@@ -1,7 +1,7 @@
-"""Both ends of each transport measured by `bench.transport`: raw sockets, our tcp/ucx, pyzmq.
+"""Both ends of each transport measured by `bench.transport`: raw sockets, our tcp/ucx, ucxx alone, pyzmq.
 
-Each kind has a `serve_KIND(plan, ready)` run in a child process and a `client_KIND(plan, address)`
-run by the bench; both walk the same plan, so no control messages are needed:
+`serve(kind, plan, ready)` runs in a child process and `client(kind, plan, address)` in the bench;
+both walk the same plan, so no control messages are needed:
 
 - `("rtt", iterations)`: the client sends 8 bytes, the server echoes them; per-iteration times.
 - `("tput", size, count)`: the client sends `count` messages of `size` bytes, the server receives
@@ -89,18 +89,18 @@ def client_raw(plan: list, address: str) -> list:
 
 # -- aiollm transports (tcp, ucx): the same code path as nodes use --------------------------------
 
-def _config(progress: str | None):
+def _config(options: dict):
     from aiollm.transports import TransportConfig
 
-    return TransportConfig(options={"ucx.progress": progress} if progress else {})
+    return TransportConfig(options=options)
 
 
-async def _serve_aiollm(url: str, plan: list, ready, progress: str | None = None) -> None:
+async def _serve_aiollm(url: str, plan: list, ready, options: dict) -> None:
     from aiollm.errors import AiollmError
     from aiollm.transports import listen
 
     accepted: asyncio.Queue = asyncio.Queue()
-    listener = await listen(url, accepted.put, _config(progress))
+    listener = await listen(url, accepted.put, _config(options))
     ready(listener.address)
     conn = await accepted.get()
     for step in plan:
@@ -123,10 +123,10 @@ async def _serve_aiollm(url: str, plan: list, ready, progress: str | None = None
     await listener.close()
 
 
-async def _client_aiollm(plan: list, address: str, progress: str | None = None) -> list:
+async def _client_aiollm(plan: list, address: str, options: dict) -> list:
     from aiollm.transports import connect
 
-    conn = await connect(address, _config(progress))
+    conn = await connect(address, _config(options))
     small = b"12345678"
     results = []
     clock = time.perf_counter_ns
@@ -158,28 +158,91 @@ def _run(coro):
     return uvloop.run(coro)
 
 
-def serve_tcp(plan: list, ready) -> None:
-    _run(_serve_aiollm("tcp://127.0.0.1:0", plan, ready))
+def _options(kind: str) -> dict:
+    """`ucx[progress=polling,spin_us=0]` -> {"ucx.progress": "polling", "ucx.spin_us": "0"}."""
+    _, _, rest = kind.partition("[")
+    return {f"ucx.{k}": v for k, v in (item.split("=") for item in rest.rstrip("]").split(",") if item)}
 
 
-def client_tcp(plan: list, address: str) -> list:
-    return _run(_client_aiollm(plan, address))
+# -- the binding alone (ucxx, polling, no asyncio): what UCX reaches through Python here ------------
+
+def _ucxx_setup():
+    import os
+
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import ucxx._lib.libucxx as ucx_api
+    from ucxx._lib.arr import Array
+
+    context = ucx_api.UCXContext({}, (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+    worker = ucx_api.UCXWorker(context)
+
+    def wait(request) -> None:
+        while not request.completed:
+            worker.progress()
+        request.check_error()
+
+    return ucx_api, Array, context, worker, wait
 
 
-def serve_ucx(plan: list, ready) -> None:
-    _run(_serve_aiollm("ucx://127.0.0.1:0", plan, ready))
+def _ucxx_endpoint(ucx_api, worker, sock: socket.socket):
+    mine = bytes(worker.address)
+    sock.sendall(len(mine).to_bytes(4, "little") + mine)
+    size = bytearray(4)
+    _recv_exact(sock, memoryview(size))
+    peer = bytearray(int.from_bytes(size, "little"))
+    _recv_exact(sock, memoryview(peer))
+    return ucx_api.UCXEndpoint.create_from_worker_address(
+        worker, ucx_api.UCXAddress.create_from_buffer(bytes(peer)), True)
 
 
-def client_ucx(plan: list, address: str) -> list:
-    return _run(_client_aiollm(plan, address))
+def serve_ucxx_raw(plan: list, ready) -> None:
+    ucx_api, Array, _context, worker, wait = _ucxx_setup()
+    lsock = socket.create_server(("127.0.0.1", 0))
+    ready(f"tcp://127.0.0.1:{lsock.getsockname()[1]}")
+    sock, _ = lsock.accept()
+    ep = _ucxx_endpoint(ucx_api, worker, sock)
+    tag_in, tag_out, mask = ucx_api.UCXXTag(1), ucx_api.UCXXTag(2), ucx_api.UCXXTagMaskFull
+    small = Array(bytearray(8))
+    for step in plan:
+        if step[0] == "rtt":
+            for _ in range(WARMUP + step[1]):
+                wait(ep.tag_recv(small, tag_in, mask))
+                wait(ep.tag_send(small, tag_out))
+        else:
+            dest = Array(np.empty(step[1], np.uint8))
+            for _ in range(step[2]):
+                wait(ep.tag_recv(dest, tag_in, mask))
+            wait(ep.tag_send(small, tag_out))
+    sock.recv(1)  # the client closes its socket when done
 
 
-def serve_ucx_polling(plan: list, ready) -> None:
-    _run(_serve_aiollm("ucx://127.0.0.1:0", plan, ready, "polling"))
-
-
-def client_ucx_polling(plan: list, address: str) -> list:
-    return _run(_client_aiollm(plan, address, "polling"))
+def client_ucxx_raw(plan: list, address: str) -> list:
+    ucx_api, Array, _context, worker, wait = _ucxx_setup()
+    host, port = address.removeprefix("tcp://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    ep = _ucxx_endpoint(ucx_api, worker, sock)
+    tag_out, tag_in, mask = ucx_api.UCXXTag(1), ucx_api.UCXXTag(2), ucx_api.UCXXTagMaskFull
+    small = Array(bytearray(8))
+    results = []
+    for step in plan:
+        if step[0] == "rtt":
+            times = np.empty(step[1], np.int64)
+            for i in range(WARMUP + step[1]):
+                start = time.perf_counter_ns()
+                wait(ep.tag_send(small, tag_out))
+                wait(ep.tag_recv(small, tag_in, mask))
+                if i >= WARMUP:
+                    times[i - WARMUP] = time.perf_counter_ns() - start
+            results.append(_rtt_stats(times))
+        else:
+            payload = Array(np.ones(step[1], np.uint8))
+            start = time.perf_counter()
+            for _ in range(step[2]):
+                wait(ep.tag_send(payload, tag_out))
+            wait(ep.tag_recv(small, tag_in, mask))
+            results.append({"seconds": time.perf_counter() - start})
+    sock.close()
+    return results
 
 
 # -- pyzmq: a widely used messaging library, zero-copy sends ---------------------------------------
@@ -236,14 +299,26 @@ def client_zmq(plan: list, address: str) -> list:
     return results
 
 
-SERVERS = {"raw": serve_raw, "tcp": serve_tcp, "ucx": serve_ucx, "ucx_polling": serve_ucx_polling, "zmq": serve_zmq}
-CLIENTS = {"raw": client_raw, "tcp": client_tcp, "ucx": client_ucx, "ucx_polling": client_ucx_polling,
-           "zmq": client_zmq}
+def serve(kind: str, plan: list, ready) -> None:
+    """Run the server side of `kind` (raw, tcp, zmq, ucxx_raw, ucx or ucx[option=value,...])."""
+    base = kind.partition("[")[0]
+    if base in ("tcp", "ucx"):
+        _run(_serve_aiollm(f"{base}://127.0.0.1:0", plan, ready, _options(kind)))
+    else:
+        {"raw": serve_raw, "zmq": serve_zmq, "ucxx_raw": serve_ucxx_raw}[base](plan, ready)
+
+
+def client(kind: str, plan: list, address: str) -> list:
+    """Run the client side of `kind`; returns one result per plan step."""
+    base = kind.partition("[")[0]
+    if base in ("tcp", "ucx"):
+        return _run(_client_aiollm(plan, address, _options(kind)))
+    return {"raw": client_raw, "zmq": client_zmq, "ucxx_raw": client_ucxx_raw}[base](plan, address)
 
 
 def main(argv: list[str]) -> None:
     kind, plan = argv[0], json.loads(argv[1])
-    SERVERS[kind](plan, lambda address: print(address, flush=True))
+    serve(kind, plan, lambda address: print(address, flush=True))
 
 
 if __name__ == "__main__":

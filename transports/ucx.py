@@ -76,6 +76,8 @@ _log = get_logger("transports.ucx")
 DEFAULT_OPTIONS: dict[str, int | str] = {
     # "event": progress on the worker's event fd, sleep when idle; "polling": progress every loop turn.
     "ucx.progress": "event",
+    # In "event" mode, microseconds to keep polling after activity before sleeping (bounded: never idle-spins).
+    "ucx.spin_us": 50,
     # UCX transports when UCX_TLS is not set; tcp, shared memory (sysv/posix/cma) and self (same process).
     "ucx.tls": "tcp,sm,self",
     # Frames a sender may have in flight before the receiver grants more credits.
@@ -97,7 +99,7 @@ _UINT64 = struct.Struct("<Q")
 class _Engine:
     """The UCX worker of one event loop and the loop that progresses it."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, progress: str, tls: str) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, progress: str, tls: str, spin_us: int) -> None:
         config = {} if "UCX_TLS" in os.environ else {"TLS": tls}
         self.context = ucx_api.UCXContext(config, (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self.worker = ucx_api.UCXWorker(self.context)
@@ -105,6 +107,8 @@ class _Engine:
         self.address = bytes(self.worker.address)
         self.loop = loop
         self.polling = progress == "polling"
+        self.spin = spin_us / 1e6
+        self.spin_until = 0.0
         self.pending: list[tuple[object, asyncio.Future, object]] = []
         self.connections: set[UcxConnection] = set()
         self.scheduled = False
@@ -147,9 +151,15 @@ class _Engine:
             self.loop.call_soon(self.pump)
 
     def pump(self) -> None:
-        """Progress the worker, finish completed requests, read control messages, then re-arm or re-poll."""
+        """Progress the worker, finish completed requests, read control messages, then re-arm or re-poll.
+
+        After activity the loop keeps polling for `spin` seconds before arming: a reply usually follows
+        within tens of microseconds, and catching it without a sleep/wake-up pair halves the round trip.
+        The spin is bounded, so an idle worker always ends up asleep in epoll.
+        """
         self.scheduled = False
         self.worker.progress()
+        active = False
         if self.pending:
             still = []
             for entry in self.pending:
@@ -157,6 +167,7 @@ class _Engine:
                 if not request.completed:
                     still.append(entry)
                 elif not fut.done():
+                    active = True
                     try:
                         request.check_error()
                         fut.set_result(None)
@@ -164,10 +175,14 @@ class _Engine:
                         fut.set_exception(exc)
             self.pending = still
         for conn in list(self.connections):
-            conn.poll_control()
+            active = conn.poll_control() or active
         if self.polling and (self.pending or self.connections):
             self.kick()
-        elif not self.worker.arm():  # events arrived meanwhile: progress again instead of sleeping
+            return
+        now = self.loop.time()
+        if active:
+            self.spin_until = now + self.spin
+        if now < self.spin_until or not self.worker.arm():  # arm() is False when events are pending
             self.kick()
         if self.pending and self.safety is None:
             self.safety = self.loop.call_later(_SAFETY_PROGRESS, self._safety_net)
@@ -190,7 +205,7 @@ def _engine(config: TransportConfig) -> _Engine:
     loop = asyncio.get_running_loop()
     engine = _ENGINES.get(loop)
     if engine is None:
-        engine = _ENGINES[loop] = _Engine(loop, str(opts["ucx.progress"]), str(opts["ucx.tls"]))
+        engine = _ENGINES[loop] = _Engine(loop, str(opts["ucx.progress"]), str(opts["ucx.tls"]), int(opts["ucx.spin_us"]))
     return engine
 
 
@@ -264,7 +279,7 @@ class UcxConnection(Connection):
 
     async def _complete(self, futures: list[asyncio.Future]) -> None:
         try:
-            await asyncio.gather(*futures)
+            await (futures[0] if len(futures) == 1 else asyncio.gather(*futures))
         except AiollmError:
             raise
         except Exception as exc:  # a UCX error: the endpoint failed or was closed
@@ -273,9 +288,10 @@ class UcxConnection(Connection):
 
     # -- receiving -----------------------------------------------------------------------------
 
-    def poll_control(self) -> None:
-        """Take every control message that arrived (called by the engine after each progress)."""
+    def poll_control(self) -> bool:
+        """Take every control message that arrived (called by the engine after each progress); True if any."""
         worker = self._engine.worker
+        arrived = False
         while True:
             probe = worker.tag_probe(self._ctrl_tag, remove=True)
             if not probe.matched:
@@ -285,12 +301,14 @@ class UcxConnection(Connection):
             self._controls.append((buf, request))
         while self._controls and self._controls[0][1].completed:
             buf, request = self._controls.popleft()
+            arrived = True
             try:
                 request.check_error()
                 self._on_control(buf)
             except Exception as exc:
                 self._break(exc if isinstance(exc, ChannelBroken) else ChannelBroken(f"control message: {exc}"))
-                return
+                break
+        return arrived
 
     def _on_control(self, buf: bytearray) -> None:
         if len(buf) < PREFIX.size:
