@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from aiollm.model.attention import prefill_attention
 from aiollm.model.config import ModelConfig
+from aiollm.model.linear import linear
 from aiollm.model.rope import RotaryTable, apply_rotary
 from aiollm.model.tokenizer import Tokenizer
 from aiollm.model.weights import LlamaWeights
@@ -67,7 +68,7 @@ class LlamaModel:
         c = self.config
         cos, sin = rope if rope is not None else self.rope(positions)
         n = h.shape[0]
-        qkv = F.linear(rms_norm(h, w.attn_norm, c.rms_eps), w.qkv).view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
+        qkv = linear(rms_norm(h, w.attn_norm, c.rms_eps), w.qkv).view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
         qk = apply_rotary(qkv[:, :c.n_heads + c.n_kv_heads], cos, sin)  # q and k heads rotated in one go
         return qk[:, :c.n_heads], qk[:, c.n_heads:], qkv[:, c.n_heads + c.n_kv_heads:]
 
@@ -75,14 +76,14 @@ class LlamaModel:
         """Output projection + residual, RMSNorm, SiLU-gated MLP + residual. attn_out [n, n_heads, d] (any float)."""
         w = self.weights.layers[layer]
         attn = attn_out.reshape(h.shape[0], self.config.q_size).to(self.dtype)
-        h = h + F.linear(attn, w.o)
-        gate_up = F.linear(rms_norm(h, w.mlp_norm, self.config.rms_eps), w.gate_up)
+        h = h + linear(attn, w.o)
+        gate_up = linear(rms_norm(h, w.mlp_norm, self.config.rms_eps), w.gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return h.add_(F.linear(F.silu(gate) * up, w.down))
+        return h.add_(linear(F.silu(gate) * up, w.down))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm and output projection: fp32 logits [n, vocab]."""
-        return F.linear(rms_norm(h, self.weights.norm, self.config.rms_eps), self.weights.lm_head).float()
+        return linear(rms_norm(h, self.weights.norm, self.config.rms_eps), self.weights.lm_head).float()
 
     # ---- whole prompts ------------------------------------------------------------------------------
 

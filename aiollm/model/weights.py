@@ -14,6 +14,7 @@ from tqdm import tqdm
 from aiollm.errors import ModelFormatError
 from aiollm.log import get_logger
 from aiollm.model.config import ModelConfig
+from aiollm.model.linear import pack
 
 
 
@@ -31,7 +32,8 @@ class TensorSource(Protocol):
 
 @dataclass
 class LayerWeights:
-    """One decoder layer; matrices are [out_features, in_features] as torch.nn.functional.linear wants."""
+    """One decoder layer; matrices are [out_features, in_features], packed by aiollm.model.linear.pack
+    (on CPU an opaque oneDNN tensor: use `.to_dense()` to read one)."""
 
     attn_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # [q_size + 2*kv_size, hidden]
@@ -43,7 +45,8 @@ class LayerWeights:
 
 @dataclass
 class LlamaWeights:
-    """All weights of the model; lm_head is the embedding tensor itself when they are tied."""
+    """All weights of the model; lm_head is packed like the layers' matrices (a packed copy of the embedding
+    when they are tied)."""
 
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
@@ -107,16 +110,16 @@ def assemble(config: ModelConfig, source: TensorSource, dtype: torch.dtype, devi
             n = _layer_names(i)
             layers.append(LayerWeights(
                 attn_norm=take(n["attn_norm"]),
-                qkv=torch.cat([take(n["q"]), take(n["k"]), take(n["v"])]),
-                o=take(n["o"]).contiguous(),
+                qkv=pack(torch.cat([take(n["q"]), take(n["k"]), take(n["v"])])),
+                o=pack(take(n["o"])),
                 mlp_norm=take(n["mlp_norm"]),
-                gate_up=torch.cat([take(n["gate"]), take(n["up"])]),
-                down=take(n["down"]).contiguous(),
+                gate_up=pack(torch.cat([take(n["gate"]), take(n["up"])])),
+                down=pack(take(n["down"])),
             ))
             if (i + 1) % 10 == 0 or i + 1 == config.n_layers:
                 log.debug("loaded layers", done=i + 1, total=config.n_layers, path=source.path)
         norm = take("model.norm.weight")
-        lm_head = embed if config.tie_embeddings else take("lm_head.weight").contiguous()
+        lm_head = pack(embed if config.tie_embeddings else take("lm_head.weight"))
     finally:
         progress.close()
     return LlamaWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
