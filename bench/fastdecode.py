@@ -20,6 +20,8 @@ import asyncio
 import copy
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,7 +37,7 @@ from aiollm.model import load
 from aiollm.model.engine import ColocatedEngine
 from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
-from aiollm.planner.fastdecode import size
+from aiollm.planner.fastdecode import interpolate, size
 from aiollm.sched.sls import SLSConfig
 from aiollm.workers.fastdecode_messages import GetRLoad, GetTrace, Synthetic
 from aiollm.workers.messages import Generate, GetLoad, Sampling, Tokens
@@ -46,6 +48,8 @@ from bench.report import table
 PROMPT_LEN = 16
 # the bundled model every part of this benchmark runs
 MODEL = "smollm2"
+# the S-worker's default (--pipeline-min-batch): smaller batches run as one mini-batch
+PIPELINE_MIN_BATCH = 64
 
 
 def add_arguments(parser) -> None:
@@ -95,7 +99,12 @@ def run(args) -> dict:
     figures.update(t_of_b={str(b): t for b, t in curve.items()}, r_per_token_s=r_per_token,
                    sizing_batch=sizing.batch, sizing_workers=sizing.workers)
 
-    rows = uvloop.run(_throughput(model, batches, seq_len))
+    checked = max([b for b in batches if b <= max(sizing.batch, batches[0])])
+    c_eff = _effective_cores(cores)
+    print(f"\n-- effective cores: {c_eff:.2f} of {cores} (a fixed single-threaded job in {cores} processes at once "
+          f"vs alone; other users of this machine lower it)")
+    figures["effective_cores"] = c_eff
+    rows, off = uvloop.run(_throughput(model, batches, seq_len, checked))
     print(f"\n-- S-worker + R-worker processes, decode at context S={seq_len} (placeholder contexts over "
           f"[{PROMPT_LEN}, S))\n{table(rows)}")
     figures["fastdecode"] = rows
@@ -110,23 +119,29 @@ def run(args) -> dict:
     figures.update(naive_threads_step_ms=naive["step_ms"], deliberate_threads_step_ms=deliberate["step_ms"],
                    ratio_naive_vs_deliberate_threads_step=naive["step_ms"] / deliberate["step_ms"])
 
-    # prediction: the pipelined step is bounded by the S-part T(B), by one R-worker's share of the attention,
-    # and by all the work over the cores they share, plus one round trip per layer (the two mini-batches'
-    # trips overlap each other); inputs: T(B), R, the step's held KV entries, the measured round trip
+    # prediction: a step is bounded by its S-part (two half-batch S-parts when pipelined), by one R-worker's
+    # share of the attention, and by all that work over the cores this run really got, plus one round trip
+    # per layer (the two mini-batches' trips overlap each other); inputs: T(B), R, the KV entries a step
+    # attends over, the measured round trip and effective cores
     layers = model.config.n_layers
-    for row in rows:
-        t_b = curve[row["batch"]]
+    for row in rows + [off]:
+        b = row["batch"]
+        s_part = 2 * interpolate(curve, b / 2) if row["pipelined"] else curve[b]
         r_work = r_per_token * row["kv_tokens"]
-        row["predicted_ms"] = (1e3 * max(t_b, r_work / row["r_workers"], (t_b + r_work) / cores)
-                               + layers * row["rtt_ms"])
-    check = next(r for r in rows if r["batch"] == max(b for b in batches if b <= max(sizing.batch, batches[0]))
-                 and r["r_workers"] == 2)
+        row["predicted_ms"] = (1e3 * max(s_part, r_work / row["r_workers"], (s_part + r_work) / c_eff)
+                               + layers * row.get("rtt_ms", rows[-1]["rtt_ms"]))
+    check = next(r for r in rows if r["batch"] == checked and r["r_workers"] == 2)
+    print(f"\n-- pipeline (B={checked}, 2 R-workers): {check['step_ms']:.1f} ms/step with, "
+          f"{off['step_ms']:.1f} without")
+    figures.update(pipeline_on_step_ms=check["step_ms"], pipeline_off_step_ms=off["step_ms"],
+                   ratio_pipeline_step=check["step_ms"] / off["step_ms"])
     figures.update(predicted_step_ms=check["predicted_ms"], measured_step_ms=check["step_ms"],
                    predicted_batch=check["batch"],
                    ratio_predicted_vs_measured_step=check["predicted_ms"] / check["step_ms"])
     print(f"\n-- predicted vs measured step (B={check['batch']}, 2 R-workers): {check['predicted_ms']:.1f} ms "
           f"vs {check['step_ms']:.1f} ms; all rows:\n"
-          + table([{k: r[k] for k in ("batch", "r_workers", "rtt_ms", "predicted_ms", "step_ms")} for r in rows]))
+          + table([{k: r[k] for k in ("batch", "r_workers", "pipelined", "predicted_ms", "step_ms")}
+                   for r in rows + [off]]))
 
     # the baselines get their best thread count too: with other processes on the cores, 2 spinning OpenMP
     # threads can be slower than 1
@@ -193,9 +208,10 @@ async def _r_workers(graph: Graph, n: int, threads: int = 1) -> list[str]:
 
 
 async def _synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_len: int, name: str,
-                          warm: int = 1, steps: int = 3) -> dict:
+                          warm: int = 1, steps: int = 3, pipeline: bool = True) -> dict:
     """Median step time of B sequences with contexts spread over [16, S - steps), after `warm` steps."""
-    s = await graph.driver.spawn(SWorker(model, urls, SWorkerConfig(max_batch=batch, pipeline=True)), name)
+    config = SWorkerConfig(max_batch=batch, pipeline=pipeline, pipeline_min_batch=PIPELINE_MIN_BATCH)
+    s = await graph.driver.spawn(SWorker(model, urls, config), name)
     total = warm + steps
     span = seq_len - PROMPT_LEN - total - 1
     lens = [PROMPT_LEN + (i * span) // batch for i in range(batch)]
@@ -206,7 +222,8 @@ async def _synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_
         await asyncio.sleep(0.05)
     await graph.driver.stop_actor(name)
     step = statistics.median(trace.step_s[warm:total])
-    return {"batch": batch, "r_workers": len(urls), "step_ms": 1e3 * step, "tokens_per_s": batch / step,
+    return {"batch": batch, "r_workers": len(urls), "pipelined": pipeline and batch >= PIPELINE_MIN_BATCH,
+            "step_ms": 1e3 * step, "tokens_per_s": batch / step,
             "kv_tokens": int(statistics.mean(trace.tokens[warm:total]))}
 
 
@@ -219,8 +236,9 @@ async def _wait_steps(s, steps: int) -> None:
         await asyncio.sleep(0.1)
 
 
-async def _throughput(model, batches: list[int], seq_len: int) -> list[dict]:
-    rows = []
+async def _throughput(model, batches: list[int], seq_len: int, unpipelined: int) -> tuple[list[dict], dict]:
+    """Rows for every (P, B), and with 2 R-workers one more run at B=`unpipelined` without the pipeline."""
+    rows, off = [], {}
     for n in (1, 2):
         async with Graph(startup_timeout=120.0) as graph:
             urls = await _r_workers(graph, n)
@@ -228,7 +246,9 @@ async def _throughput(model, batches: list[int], seq_len: int) -> list[dict]:
             for batch in batches:
                 row = await _synthetic_step(graph, model, urls, batch, seq_len, f"s-{n}-{batch}")
                 rows.append({**row, "rtt_ms": 1e3 * rtt})
-    return rows
+            if n == 2:
+                off = await _synthetic_step(graph, model, urls, unpipelined, seq_len, "s-off", pipeline=False)
+    return rows, off
 
 
 async def _round_trip(graph: Graph, url: str, n: int = 200) -> float:
@@ -253,6 +273,23 @@ async def _naive_threads(model, batch: int, seq_len: int, cores: int) -> dict:
     finally:
         os.environ["OMP_WAIT_POLICY"] = "passive"
         torch.set_num_threads(1)
+
+
+def _effective_cores(cores: int) -> float:
+    """cores * t(one job alone) / t(`cores` copies at once): how many cores this run gets right now."""
+    job = ("import time, numpy as np; a = np.ones((192, 192), np.float32); t = time.perf_counter()\n"
+           "for _ in range(3000): a = (a @ a) * (1.0 / 192)\nprint(time.perf_counter() - t)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+    def wall(n: int) -> float:
+        started = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, "-c", job], env=env, stdout=subprocess.DEVNULL) for _ in range(n)]
+        for proc in procs:
+            proc.wait()
+        return time.perf_counter() - started
+
+    alone = wall(1)
+    return min(float(cores), cores * alone / wall(cores))
 
 
 def _prompts(model, batch: int, length: int) -> list[list[int]]:
@@ -323,8 +360,8 @@ async def _trace(model, batch: int, seq_len: int, schedule: SLSConfig | None) ->
     steps = 2 * seq_len
     async with Graph(startup_timeout=120.0) as graph:
         urls = await _r_workers(graph, 2)
-        s = await graph.driver.spawn(SWorker(model, urls, SWorkerConfig(max_batch=batch, pipeline=True,
-                                                                        schedule=schedule)), "s-trace")
+        config = SWorkerConfig(max_batch=batch, pipeline_min_batch=PIPELINE_MIN_BATCH, schedule=schedule)
+        s = await graph.driver.spawn(SWorker(model, urls, config), "s-trace")
         sink = _Sink()
         sink_ref = await graph.driver.spawn(sink, "sink")
         sampling = Sampling(max_tokens=seq_len - PROMPT_LEN, temperature=0.0, top_k=0, top_p=1.0, seed=None,

@@ -56,6 +56,9 @@ class SWorkerConfig:
     max_batch: int = 256
     # split each step into two mini-batches so S-part and R-part overlap
     pipeline: bool = True
+    # ...but only from this batch size on: below it the S-part is bound by reading the weights, which two
+    # half-batches do twice (on this CPU T(8) ~ T(16)), so the split costs more than the overlap gains
+    pipeline_min_batch: int = 2
     # the load-stabilising schedule (its batch_size must equal max_batch); None: start requests whenever there is room
     schedule: SLSConfig | None = None
     # most prompt tokens prefilled in one batch
@@ -68,7 +71,8 @@ class SWorkerConfig:
     trace_len: int = 100_000
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_prefill_tokens", "staging_tokens", "max_waiting", "trace_len"):
+        for name in ("max_batch", "pipeline_min_batch", "max_prefill_tokens", "staging_tokens", "max_waiting",
+                     "trace_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SWorkerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.schedule is not None and self.schedule.batch_size != self.max_batch:
@@ -300,7 +304,8 @@ class SWorker(Actor):
         rows = [StepRow(r.sid, r.worker, r.seq.output[-1], r.seq.length - 1) for r in live]
         held = sum(r.seq.length for r in live)
         started = time.perf_counter()
-        logits = await decode_step(self.model, self.workers, rows, self.config.pipeline)
+        pipeline = self.config.pipeline and len(rows) >= self.config.pipeline_min_batch
+        logits = await decode_step(self.model, self.workers, rows, pipeline)
         with torch.inference_mode():
             tokens = runner.sample_next([r.seq for r in live], logits)
         ended = time.perf_counter()
@@ -378,6 +383,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="R-worker nodes or actors, comma-separated: tcp://127.0.0.1:7001[/r-worker],...")
     g.add_argument("--max-batch", type=int, default=256, help="B: most sequences decoding at once")
     g.add_argument("--no-pipeline", action="store_true", help="one mini-batch per step (no S/R overlap)")
+    g.add_argument("--pipeline-min-batch", type=int, default=64,
+                   help="split into two mini-batches only from this batch on (smaller S-parts are weight-bound)")
     g.add_argument("--sls-interval", type=int, default=0,
                    help="F: start a micro-batch every F steps (load-stabilising schedule); 0: off")
     g.add_argument("--sls-seq-len", type=int, default=1024, help="S the schedule plans for (prompt + completion)")
@@ -396,7 +403,8 @@ def r_worker_urls(text: str) -> list[str]:
 def config_from_args(args: argparse.Namespace) -> SWorkerConfig:
     schedule = (SLSConfig(batch_size=args.max_batch, seq_len=args.sls_seq_len, interval=args.sls_interval)
                 if args.sls_interval else None)
-    return SWorkerConfig(max_batch=args.max_batch, pipeline=not args.no_pipeline, schedule=schedule,
+    return SWorkerConfig(max_batch=args.max_batch, pipeline=not args.no_pipeline,
+                         pipeline_min_batch=args.pipeline_min_batch, schedule=schedule,
                          max_prefill_tokens=args.max_prefill_tokens, staging_tokens=args.staging_tokens)
 
 

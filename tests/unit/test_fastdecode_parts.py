@@ -76,9 +76,9 @@ def test_sizes_urls_and_config():
         parse_size("8 parsecs")
     assert r_worker_urls("tcp://127.0.0.1:7001,tcp://127.0.0.1:7002/rw") == [
         "tcp://127.0.0.1:7001/r-worker", "tcp://127.0.0.1:7002/rw"]
-    args = argparse.Namespace(max_batch=64, no_pipeline=False, sls_interval=16, sls_seq_len=256,
-                              max_prefill_tokens=512, staging_tokens=1024)
+    args = argparse.Namespace(max_batch=64, no_pipeline=False, pipeline_min_batch=32, sls_interval=16,
+                              sls_seq_len=256, max_prefill_tokens=512, staging_tokens=1024)
     config = config_from_args(args)
-    assert config.pipeline and config.schedule.micro_batch_size == 4
+    assert config.pipeline and config.pipeline_min_batch == 32 and config.schedule.micro_batch_size == 4
     with pytest.raises(ValueError, match="batch_size"):
         SWorkerConfig(max_batch=8, schedule=SLSConfig(batch_size=4, seq_len=16, interval=4))
