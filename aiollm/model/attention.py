@@ -35,12 +35,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
 
 
 def paged_decode_attention(pool, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           slot_mapping, block_tables, seq_lens,
                            n_threads: int | None = None) -> torch.Tensor:
     """One decode step's attention for a batch: store the new K/V, then attend over each sequence's cache.
 
     q [b, n_heads, d], k/v [b, n_kv_heads, d] (one new token per sequence); slot_mapping int [b] (where the
-    new token's K/V goes); block_tables int32 [b, max_blocks]; seq_lens int32 [b] including the new token.
+    new token's K/V goes); block_tables int32 [b, max_blocks]; seq_lens int32 [b] including the new token;
+    the three index arrays as numpy arrays or torch CPU tensors.
     Returns [b, n_heads, d] in q's dtype when it is fp32 or bf16 (the kernel writes it directly), else fp32.
     """
     pool.write(layer, slot_mapping, k, v)

@@ -99,9 +99,9 @@ class ColocatedEngine:
         model = self.model
         seqs = [all_seqs[i] for i in active]
         positions = [table.length(i) for i in active]  # the fed token's position = tokens already cached
-        slots = torch.from_numpy(table.append_batch(active, [1] * len(active)))
-        tables = torch.from_numpy(table.block_tables(active))
-        seq_lens = torch.from_numpy(table.seq_lens(active))
+        slots = table.append_batch(active, [1] * len(active))  # numpy: the kernel wrapper's native kind
+        tables = table.block_tables(active)
+        seq_lens = table.seq_lens(active)
         rope = model.rope(positions)
         h = model.embed([s.output[-1] for s in seqs])
         for layer in range(model.config.n_layers):
