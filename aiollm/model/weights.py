@@ -117,7 +117,7 @@ def assemble(config: ModelConfig, source: TensorSource, dtype: torch.dtype, devi
                 down=pack(take(n["down"])),
             ))
             if (i + 1) % 10 == 0 or i + 1 == config.n_layers:
-                log.debug("loaded layers", done=i + 1, total=config.n_layers, path=source.path)
+                log.info("loaded layers", done=i + 1, total=config.n_layers, path=source.path)
         norm = take("model.norm.weight")
         lm_head = pack(embed if config.tie_embeddings else take("lm_head.weight"))
     finally:

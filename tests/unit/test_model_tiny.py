@@ -129,6 +129,14 @@ def test_missing_tensor_is_named(tiny, tmp_path):
         aiollm.model.load(path)
 
 
+def test_unsupported_tensor_type_is_named(tiny, tmp_path):
+    directory, hf_model = tiny
+    path = tmp_path / "q8_1.gguf"
+    write_gguf(path, hf_model, directory, q8_1_tensor="blk.0.ffn_up.weight")
+    with pytest.raises(ModelFormatError, match=r"q8_1.gguf: tensor 'blk\.0\.ffn_up\.weight' has type Q8_1"):
+        aiollm.model.load(path)
+
+
 def test_bad_hf_directories(tiny, tmp_path):
     directory, _ = tiny
     with pytest.raises(FileNotFoundError, match="nowhere"):

@@ -59,8 +59,12 @@ def _permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
         weight.shape)
 
 
-def write_gguf(path: Path, hf_model, tokenizer_dir: Path, skip_tensor: str | None = None) -> None:
-    """Write the transformers model as a llama GGUF (F32 tensors, Q/K permuted, tokenizer in metadata)."""
+def write_gguf(path: Path, hf_model, tokenizer_dir: Path, skip_tensor: str | None = None,
+               q8_1_tensor: str | None = None) -> None:
+    """Write the transformers model as a llama GGUF (F32 tensors, Q/K permuted, tokenizer in metadata).
+
+    `skip_tensor` leaves one tensor out; `q8_1_tensor` stores one as zero bytes of type Q8_1, which
+    gguf cannot dequantise."""
     import gguf
     c = hf_model.config
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -103,7 +107,11 @@ def write_gguf(path: Path, hf_model, tokenizer_dir: Path, skip_tensor: str | Non
                 array = _permute(array, c.num_key_value_heads)
         else:
             gguf_name = names[name]
-        if gguf_name != skip_tensor:
+        if gguf_name == q8_1_tensor:
+            block_elems, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
+            raw = np.zeros((array.shape[0], array.shape[1] // block_elems * block_bytes), dtype=np.uint8)
+            writer.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+        elif gguf_name != skip_tensor:
             writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
