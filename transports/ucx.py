@@ -234,7 +234,7 @@ class UcxConnection(Connection):
         self.local_address = local_address
         self.peer_address = peer_address
         self._controls: deque = deque()  # (buffer, request) of control messages being received, in order
-        self._frames: deque = deque()  # (header, sizes) announced and not yet received
+        self._frames: deque = deque()  # (header, sizes, inline payload or None) announced, not yet received
         self._partial: tuple | None = None  # a frame whose recv was cancelled while its data arrived
         self._ended: AiollmError | None = None  # closed here, or broken
         self._peer_gone: NodeUnreachable | None = None
