@@ -94,9 +94,11 @@ def run(args) -> dict:
 
     curve = {r["batch"]: r["seconds"] for r in t_of_b(model, sorted({1, *batches}), 0.3)}
     r_per_token = _measure_r(model, seq_len)
+    r_of = {"fp16": r_per_token, "int8": _measure_r(model, seq_len, "int8")}
     sizing = size(curve, r_per_token, seq_len)
     print("\n-- sizing model (aiollm.planner.fastdecode)\n" + sizing.explain())
     figures.update(t_of_b={str(b): t for b, t in curve.items()}, r_per_token_s=r_per_token,
+                   r_per_token_int8_s=r_of["int8"],
                    sizing_batch=sizing.batch, sizing_workers=sizing.workers)
 
     checked = max([b for b in batches if b <= max(sizing.batch, batches[0])])
@@ -109,7 +111,9 @@ def run(args) -> dict:
           f"[{PROMPT_LEN}, S))\n{table(rows)}")
     figures["fastdecode"] = rows
     best = max(rows, key=lambda r: r["tokens_per_s"])
-    figures["fastdecode_best_tokens_per_s"] = best["tokens_per_s"]
+    best_fp16 = max((r for r in rows if r["kv"] == "fp16"), key=lambda r: r["tokens_per_s"])
+    figures.update(fastdecode_best_tokens_per_s=best["tokens_per_s"], fastdecode_best_kv=best["kv"],
+                   fastdecode_best_batch=best["batch"], fastdecode_best_fp16_tokens_per_s=best_fp16["tokens_per_s"])
 
     naive = uvloop.run(_naive_threads(model, min(64, max(batches)), seq_len, cores))
     deliberate = next(r for r in rows if r["batch"] == naive["batch"] and r["r_workers"] == 2)
@@ -127,10 +131,10 @@ def run(args) -> dict:
     for row in rows + [off]:
         b = row["batch"]
         s_part = 2 * interpolate(curve, b / 2) if row["pipelined"] else curve[b]
-        r_work = r_per_token * row["kv_tokens"]
+        r_work = r_of[row.get("kv", "fp16")] * row["kv_tokens"]
         row["predicted_ms"] = (1e3 * max(s_part, r_work / row["r_workers"], (s_part + r_work) / c_eff)
                                + layers * row.get("rtt_ms", rows[-1]["rtt_ms"]))
-    check = next(r for r in rows if r["batch"] == checked and r["r_workers"] == 2)
+    check = next(r for r in rows if r["batch"] == checked and r["r_workers"] == 2 and r["kv"] == "fp16")
     print(f"\n-- pipeline (B={checked}, 2 R-workers): {check['step_ms']:.1f} ms/step with, "
           f"{off['step_ms']:.1f} without")
     figures.update(pipeline_on_step_ms=check["step_ms"], pipeline_off_step_ms=off["step_ms"],
@@ -140,7 +144,7 @@ def run(args) -> dict:
                    ratio_predicted_vs_measured_step=check["predicted_ms"] / check["step_ms"])
     print(f"\n-- predicted vs measured step (B={check['batch']}, 2 R-workers): {check['predicted_ms']:.1f} ms "
           f"vs {check['step_ms']:.1f} ms; all rows:\n"
-          + table([{k: r[k] for k in ("batch", "r_workers", "pipelined", "predicted_ms", "step_ms")}
+          + table([{k: r.get(k, "fp16") for k in ("batch", "r_workers", "kv", "pipelined", "predicted_ms", "step_ms")}
                    for r in rows + [off]]))
 
     # the baselines get their best thread count too: with other processes on the cores, 2 spinning OpenMP
@@ -160,7 +164,8 @@ def run(args) -> dict:
         figures["transformers"] = hf_rows
         hf_best = max(hf_rows, key=lambda r: r["tokens_per_s"])
         figures.update(transformers_best_tokens_per_s=hf_best["tokens_per_s"],
-                       ratio_tokens_vs_transformers_best=best["tokens_per_s"] / hf_best["tokens_per_s"])
+                       ratio_tokens_vs_transformers_best=best["tokens_per_s"] / hf_best["tokens_per_s"],
+                       ratio_tokens_vs_transformers_best_fp16_kv=best_fp16["tokens_per_s"] / hf_best["tokens_per_s"])
     figures["ratio_tokens_vs_colocated"] = best["tokens_per_s"] / colocated["tokens_per_s"]
     torch.set_num_threads(1)
 
@@ -181,14 +186,15 @@ def run(args) -> dict:
     return figures
 
 
-def _measure_r(model, seq_len: int, batch: int = 16) -> float:
-    """R: seconds of attention per context entry, all layers, one thread (one R-worker), fp16 KV."""
+def _measure_r(model, seq_len: int, dtype: str = "fp16", batch: int = 16) -> float:
+    """R: seconds of attention per context entry, all layers, one thread (one R-worker)."""
     c = model.config
     per_seq = -(-seq_len // 16)
     pool = KVPool(KVConfig(n_layers=c.n_layers, n_blocks=batch * per_seq, n_kv_heads=c.n_kv_heads,
-                           head_dim=c.head_dim, dtype="fp16"))
-    pool.k.fill(0.01)  # touch the memory (untouched pages read as one shared zero page)
-    pool.v.fill(0.01)
+                           head_dim=c.head_dim, dtype=dtype))
+    for arr in (pool.k, pool.v, pool.k_scale, pool.v_scale):  # touch the memory (untouched pages all read
+        if arr is not None:                                    # as the one shared zero page)
+            arr.fill(1)
     tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
     lens = np.full(batch, seq_len, np.int32)
     q = np.random.default_rng(0).standard_normal((batch, c.n_heads, c.head_dim)).astype(np.float32)
@@ -201,8 +207,8 @@ def _measure_r(model, seq_len: int, batch: int = 16) -> float:
     return best / (batch * seq_len)
 
 
-async def _r_workers(graph: Graph, n: int, threads: int = 1) -> list[str]:
-    args = ("--model", MODEL, "--kv-memory", "8GiB", "--kv-dtype", "fp16", "--threads", str(threads))
+async def _r_workers(graph: Graph, n: int, threads: int = 1, kv_dtype: str = "fp16") -> list[str]:
+    args = ("--model", MODEL, "--kv-memory", "8GiB", "--kv-dtype", kv_dtype, "--threads", str(threads))
     nodes = await asyncio.gather(*(graph.start_node("r-worker", process=True, args=args) for _ in range(n)))
     return [node.actors["r-worker"] for node in nodes]
 
@@ -245,9 +251,15 @@ async def _throughput(model, batches: list[int], seq_len: int, unpipelined: int)
             rtt = await _round_trip(graph, urls[0])
             for batch in batches:
                 row = await _synthetic_step(graph, model, urls, batch, seq_len, f"s-{n}-{batch}")
-                rows.append({**row, "rtt_ms": 1e3 * rtt})
+                rows.append({**row, "rtt_ms": 1e3 * rtt, "kv": "fp16"})
             if n == 2:
                 off = await _synthetic_step(graph, model, urls, unpipelined, seq_len, "s-off", pipeline=False)
+    async with Graph(startup_timeout=120.0) as graph:  # int8 KV halves the bytes the R-part reads
+        urls = await _r_workers(graph, 2, kv_dtype="int8")
+        rtt = await _round_trip(graph, urls[0])
+        for batch in [b for b in batches if b >= 256] or batches[-1:]:
+            row = await _synthetic_step(graph, model, urls, batch, seq_len, f"s-int8-{batch}")
+            rows.append({**row, "rtt_ms": 1e3 * rtt, "kv": "int8"})
     return rows, off
 
 
