@@ -286,18 +286,27 @@ class SWorker(Actor):
         await asyncio.gather(*(self._admit(req, placeholder=False) for req in reqs if req.seq.finish is None))
 
     async def _admit(self, req: _Request, placeholder: bool) -> None:
+        """Have the sequence's R-worker take it (pulling the staged prompt KV from here); it decodes from the
+        next step on. A real request is already in `_live` (its first token went out); a placeholder joins
+        only once admitted, so a step never names a sequence its R-worker does not hold yet."""
         seq = req.seq
-        self._live[seq.request_id] = req
         n_tokens = seq.length - 1  # KV entries before the first decode step (its fed token is not cached yet)
         msg = Admit(req.sid, seq.request_id, n_tokens, seq.max_length, None if placeholder else self.ref)
         try:
             await self.workers[req.worker].ask(msg, timeout=60.0)
         except Exception as exc:  # RemoteError (e.g. AdmissionRefused), TimeoutError, the R-worker gone
             _log().warning("R-worker refused or failed admission", request_id=seq.request_id, error=str(exc))
-            await self._finish(req, error=f"failed: admission on R-worker {self.r_urls[req.worker]}: {exc}",
-                               admitted=False)
+            if seq.request_id in self._live:
+                await self._finish(req, error=f"failed: admission on R-worker {self.r_urls[req.worker]}: {exc}",
+                                   admitted=False)
+            else:
+                self._unplace(req)
+            if placeholder:
+                raise
+            return
         finally:
             self.staging.free(seq)
+        self._live[seq.request_id] = req
 
     async def _step(self) -> None:
         live = list(self._live.values())
