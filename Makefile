@@ -30,7 +30,7 @@ test-fast: $(STAMP) native
 	$(VPY) -m pytest -q -ra tests/unit tests/native
 
 demo: $(STAMP) native
-	$(VPY) examples/two_node_echo.py
+	$(VPY) examples/chat_client.py --serve
 
 bench: $(STAMP) native
 	$(VPY) -m bench transport --json bench/results/transport.json
