@@ -12,6 +12,7 @@ import math
 import statistics
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +20,11 @@ import numpy as np
 from aiollm.planner.datasets import load_lengths
 from aiollm.planner.goodput import SLO, probe_workload
 from aiollm.planner.hardware import parse_cluster
+from aiollm.planner.latency import LatencyModel
 from aiollm.planner.models import get_model
 from aiollm.planner.placement import PlacementConfig, Planner
 from aiollm.planner.profiles import latency_model, load_local
-from aiollm.planner.simulator import InstanceSpec, SimConfig, simulate
+from aiollm.planner.simulator import InstanceSpec, SimConfig, SimResult, simulate
 from aiollm.planner.workload import LengthSample, Workload
 from bench.report import table
 
@@ -31,7 +33,9 @@ PAPER_SLOS = {"opt-13b": (0.25, 0.1), "opt-66b": (2.5, 0.15), "opt-175b": (4.0, 
 # The DistServe simulator README example and the range the issue reports for it.
 DISTSERVE_EXAMPLE = {"config": "tp_prefill=2, pp=1, tp_decode=1", "per_gpu": (1.41, 1.88), "readme": 1.56,
                      "vllm_tp4": (1.25, 1.41)}
-DEFAULT_SERVE_RESULTS = Path("bench/results/serve.json")
+# The sim-vs-real check's own bench serve runs (commands in the README's Planner section).
+DEFAULT_SERVE_RESULTS = Path("bench/results/serve_sim_check.json")
+DEFAULT_CALIBRATION = Path("bench/results/serve_calibration.json")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, default=Path("bench/results/planner_attainment.png"))
     parser.add_argument("--serve-results", type=Path, default=DEFAULT_SERVE_RESULTS,
                         help="JSON from a real bench serve run (format: see read_serve_results)")
+    parser.add_argument("--serve-calibration", type=Path, default=DEFAULT_CALIBRATION,
+                        help="JSON from an idle bench serve run, for the fixed per-request overheads")
     parser.add_argument("--skip-paper", action="store_true", help="skip the OPT-13B/66B/175B 4x8 setting")
 
 
@@ -49,7 +55,7 @@ def run(args: argparse.Namespace) -> dict:
     figures.update(distserve_example(args))
     figures.update(search_speed_and_paper(args))
     figures.update(plot_attainment(args))
-    figures.update(sim_vs_real(args.serve_results))
+    figures.update(sim_vs_real(args.serve_results, args.serve_calibration))
     return figures
 
 
@@ -198,7 +204,8 @@ def read_serve_results(path: Path) -> dict | None:
       "model": "smollm2", "ttft_slo": seconds, "tpot_slo": seconds, "kv_tokens": decode KV capacity,
       optional "max_running" (default 128) and "max_batch_tokens" (default: L_m of the local profile),
       "runs": [{"setup": "disaggregated", "rate": req/s, "attainment": share in [0, 1] meeting both SLOs,
-                "prompt_lens": [...], "output_lens": [...], "arrivals": [seconds from start, ...]}, ...]
+                "prompt_lens": [...], "output_lens": [...], "arrivals": [seconds from start, ...],
+                optional "ttft": [...], "tpot": [...] per request in seconds (null: failed)}, ...]
     and the latency profile measured on the same machine by `python -m aiollm.plan profile`.
     """
     if not path.is_file():
@@ -209,9 +216,67 @@ def read_serve_results(path: Path) -> dict | None:
     return data
 
 
-def sim_vs_real(path: Path) -> dict:
+def deployment_overheads(path: Path, latency: LatencyModel) -> dict:
+    """The real system's fixed per-request costs beyond the profiled compute, from an idle `bench serve` run
+    (requests seldom overlap, so each sees a lone prefill and a decode batch of 1): TTFT minus the profile's
+    prefill time (HTTP, tokenisation, controller hop, first token back), and the first-to-last token time
+    minus the profile's decode steps (KV pull over loopback TCP and its set-up, token delivery), the latter
+    fitted as set-up + seconds per prompt token. Medians and a least-squares line, robust to one overlap."""
+    data = read_serve_results(path)
+    if data is None:
+        raise FileNotFoundError(f"no {path}")
+    ttft_extra, prompts, pull_extra = [], [], []
+    for run_ in data["runs"]:
+        if run_["setup"] != "disaggregated" or "ttft" not in run_:
+            continue
+        for p, out, ttft, tpot in zip(run_["prompt_lens"], run_["output_lens"], run_["ttft"], run_["tpot"]):
+            if ttft is None:
+                continue
+            ttft_extra.append(ttft - latency.prefill_time([p]))
+            if out > 1:
+                steps = sum(latency.decode_time(1, p + 1 + k) for k in range(out - 1))
+                prompts.append(p)
+                pull_extra.append(tpot * (out - 1) - steps)
+    if len(pull_extra) < 3:
+        raise ValueError(f"{path}: fewer than 3 served requests with per-request times")
+    slope, setup = np.polyfit(prompts, pull_extra, 1)
+    if slope < 0 or setup < 0:
+        slope, setup = 0.0, float(np.median(pull_extra))
+    return {"request_overhead_s": max(0.0, float(np.median(ttft_extra))), "pull_overhead_s": max(0.0, float(setup)),
+            "pull_s_per_prompt_token": float(slope), "calibration_requests": len(pull_extra)}
+
+
+def _simulate_run(data: dict, run_: dict, latency: LatencyModel, overheads: dict) -> tuple[float, SimResult]:
+    """Simulated attainment of one real run: its own requests at its own arrival times, one prefill and one
+    decode instance with the run's KV, L_m and batch limits."""
+    lengths = LengthSample("served", np.array(run_["prompt_lens"]), np.array(run_["output_lens"]))
+    workload = Workload(lengths, np.array(run_["arrivals"]) * run_["rate"])
+    per_token = overheads.get("pull_s_per_prompt_token", 0.0)
+    cfg = SimConfig(latency, "disaggregated", InstanceSpec(1), InstanceSpec(1), data["kv_tokens"],
+                    data["kv_tokens"], 1, link_bandwidth=1.0 / per_token if per_token > 0 else math.inf,
+                    max_batch_tokens=data.get("max_batch_tokens", 0), max_running=data.get("max_running", 128),
+                    request_overhead=overheads.get("request_overhead_s", 0.0),
+                    pull_overhead=overheads.get("pull_overhead_s", 0.0))
+    result = simulate(cfg, workload, run_["rate"])
+    return result.attainment(data["ttft_slo"], data["tpot_slo"])["both"], result
+
+
+def _linear_only(latency: LatencyModel) -> LatencyModel:
+    """The same profile with its piecewise tables dropped: the DistServe linear form alone."""
+    by_tp = {tp: replace(s, prefill_table=(), decode_table=()) for tp, s in latency.by_tp.items()}
+    return replace(latency, by_tp=by_tp, source=latency.source.replace("measured points interpolated", "linear fit"))
+
+
+def _p90_ms(values) -> float:
+    finite = [v for v in values if v is not None and np.isfinite(v)]
+    return float(np.percentile(finite, 90)) * 1e3 if finite else float("nan")
+
+
+def sim_vs_real(path: Path, calibration: Path) -> dict:
     """Max |simulated - measured| attainment (percentage points) over the real run's rates: one prefill and
-    one decode instance on the local latency profile, fed the run's own requests at their own arrival times."""
+    one decode instance on the local latency profile (measured points interpolated) plus the fixed overheads
+    measured on an idle run (`deployment_overheads`), fed the run's own requests at their own arrival times.
+    The same comparison with the linear fit alone and without overheads shows what each part buys."""
     try:
         data = read_serve_results(path)
         if data is None:
@@ -220,23 +285,32 @@ def sim_vs_real(path: Path) -> dict:
     except (FileNotFoundError, ValueError, KeyError) as exc:
         return {"sim_vs_real_attainment_max_diff_points": None,
                 "sim_vs_real_status": f"not measured: bench serve results or local profile not available ({exc})"}
-    rows, diffs = [], []
+    try:
+        overheads = deployment_overheads(calibration, latency)
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        overheads, note = {}, f"no fixed overheads modelled ({exc})"
+    else:
+        note = (f"fixed overheads from {calibration}: request {overheads['request_overhead_s']*1e3:.0f} ms, KV pull "
+                f"{overheads['pull_overhead_s']*1e3:.0f} ms + {overheads['pull_s_per_prompt_token']*1e6:.0f} us/prompt token")
+    variants = {"linear fit, no overheads": (_linear_only(latency), {}),
+                "interpolated, no overheads": (latency, {}), "interpolated + overheads": (latency, overheads)}
+    rows, diffs = [], {name: [] for name in variants}
     for run_ in data["runs"]:
         if run_["setup"] != "disaggregated":
             continue
-        lengths = LengthSample("served", np.array(run_["prompt_lens"]), np.array(run_["output_lens"]))
-        workload = Workload(lengths, np.array(run_["arrivals"]) * run_["rate"])
-        cfg = SimConfig(latency, "disaggregated", InstanceSpec(1), InstanceSpec(1), data["kv_tokens"],
-                        data["kv_tokens"], 1, max_batch_tokens=data.get("max_batch_tokens", 0),
-                        max_running=data.get("max_running", 128))
-        result = simulate(cfg, workload, run_["rate"])
-        sim = result.attainment(data["ttft_slo"], data["tpot_slo"])["both"]
-        diffs.append(abs(sim - run_["attainment"]) * 100)
-        rows.append({"rate": run_["rate"], "requests": len(lengths.prompt), "real attainment %": run_["attainment"] * 100,
-                     "simulated %": sim * 100, "diff points": diffs[-1],
-                     "sim TTFT p90 ms": float(np.percentile(result.ttft, 90)) * 1e3,
-                     "sim TPOT p90 ms": float(np.percentile(result.tpot, 90)) * 1e3})
-    print(f"\nSimulator vs the real bench serve run in {path} (local profile: {latency.source})")
+        row = {"rate": run_["rate"], "requests": len(run_["prompt_lens"]), "real %": run_["attainment"] * 100}
+        for name, (model, extra) in variants.items():
+            sim, result = _simulate_run(data, run_, model, extra)
+            diffs[name].append(abs(sim - run_["attainment"]) * 100)
+            row[f"sim % ({name})"] = sim * 100
+        row["diff points"] = diffs["interpolated + overheads"][-1]
+        row.update({"sim TTFT p90 ms": _p90_ms(result.ttft), "real TTFT p90 ms": _p90_ms(run_.get("ttft", [])),
+                    "sim TPOT p90 ms": _p90_ms(result.tpot), "real TPOT p90 ms": _p90_ms(run_.get("tpot", []))})
+        rows.append(row)
+    print(f"\nSimulator vs the real bench serve run in {path} (local profile: {latency.source}; {note})")
     print(table(rows))
-    return {"sim_vs_real_attainment_max_diff_points": max(diffs) if diffs else None, "sim_vs_real_rows": rows,
-            "sim_vs_real_status": f"measured against {path} ({len(diffs)} rates)"}
+    worst = {name: max(d) if d else None for name, d in diffs.items()}
+    return {"sim_vs_real_attainment_max_diff_points": worst["interpolated + overheads"], "sim_vs_real_rows": rows,
+            "sim_vs_real_max_diff_points_by_model": worst, "sim_vs_real_overheads": overheads,
+            "sim_vs_real_requests_per_rate": min((r["requests"] for r in rows), default=0),
+            "sim_vs_real_status": f"measured against {path} ({len(rows)} rates); {note}"}

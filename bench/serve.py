@@ -142,6 +142,7 @@ def _run_setup(setup: str, args, requests, unit_times, rates, ttft_slo, tpot_slo
             results, duration = asyncio.run(run_rate(server.base_url, args.served_name, requests, arrivals))
             row = {"setup": setup, "rate": rate, **summarise(results, duration, ttft_slo, tpot_slo)}
             row["_arrivals"] = arrivals.tolist()
+            row["_results"] = results
             rows.append(row)
             print(f"  {setup:13} rate {rate:5.2f}/s: attainment {row['attainment']*100:5.1f} %  "
                   f"TTFT p90 {row['ttft_p90_ms']:7.0f} ms  TPOT p90 {row['tpot_p90_ms']:6.0f} ms  "
@@ -223,7 +224,10 @@ def run(args: argparse.Namespace) -> dict:
                     "kv_tokens": args.decode_kv_blocks * 16,
                     "runs": [{"setup": r["setup"], "rate": r["rate"], "attainment": r["attainment"],
                               "prompt_lens": [len(q.prompt_ids) for q in requests],
-                              "output_lens": [q.output_len for q in requests], "arrivals": r["_arrivals"]}
+                              "output_lens": [q.output_len for q in requests], "arrivals": r["_arrivals"],
+                              # what each request saw (null: it failed), for calibrating and checking the simulator
+                              "ttft": [q.ttft if q.ok else None for q in r["_results"]],
+                              "tpot": [q.tpot if q.ok else None for q in r["_results"]]}
                              for r in rows]})
     figures["context"] = (f"both setups share this machine's cores ({cores} threads in all, 2 cores here, and other "
                           "processes may run); disaggregation removes prefill-decode interference, but with one "

@@ -38,6 +38,11 @@ class StackLatency:
     # DistServe's profiles switch to other decode coefficients from this batch size on (0 = never).
     decode_large: tuple[float, float, float] | None = None
     large_batch_threshold: int = 0
+    # Piecewise-linear tables (see `piecewise`) that replace (a, b) resp. (d, e) where one line fits the
+    # measurements poorly, as on a CPU, whose small decode batches and short prompts share no one slope.
+    # x is the batch's total prompt tokens (prefill) or its size (decode); c and f stay as fitted.
+    prefill_table: tuple[tuple[float, float, float], ...] = ()
+    decode_table: tuple[tuple[float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode"):
@@ -48,9 +53,13 @@ class StackLatency:
 
     def prefill_time(self, total_tokens: float, sum_sq: float) -> float:
         a, b, c = self.prefill
+        if self.prefill_table:
+            a, b = _segment(self.prefill_table, total_tokens)
         return a + b * total_tokens + c * sum_sq
 
     def decode_coeffs(self, batch: int) -> tuple[float, float, float]:
+        if self.decode_table:
+            return (*_segment(self.decode_table, batch), self.decode[2])
         if self.decode_large is not None and batch >= self.large_batch_threshold:
             return self.decode_large
         return self.decode
@@ -64,7 +73,34 @@ class StackLatency:
         pre = tuple(x * k for x, k in zip(self.prefill, factors[:3]))
         dec = tuple(x * k for x, k in zip(self.decode, factors[3:]))
         large = tuple(x * k for x, k in zip(self.decode_large, factors[3:])) if self.decode_large else None
-        return StackLatency(pre, dec, large, self.large_batch_threshold)
+        pre_table = tuple((x, i * factors[0], s * factors[1]) for x, i, s in self.prefill_table)
+        dec_table = tuple((x, i * factors[3], s * factors[4]) for x, i, s in self.decode_table)
+        return StackLatency(pre, dec, large, self.large_batch_threshold, pre_table, dec_table)
+
+
+def _segment(table: tuple[tuple[float, float, float], ...], x: float) -> tuple[float, float]:
+    """(intercept, slope) of the table's row for x: the last row starting at or below x (the first below it)."""
+    row = table[0]
+    for candidate in table:
+        if candidate[0] > x:
+            break
+        row = candidate
+    return row[1], row[2]
+
+
+def piecewise(xs, ys) -> tuple[tuple[float, float, float], ...]:
+    """Rows (from_x, intercept, slope) of the line through consecutive measured (x, y) points, y averaged
+    over equal x and made non-decreasing (more work never takes less time; a dip is measurement noise).
+    The first row also covers x below the first point, the last extends beyond the last point."""
+    points: dict[float, list[float]] = {}
+    for x, y in zip(xs, ys):
+        points.setdefault(float(x), []).append(float(y))
+    if len(points) < 2:
+        raise ValueError(f"piecewise needs >= 2 distinct x, got {sorted(points)}")
+    x = np.array(sorted(points))
+    y = np.maximum.accumulate([float(np.mean(points[k])) for k in x])
+    slopes = np.diff(y) / np.diff(x)
+    return tuple((float(x[i]), float(y[i] - slopes[i] * x[i]), float(slopes[i])) for i in range(len(slopes)))
 
 
 def amdahl(tp: int, serial: float) -> float:

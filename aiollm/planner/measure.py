@@ -20,8 +20,12 @@ import numpy as np
 from aiollm.planner.latency import fit_decode, fit_prefill
 from aiollm.planner.profiles import LOCAL_FORMAT, LOCAL_PROFILE
 
-PREFILL_GRID = [(1, 32), (1, 128), (1, 512), (1, 1024), (4, 128), (4, 256), (2, 512), (8, 128)]
-DECODE_GRID = [(1, 128), (1, 1024), (8, 256), (8, 1024), (32, 256), (32, 1024), (64, 512), (128, 256)]
+# Single prompts cover the lengths served (their points also build the piecewise table, see
+# profiles.load_local); multi-prompt batches check the sum-of-squares term.
+PREFILL_GRID = [(1, 32), (1, 64), (1, 128), (1, 256), (1, 512), (1, 1024), (4, 128), (4, 256), (2, 512), (8, 128)]
+# Small batches densely: on a CPU the step time is far from linear in the batch below ~8.
+DECODE_GRID = [(1, 128), (1, 1024), (2, 256), (4, 256), (8, 256), (8, 1024), (16, 256), (32, 256), (32, 1024),
+               (64, 512), (128, 256)]
 QUICK_PREFILL = [(1, 32), (1, 256), (2, 256), (4, 64)]
 QUICK_DECODE = [(1, 128), (8, 256), (32, 128), (16, 512)]
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from aiollm.planner.hardware import GPUSpec, get_gpu
-from aiollm.planner.latency import DEFAULT_TP_SERIAL, LatencyModel, StackLatency, amdahl
+from aiollm.planner.latency import DEFAULT_TP_SERIAL, LatencyModel, StackLatency, amdahl, piecewise
 from aiollm.planner.models import HF_NAMES, ModelSpec, get_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -127,9 +127,31 @@ def load_local(path: str | Path | None = None) -> dict[str, LatencyModel]:
         raise ValueError(f"{file}: not an aiollm latency profile (format {data.get('format')!r})")
     models = {}
     for name, entry in data["models"].items():
-        stack = StackLatency(prefill=tuple(entry["prefill"]), decode=tuple(entry["decode"]))
-        models[name] = LatencyModel(name, data["hardware"], f"measured on {data['hardware']} ({file.name})", {1: stack})
+        stack = StackLatency(prefill=tuple(entry["prefill"]), decode=tuple(entry["decode"]),
+                             prefill_table=_prefill_table(entry), decode_table=_decode_table(entry))
+        how = "measured points interpolated" if stack.prefill_table else "linear fit"
+        models[name] = LatencyModel(name, data["hardware"], f"measured on {data['hardware']} ({file.name}, {how})",
+                                    {1: stack})
     return models
+
+
+def _prefill_table(entry: dict) -> tuple:
+    """The measured prefill points as a table over total tokens t, after taking out the fitted c*t2 term
+    (so batches of several prompts keep their smaller attention cost)."""
+    points = entry.get("prefill_points", [])
+    c = entry["prefill"][2]
+    t = [p["batch"] * p["length"] for p in points]
+    base = [p["seconds"] - c * p["batch"] * p["length"] ** 2 for p in points]
+    return piecewise(t, base) if len(set(t)) >= 2 else ()
+
+
+def _decode_table(entry: dict) -> tuple:
+    """The measured decode steps as a table over the batch size, after taking out the fitted f*context term."""
+    points = entry.get("decode_points", [])
+    f = entry["decode"][2]
+    batch = [p["batch"] for p in points]
+    base = [p["seconds"] - f * p["batch"] * (p["context"] + 1) for p in points]
+    return piecewise(batch, base) if len(set(batch)) >= 2 else ()
 
 
 def latency_model(model: str, gpu: str, profile: str | Path = "auto") -> LatencyModel:

@@ -12,9 +12,10 @@ The event heap is the injected clock: the policies never read time.
 Modelled: prefill pipelining over pp stages (a batch holds stage 1 for T/pp and finishes after T); a
 decode instance with pp stages as pp lanes that each keep one batch in flight, with 1/pp of the KV;
 the prefill side holding each request's KV until its decode lane admits it and the pull completes
-(transfer time = prompt KV bytes / link bandwidth); colocated (vLLM-like) instances that stop decoding
-while they run a prefill batch (prefill first). Not modelled: pipeline bubbles, activation transfer
-between stages, preemption (admission reserves prompt + output, so none is needed).
+(transfer time = a fixed set-up + prompt KV bytes / link bandwidth); colocated (vLLM-like) instances
+that stop decoding while they run a prefill batch (prefill first); optional fixed per-request overheads
+of a real deployment. Not modelled: pipeline bubbles, activation transfer between stages, preemption
+(admission reserves prompt + output, so none is needed), CPU shared with processes outside the instances.
 """
 from __future__ import annotations
 
@@ -72,6 +73,12 @@ class SimConfig:
     block_size: int = 16
     # Most sequences in one decode batch (0 = only KV memory limits it).
     max_running: int = 0
+    # Fixed per-request costs of a real deployment besides the instances' compute, measured on it (0 for the
+    # GPU plans, as in DistServe's simulator): from arrival until the prefill queue holds the request plus
+    # the first token's way back (HTTP, tokenisation, controller hop), and the KV pull's set-up (its
+    # message round trips) on top of the bytes over `link_bandwidth`.
+    request_overhead: float = 0.0
+    pull_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -80,6 +87,8 @@ class SimConfig:
             raise ValueError("SimConfig: n_prefill and n_decode must be > 0")
         if self.link_bandwidth <= 0 or self.block_size <= 0 or self.max_batch_tokens < 0 or self.max_running < 0:
             raise ValueError("SimConfig: link_bandwidth, block_size must be > 0; max_batch_tokens, max_running >= 0")
+        if self.request_overhead < 0 or self.pull_overhead < 0:
+            raise ValueError("SimConfig: request_overhead and pull_overhead must be >= 0")
 
 
 @dataclass
@@ -375,17 +384,18 @@ class _Simulation:
                     name = f"d{i}.{lane}"
                     self.lanes[name] = _DecodeLane(self, name, stack, kv, config.mode == "colocated")
                     self.dispatch.add_decode(name, kv)
-        self.kv_seconds_per_token = (config.kv_bytes_per_token / config.link_bandwidth
-                                     if config.mode == "disaggregated" else 0.0)
+        self.kv_seconds_per_token = config.kv_bytes_per_token / config.link_bandwidth
 
     def run(self) -> SimResult:
         for r, t in enumerate(self.arrival):
-            self.clock.at(float(t), self.arrive, r)
+            self.clock.at(float(t) + self.config.request_overhead, self.arrive, r)
         self.clock.run()
         return SimResult(self.arrival, self.first_token, self.finish, self.output)
 
     def transfer_time(self, r: int) -> float:
-        return self.prompt[r] * self.kv_seconds_per_token
+        if self.config.mode != "disaggregated":
+            return 0.0
+        return self.config.pull_overhead + self.prompt[r] * self.kv_seconds_per_token
 
     def fail(self, r: int) -> None:
         self.first_token[r] = np.inf

@@ -1,11 +1,14 @@
 """The latency model: least-squares fits reproduce their points, DistServe's profile converts and scales."""
+import json
+
 import numpy as np
 import pytest
 
 from aiollm.planner.hardware import get_gpu
-from aiollm.planner.latency import DEFAULT_TP_SERIAL, LatencyModel, StackLatency, fit_decode, fit_prefill, fit_tp_scaling
+from aiollm.planner.latency import (DEFAULT_TP_SERIAL, LatencyModel, StackLatency, fit_decode, fit_prefill,
+                                    fit_tp_scaling, piecewise)
 from aiollm.planner.models import get_model
-from aiollm.planner.profiles import derive, distserve_dir, latency_model, load_distserve
+from aiollm.planner.profiles import LOCAL_FORMAT, derive, distserve_dir, latency_model, load_distserve, load_local
 
 
 def test_prefill_fit_reproduces_its_points():
@@ -40,6 +43,44 @@ def test_fit_never_returns_negative_coefficients():
     assert min(a, b, c) >= 0
     with pytest.raises(ValueError, match=">= 3"):
         fit_prefill([1, 2], [1, 4], [0.1, 0.2])
+
+
+def test_piecewise_table_reproduces_its_points_and_overrides_the_line():
+    # Decode steps of a CPU: a jump from batch 1 to 8 that one line through all points cannot follow.
+    batch = [1, 2, 4, 8, 32, 32]
+    base = [0.075, 0.090, 0.115, 0.180, 0.255, 0.265]
+    table = piecewise(batch, base)
+    assert [row[0] for row in table] == [1, 2, 4, 8]
+    stack = StackLatency((0.05, 0.002, 0.0), (0.08, 0.003, 1e-6), decode_table=table)
+    for b, expected in [(1, 0.075), (2, 0.090), (4, 0.115), (8, 0.180), (32, 0.260)]:  # 32: mean of two
+        assert stack.decode_time(b, 0) == pytest.approx(expected)
+    assert stack.decode_time(3, 1000) == pytest.approx(0.1025 + 1e-3)  # halfway, plus the fitted f term
+    assert stack.decode_time(64, 0) > stack.decode_time(32, 0)  # the last segment extends
+    assert stack.prefill_time(100, 0) == pytest.approx(0.25)  # no prefill table: the fitted line
+    scaled = stack.scaled((1, 1, 1, 2, 2, 1))
+    assert scaled.decode_time(4, 0) == pytest.approx(0.230)
+
+
+def test_piecewise_treats_a_dip_as_noise():
+    # 0.1 at x=2 is lifted to 0.2: flat from 1 to 2, then up to 0.3 at 3.
+    assert np.ravel(piecewise([1, 2, 3], [0.2, 0.1, 0.3])) == pytest.approx([1, 0.2, 0.0, 2, 0.0, 0.1])
+    with pytest.raises(ValueError, match="distinct"):
+        piecewise([4, 4], [0.1, 0.2])
+
+
+def test_local_profile_interpolates_its_measured_points(tmp_path):
+    points = [{"batch": 1, "length": n, "seconds": s} for n, s in [(32, 0.12), (128, 0.27), (512, 1.02)]]
+    decode = [{"batch": b, "context": 127, "seconds": s} for b, s in [(1, 0.075), (8, 0.19), (32, 0.26)]]
+    entry = {"prefill": [0.05, 0.0019, 1e-7], "decode": [0.08, 0.003, 1e-6], "prefill_points": points,
+             "decode_points": decode}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"format": LOCAL_FORMAT, "hardware": "cpu", "models": {"smollm2": entry}}))
+    model = load_local(path)["smollm2"]
+    assert "interpolated" in model.source
+    for p in points:
+        assert model.prefill_time([p["length"]]) == pytest.approx(p["seconds"])
+    for p in decode:
+        assert model.decode_time(p["batch"], p["batch"] * 128) == pytest.approx(p["seconds"])
 
 
 def test_tp_scaling_interpolates_missing_degrees():

@@ -1,6 +1,7 @@
 """The simulator against hand-computed TTFT/TPOT on deterministic toy workloads."""
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -36,6 +37,16 @@ def test_kv_transfer_delays_decode():
     assert res.ttft == pytest.approx([0.1])
     assert res.finish == pytest.approx([0.1 + 0.1 + 0.1])
     assert res.tpot == pytest.approx([0.02])
+
+
+def test_fixed_overheads_delay_first_token_and_pull():
+    # 0.05 s from arrival to the prefill queue (prefill 0.1 s), then a 0.03 s pull set-up + 100 tokens at 1 ms.
+    cfg = replace(config("disaggregated", bandwidth=1e6, kv_bytes=1000), request_overhead=0.05, pull_overhead=0.03)
+    res = simulate(cfg, workload([100], [11], [0.0]), 1.0)
+    assert res.ttft == pytest.approx([0.15])
+    assert res.finish == pytest.approx([0.15 + 0.03 + 0.1 + 0.1])
+    with pytest.raises(ValueError, match="overhead"):
+        replace(cfg, pull_overhead=-1.0)
 
 
 def test_colocated_prefill_stalls_running_decodes():
