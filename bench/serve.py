@@ -220,8 +220,9 @@ def run(args: argparse.Namespace) -> dict:
                     "--request-rate or loosen --goodput")
     figures["per_rate"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
     # the format bench/planner.py:read_serve_results reads for its simulator-vs-real check
+    from aiollm.workers.roles.prefill import compute_bound_length  # the L_m the prefill instances used
     figures.update({"model": args.model, "ttft_slo": ttft_slo, "tpot_slo": tpot_slo,
-                    "kv_tokens": args.decode_kv_blocks * 16,
+                    "kv_tokens": args.decode_kv_blocks * 16, "max_batch_tokens": compute_bound_length(args.model),
                     "runs": [{"setup": r["setup"], "rate": r["rate"], "attainment": r["attainment"],
                               "prompt_lens": [len(q.prompt_ids) for q in requests],
                               "output_lens": [q.output_len for q in requests], "arrivals": r["_arrivals"],
