@@ -219,8 +219,9 @@ def run(args: argparse.Namespace) -> dict:
                     f"colocated attains < 90 % ({key}) even at the lowest rate: no finite ratio; lower "
                     "--request-rate or loosen --goodput")
     figures["per_rate"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-    # the format bench/planner.py:read_serve_results reads for its simulator-vs-real check
-    from aiollm.workers.roles.prefill import compute_bound_length  # the L_m the prefill instances used
+    # the format bench/planner.py:read_serve_results reads for its simulator-vs-real check, with the
+    # L_m the prefill instances used
+    from aiollm.workers.roles.prefill import compute_bound_length
     figures.update({"model": args.model, "ttft_slo": ttft_slo, "tpot_slo": tpot_slo,
                     "kv_tokens": args.decode_kv_blocks * 16, "max_batch_tokens": compute_bound_length(args.model),
                     "runs": [{"setup": r["setup"], "rate": r["rate"], "attainment": r["attainment"],

@@ -5,10 +5,24 @@ import numpy as np
 import pytest
 
 from aiollm.planner.hardware import get_gpu
-from aiollm.planner.latency import (DEFAULT_TP_SERIAL, LatencyModel, StackLatency, fit_decode, fit_prefill,
-                                    fit_tp_scaling, piecewise)
+from aiollm.planner.latency import (
+    DEFAULT_TP_SERIAL,
+    LatencyModel,
+    StackLatency,
+    fit_decode,
+    fit_prefill,
+    fit_tp_scaling,
+    piecewise,
+)
 from aiollm.planner.models import get_model
-from aiollm.planner.profiles import LOCAL_FORMAT, derive, distserve_dir, latency_model, load_distserve, load_local
+from aiollm.planner.profiles import (
+    LOCAL_FORMAT,
+    derive,
+    distserve_dir,
+    latency_model,
+    load_distserve,
+    load_local,
+)
 
 
 def test_prefill_fit_reproduces_its_points():
