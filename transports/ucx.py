@@ -18,7 +18,8 @@ Design, and why:
 - Progress: one UCX worker per event loop, progressed from the loop. `ucx.progress=event` (default)
   progresses when the worker's event fd fires or an operation is posted, then re-arms the worker,
   so an idle process sleeps in epoll and never spins — on a machine with more processes than cores
-  a spinning peer turns each round trip into a scheduler slice (~8 ms measured on the UCX issue).
+  a spinning peer turns each round trip into a scheduler slice (8 ms measured with both processes
+  on one core). `ucx.spin_us` adds a bounded poll after activity, for dedicated cores only.
   `ucx.progress=polling` progresses on every loop iteration while connections are open: lowest
   latency on dedicated cores, a full core per process otherwise. ucxx's own progress modes are not
   used: without its notifier thread every pending request re-polls with `sleep(0)`, i.e. spins.
@@ -76,8 +77,9 @@ _log = get_logger("transports.ucx")
 DEFAULT_OPTIONS: dict[str, int | str] = {
     # "event": progress on the worker's event fd, sleep when idle; "polling": progress every loop turn.
     "ucx.progress": "event",
-    # In "event" mode, microseconds to keep polling after activity before sleeping (bounded: never idle-spins).
-    "ucx.spin_us": 50,
+    # In "event" mode, microseconds to keep polling after activity before sleeping. 0 by default: 50 halved
+    # the unpinned round trip (108 -> 57 us) but made it 2 ms when both processes share one core.
+    "ucx.spin_us": 0,
     # UCX transports when UCX_TLS is not set; tcp, shared memory (sysv/posix/cma) and self (same process).
     "ucx.tls": "tcp,sm,self",
     # Frames a sender may have in flight before the receiver grants more credits.
@@ -153,9 +155,9 @@ class _Engine:
     def pump(self) -> None:
         """Progress the worker, finish completed requests, read control messages, then re-arm or re-poll.
 
-        After activity the loop keeps polling for `spin` seconds before arming: a reply usually follows
-        within tens of microseconds, and catching it without a sleep/wake-up pair halves the round trip.
-        The spin is bounded, so an idle worker always ends up asleep in epoll.
+        With `ucx.spin_us` > 0 the loop keeps polling that long after activity before arming: a reply
+        that follows within it skips a sleep/wake-up pair (on dedicated cores this halves the round
+        trip). The spin is bounded, so an idle worker always ends up asleep in epoll.
         """
         self.scheduled = False
         self.worker.progress()
