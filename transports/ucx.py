@@ -155,9 +155,9 @@ class _Engine:
     def pump(self) -> None:
         """Progress the worker, finish completed requests, read control messages, then re-arm or re-poll.
 
-        With `ucx.spin_us` > 0 the loop keeps polling that long after activity before arming: a reply
-        that follows within it skips a sleep/wake-up pair (on dedicated cores this halves the round
-        trip). The spin is bounded, so an idle worker always ends up asleep in epoll.
+        With `ucx.spin_us` > 0 the loop keeps polling that long after activity before arming, yielding
+        the core between polls: a reply that follows within it skips a sleep/wake-up pair. The spin is
+        bounded, so an idle worker always ends up asleep in epoll.
         """
         self.scheduled = False
         self.worker.progress()
@@ -184,7 +184,10 @@ class _Engine:
         now = self.loop.time()
         if active:
             self.spin_until = now + self.spin
-        if now < self.spin_until or not self.worker.arm():  # arm() is False when events are pending
+        if now < self.spin_until:
+            os.sched_yield()  # let a peer that shares this core run (and answer) before we poll again
+            self.kick()
+        elif not self.worker.arm():  # arm() is False when events are pending
             self.kick()
         if self.pending and self.safety is None:
             self.safety = self.loop.call_later(_SAFETY_PROGRESS, self._safety_net)
