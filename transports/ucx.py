@@ -29,20 +29,10 @@ Design, and why:
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 import struct
 from collections import deque
 from collections.abc import Sequence
-
-try:
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # UCX otherwise prints a warning on stdout
-    import ucxx._lib.libucxx as ucx_api
-    from ucxx._lib.arr import Array
-except ImportError as exc:
-    raise ImportError(
-        "ucx:// addresses need the UCX binding, which is not installed: pip install 'aiollm[ucx]'"
-    ) from exc
 
 from aiollm.errors import AiollmError, ChannelBroken, ClosedError, NodeUnreachable
 from aiollm.log import get_logger
@@ -70,148 +60,16 @@ from aiollm.transports.framing import (
     encode_prefix,
     options_for,
 )
+from aiollm.transports.ucx_worker import DEFAULT_OPTIONS, Array, Engine, engine_for, ucx_api
 
 _log = get_logger("transports.ucx")
 
-# Options this transport reads from TransportConfig.options, with their defaults.
-DEFAULT_OPTIONS: dict[str, int | str] = {
-    # "event": progress on the worker's event fd, sleep when idle; "polling": progress every loop turn.
-    "ucx.progress": "event",
-    # In "event" mode, microseconds to keep polling after activity before sleeping. 0 by default: 50 halved
-    # the unpinned round trip (108 -> 57 us) but made it 2 ms when both processes share one core.
-    "ucx.spin_us": 0,
-    # UCX transports when UCX_TLS is not set; tcp, shared memory (sysv/posix/cma) and self (same process).
-    "ucx.tls": "tcp,sm,self",
-    # Frames a sender may have in flight before the receiver grants more credits.
-    "ucx.window_frames": 64,
-    # Frames whose buffers total at most this many bytes travel as one message (buffers copied into it).
-    "ucx.inline_bytes": 8192,
-}
-_PROGRESS_MODES = ("event", "polling")
 # Control message kinds, in the prefix's reserved field.
 _FRAME, _CREDIT, _BYE, _INLINE = 0, 1, 2, 3
-# Seconds between safety-net progress calls while operations are pending (an event could be missed).
-_SAFETY_PROGRESS = 0.05
 # Seconds to wait, after the bootstrap connection dropped, for a BYE still in flight over UCX.
 _GONE_GRACE = 0.25
 _HELLO = b"aiollm-ucx/1"
 _UINT64 = struct.Struct("<Q")
-
-
-class _Engine:
-    """The UCX worker of one event loop and the loop that progresses it."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, progress: str, tls: str, spin_us: int) -> None:
-        config = {} if "UCX_TLS" in os.environ else {"TLS": tls}
-        self.context = ucx_api.UCXContext(config, (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
-        self.worker = ucx_api.UCXWorker(self.context)
-        self.worker.init_blocking_progress_mode()
-        self.address = bytes(self.worker.address)
-        self.loop = loop
-        self.polling = progress == "polling"
-        self.spin = spin_us / 1e6
-        self.spin_until = 0.0
-        self.pending: list[tuple[object, asyncio.Future, object]] = []
-        self.connections: set[UcxConnection] = set()
-        self.scheduled = False
-        self.safety: asyncio.TimerHandle | None = None
-        self.fd = self.worker.epoll_file_descriptor
-        self.users = 0  # open listeners, connections and handshakes; at zero the worker is released
-        self.active = True  # the loop watches the worker's fd
-        loop.add_reader(self.fd, self.kick)
-
-    def acquire(self) -> None:
-        if self.users == 0 and not self.active:
-            self.active = True
-            self.loop.add_reader(self.fd, self.kick)
-            _ENGINES.setdefault(self.loop, self)
-        self.users += 1
-
-    def release(self) -> None:
-        """Drop one user; after the last one the loop stops watching the worker, which can then be freed."""
-        self.users -= 1
-        if self.users == 0 and self.active:
-            self.active = False
-            if _ENGINES.get(self.loop) is self:
-                del _ENGINES[self.loop]
-            self.worker.progress()
-            self.loop.remove_reader(self.fd)
-            if self.safety is not None:
-                self.safety.cancel()
-                self.safety = None
-
-    def submit(self, request, keep: object) -> asyncio.Future:
-        """Track `request` (keeping `keep`, its buffer, alive) until it completes; returns its future."""
-        fut = self.loop.create_future()
-        self.pending.append((request, fut, keep))
-        self.kick()
-        return fut
-
-    def kick(self) -> None:
-        if not self.scheduled:
-            self.scheduled = True
-            self.loop.call_soon(self.pump)
-
-    def pump(self) -> None:
-        """Progress the worker, finish completed requests, read control messages, then re-arm or re-poll.
-
-        With `ucx.spin_us` > 0 the loop keeps polling that long after activity before arming, yielding
-        the core between polls: a reply that follows within it skips a sleep/wake-up pair. The spin is
-        bounded, so an idle worker always ends up asleep in epoll.
-        """
-        self.scheduled = False
-        self.worker.progress()
-        active = False
-        if self.pending:
-            still = []
-            for entry in self.pending:
-                request, fut = entry[0], entry[1]
-                if not request.completed:
-                    still.append(entry)
-                elif not fut.done():
-                    active = True
-                    try:
-                        request.check_error()
-                        fut.set_result(None)
-                    except Exception as exc:
-                        fut.set_exception(exc)
-            self.pending = still
-        for conn in list(self.connections):
-            active = conn.poll_control() or active
-        if self.polling and (self.pending or self.connections):
-            self.kick()
-            return
-        now = self.loop.time()
-        if active:
-            self.spin_until = now + self.spin
-        if now < self.spin_until:
-            os.sched_yield()  # let a peer that shares this core run (and answer) before we poll again
-            self.kick()
-        elif not self.worker.arm():  # arm() is False when events are pending
-            self.kick()
-        if self.pending and self.safety is None:
-            self.safety = self.loop.call_later(_SAFETY_PROGRESS, self._safety_net)
-
-    def _safety_net(self) -> None:
-        self.safety = None
-        self.kick()
-
-
-# event loop -> its engine, while the loop has UCX listeners or connections.
-_ENGINES: dict[asyncio.AbstractEventLoop, _Engine] = {}
-
-
-def _engine(config: TransportConfig) -> _Engine:
-    opts = options_for(config, "ucx", DEFAULT_OPTIONS)
-    if opts["ucx.progress"] not in _PROGRESS_MODES:
-        raise ValueError(f"TransportConfig.options['ucx.progress']: expected one of {_PROGRESS_MODES}, got {opts['ucx.progress']!r}")
-    if int(opts["ucx.window_frames"]) < 2:
-        raise ValueError("TransportConfig.options['ucx.window_frames'] must be >= 2")
-    loop = asyncio.get_running_loop()
-    engine = _ENGINES.get(loop)
-    if engine is None:
-        engine = _ENGINES[loop] = _Engine(loop, str(opts["ucx.progress"]), str(opts["ucx.tls"]), int(opts["ucx.spin_us"]))
-    return engine
 
 
 def _control(kind: int, value: int = 0) -> bytes:
@@ -221,7 +79,7 @@ def _control(kind: int, value: int = 0) -> bytes:
 class UcxConnection(Connection):
     """One end of a UCX connection: an endpoint, two tags each way, and the TCP bootstrap as liveness."""
 
-    def __init__(self, engine: _Engine, endpoint, bootstrap: Connection, config: TransportConfig,
+    def __init__(self, engine: Engine, endpoint, bootstrap: Connection, config: TransportConfig,
                  recv_id: int, send_id: int, local_address: str, peer_address: str) -> None:
         self._engine = engine
         self._ep = endpoint
@@ -487,7 +345,7 @@ class UcxConnection(Connection):
         return self._ended is not None or self._peer_gone is not None
 
 
-async def _handshake(bootstrap: Connection, engine: _Engine, timeout: float) -> tuple[object, int, int]:
+async def _handshake(bootstrap: Connection, engine: Engine, timeout: float) -> tuple[object, int, int]:
     """Exchange worker addresses and receive ids over the bootstrap; returns (endpoint, recv id, send id)."""
     recv_id = secrets.randbits(62)
     engine.acquire()  # held across the awaits, so the worker is not released under the handshake
@@ -512,7 +370,7 @@ def _bootstrap_config(config: TransportConfig) -> TransportConfig:
 class UcxListener(Listener):
     """The TCP bootstrap listener; each accepted connection is upgraded to UCX, then handed to the handler."""
 
-    def __init__(self, bootstrap: Listener, engine: _Engine) -> None:
+    def __init__(self, bootstrap: Listener, engine: Engine) -> None:
         self._bootstrap = bootstrap
         self._engine = engine
         engine.acquire()
@@ -530,7 +388,7 @@ class UcxTransport(Transport):
     """Frames over UCX, bootstrapped over TCP on the same host:port."""
 
     async def listen(self, address: Address, handler: ConnectionHandler, config: TransportConfig) -> Listener:
-        engine = _engine(config)
+        engine = engine_for(config)
 
         async def upgrade(bootstrap: Connection) -> None:
             try:
@@ -548,7 +406,7 @@ class UcxTransport(Transport):
 
     async def connect(self, address: Address, config: TransportConfig) -> Connection:
         """Connect within `config.connect_timeout`; `NodeUnreachable` if the peer cannot be reached."""
-        engine = _engine(config)
+        engine = engine_for(config)
         bootstrap = await tcp.TRANSPORT.connect(address._replace(scheme="tcp"), _bootstrap_config(config))
         try:
             endpoint, recv_id, send_id = await _handshake(bootstrap, engine, config.connect_timeout)
