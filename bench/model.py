@@ -114,7 +114,10 @@ def run(args) -> dict:
     lengths = [128] if quick else [128, 512, 2048]
     decode_batches = [1, 8] if quick else [1, 8, 32, 64]
     new_tokens = 32 if quick else 128
-    figures: dict = {"torch_threads": torch.get_num_threads(), "quick": quick}
+    # OMP_WAIT_POLICY decides whether torch's idle OpenMP threads spin; on shared cores spinning threads
+    # slow every other process (and each other) by up to 10x, so the figures say which policy they ran under
+    figures: dict = {"torch_threads": torch.get_num_threads(), "quick": quick,
+                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
     hf_cache: dict = {}
     ratios = []
     for name in args.dtypes.split(","):
