@@ -48,9 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve-calibration", type=Path, default=DEFAULT_CALIBRATION,
                         help="JSON from an idle bench serve run, for the fixed per-request overheads")
     parser.add_argument("--skip-paper", action="store_true", help="skip the OPT-13B/66B/175B 4x8 setting")
+    parser.add_argument("--sim-vs-real-only", action="store_true",
+                        help="only the simulator-vs-real check (no timing, no lock needed); the other figures "
+                             "are kept from the existing --json file")
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.sim_vs_real_only:
+        kept = json.loads(args.json.read_text()) if args.json and args.json.is_file() else {}
+        return {**{k: v for k, v in kept.items() if not k.startswith("sim_vs_real")},
+                **sim_vs_real(args.serve_results, args.serve_calibration)}
     figures: dict = {}
     figures.update(distserve_example(args))
     figures.update(search_speed_and_paper(args))
