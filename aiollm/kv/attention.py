@@ -13,10 +13,10 @@ entries and slots again and returns a status code, turned into the same exceptio
 
 Threads: the library has its own persistent pthread pool (not OpenMP). `n_threads` (or the process-wide
 default from `set_num_threads`, initially the CPUs this process may run on) sets how many threads one call
-uses; the pool's workers sleep between calls. PyTorch's OpenMP team does not: it spin-waits after each
-parallel region, which made attention right after a torch op 2.3x slower here. The rule (README, "Native
-attention kernels"): never run both concurrently on the same cores, and in a process that alternates them
-set OMP_WAIT_POLICY=PASSIVE before importing torch (or give torch fewer threads than cores).
+uses; the pool's workers sleep between calls. PyTorch's libgomp team spin-waits after each parallel region
+instead, which slowed attention running next to torch GEMMs ~2x here unless OMP_WAIT_POLICY=PASSIVE. The rule
+(README, "Native attention kernels"): never run both concurrently on the same cores, and in a process that
+runs both set OMP_WAIT_POLICY=PASSIVE before importing torch.
 
 ISA: probed once (AVX-512 > AVX2+FMA+F16C > portable C); the environment variable AIOLLM_ATTN_ISA=ref|avx2|
 avx512, read once at the first call, overrides it; `force_isa` switches at run time (tests).
