@@ -1,14 +1,16 @@
 """`python -m aiollm serve`: a whole local DistServe cluster (or the colocated baseline) in one command.
 
     python -m aiollm serve --prefill 1 --decode 1 [--port 8000] [--model smollm2]
+    python -m aiollm serve --prefill 1 --decode 1 --r-workers 2   # offloaded decode: attention on R-workers
     python -m aiollm serve --colocated              # one process: prefill and decode batched together
 
 Disaggregated: every prefill and decode instance, the controller and the frontend is its own
 `python -m aiollm.node --role ...` subprocess on 127.0.0.1 (started through aiollm.graph, which
 shares a fresh cluster secret and always reaps its processes); the instances start first, in
-parallel (each loads the model), then the controller, then the frontend. The command prints the API
-base URL once the frontend answers and runs until interrupted or until a node dies, then stops
-every node.
+parallel (each loads the model; with `--r-workers N`, each decode instance's N FastDecode R-worker
+processes start just before it and it is pointed at them), then the controller, then the frontend.
+The command prints the API base URL once the frontend answers and runs until interrupted or until
+a node dies, then stops every node.
 """
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=0,
                         help="L_m: prompt tokens per prefill batch (default: from this machine's latency profile, else 512)")
     parser.add_argument("--max-running", type=int, default=128, help="most sequences per decode step")
+    parser.add_argument("--r-workers", type=int, default=0,
+                        help="R-worker processes per decode instance (offloaded attention, FastDecode); 0: colocated")
+    parser.add_argument("--r-kv-memory", default="1GiB", help="KV budget of each R-worker, e.g. 1GiB")
     parser.add_argument("--log-level", default="WARNING", help="log level of the nodes")
 
 
@@ -68,9 +73,19 @@ async def _serve_cluster(args: argparse.Namespace) -> int:
         prefill = [graph.start_node("prefill", process=True, args=(
             "--actor", f"prefill{i}", *model, "--kv-blocks", str(args.prefill_kv_blocks),
             "--max-batch-tokens", str(args.max_batch_tokens))) for i in range(args.prefill)]
-        decode = [graph.start_node("decode", process=True, args=(
-            "--actor", f"decode{i}", *model, "--kv-blocks", str(args.decode_kv_blocks),
-            "--max-running", str(args.max_running))) for i in range(args.decode)]
+
+        async def decode_node(i: int):
+            offload: tuple[str, ...] = ()
+            if args.r_workers:
+                r_workers = await asyncio.gather(*(graph.start_node("r-worker", process=True, args=(
+                    "--model", args.model, "--kv-dtype", args.kv_dtype, "--block-size", str(args.block_size),
+                    "--kv-memory", args.r_kv_memory, "--threads", str(args.threads))) for _ in range(args.r_workers)))
+                offload = ("--r-workers", ",".join(h.actors["r-worker"] for h in r_workers))
+            return await graph.start_node("decode", process=True, args=(
+                "--actor", f"decode{i}", *model, "--kv-blocks", str(args.decode_kv_blocks),
+                "--max-running", str(args.max_running), *offload))
+
+        decode = [decode_node(i) for i in range(args.decode)]
         handles = await asyncio.gather(*prefill, *decode)
         urls = [url for handle in handles for url in handle.actors.items()]
         controller = await graph.start_node("controller", process=True, args=(
@@ -83,7 +98,8 @@ async def _serve_cluster(args: argparse.Namespace) -> int:
         while not await asyncio.to_thread(_healthy, f"{base}/health"):
             await asyncio.sleep(0.2)
         print(f"aiollm: serving {served_name(args.model)} at {base}/v1 "
-              f"({args.prefill} prefill + {args.decode} decode instances)", flush=True)
+              f"({args.prefill} prefill + {args.decode} decode instances"
+              f"{f', {args.r_workers} R-workers each' if args.r_workers else ''})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -140,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
     log.configure(args.log_level)
     if args.colocated:
         return _run_colocated(args)
+    if args.r_workers < 0:
+        print("python -m aiollm serve: error: --r-workers must be >= 0", file=sys.stderr)
+        return 2
     if args.prefill < 1 or args.decode < 1:
         print("python -m aiollm serve: error: --prefill and --decode must be >= 1", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from aiollm.workers.cluster_client import ClusterClient
 from aiollm.workers.controller import Controller, ControllerConfig
 from aiollm.workers.decode import DecodeConfig, DecodeInstance
 from aiollm.workers.frontend import Frontend, FrontendConfig, start_server
+from aiollm.workers.offloaded_executor import OffloadedExecutor
 from aiollm.workers.prefill import PrefillConfig, PrefillInstance
 
 SECRET = b"integration-test-secret-0123456789"
@@ -47,7 +48,8 @@ class Cluster:
 @contextlib.asynccontextmanager
 async def cluster(model, n_prefill: int = 1, n_decode: int = 1, prefill: PrefillConfig = PrefillConfig(kv_blocks=64),
                   decode: DecodeConfig = DecodeConfig(kv_blocks=128), controller: ControllerConfig = ControllerConfig(),
-                  name: str = "tiny"):
+                  name: str = "tiny", r_workers: list[list[str]] | None = None):
+    """`r_workers[i]`: R-worker URLs that make decode instance i offloaded (they must accept SECRET)."""
     nodes: dict[str, Node] = {}
     server = task = None
     client = None
@@ -64,8 +66,11 @@ async def cluster(model, n_prefill: int = 1, n_decode: int = 1, prefill: Prefill
             urls_p[f"prefill{i}"] = (await (await node(f"prefill{i}")).spawn(actor, f"prefill{i}")).url
             prefills.append(actor)
         for i in range(n_decode):
-            actor = DecodeInstance(model, decode)
-            urls_d[f"decode{i}"] = (await (await node(f"decode{i}")).spawn(actor, f"decode{i}")).url
+            decode_node = await node(f"decode{i}")
+            executor = None if r_workers is None else await OffloadedExecutor.connect(
+                decode_node, r_workers[i], model, decode.block_size, decode.kv_dtype)
+            actor = DecodeInstance(model, decode, executor)
+            urls_d[f"decode{i}"] = (await decode_node.spawn(actor, f"decode{i}")).url
             decodes.append(actor)
         ctrl = Controller(urls_p, urls_d, controller)
         ctrl_url = (await (await node("controller")).spawn(ctrl, "controller")).url
