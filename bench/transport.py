@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> dict:
     kinds = [("raw", "raw", False), ("tcp", "tcp", False), ("tcp_fresh", "tcp", True), ("zmq", "zmq", False)]
     if importlib.util.find_spec("ucxx") is not None:
         kinds[3:3] = [("ucxx_raw_polling", "ucxx_raw", False), ("ucx", "ucx", False),
-                      ("ucx_spin50", "ucx[spin_us=50]", False), ("ucx_polling", "ucx[progress=polling]", False)]
+                      ("ucx_nospin", "ucx[spin_us=0]", False), ("ucx_polling", "ucx[progress=polling]", False)]
     else:
         print("ucx: not installed (pip install 'aiollm[ucx]')")
     rows = []

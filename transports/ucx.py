@@ -19,7 +19,8 @@ Design, and why:
   progresses when the worker's event fd fires or an operation is posted, then re-arms the worker,
   so an idle process sleeps in epoll and never spins — on a machine with more processes than cores
   a spinning peer turns each round trip into a scheduler slice (8 ms measured with both processes
-  on one core). `ucx.spin_us` adds a bounded poll after activity, for dedicated cores only.
+  on one core). `ucx.spin_us` (50) keeps polling briefly after activity, yielding the core between
+  polls, so a prompt reply skips a sleep/wake-up pair without starving a peer on the same core.
   `ucx.progress=polling` progresses on every loop iteration while connections are open: lowest
   latency on dedicated cores, a full core per process otherwise. ucxx's own progress modes are not
   used: without its notifier thread every pending request re-polls with `sleep(0)`, i.e. spins.
