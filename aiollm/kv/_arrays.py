@@ -66,7 +66,7 @@ def describe(x, name: str) -> Arr:
     """View `x` (numpy array or torch CPU tensor) without copying; TypeError/ValueError naming `name`.
     Callers follow with `check_dtype`: the dtype of an unsupported array is its own name (e.g. 'float64')."""
     if isinstance(x, np.ndarray):
-        dtype = _NUMPY_DTYPES.get(x.dtype, str(x.dtype))  # an unsupported dtype fails check_dtype by name
+        dtype = _NUMPY_DTYPES.get(x.dtype) or str(x.dtype)  # an unsupported dtype fails check_dtype by name
         itemsize = x.itemsize
         if any(s % itemsize for s in x.strides):
             raise ValueError(f"{name}: expected strides that are multiples of the item size, got {x.strides} bytes")
@@ -74,7 +74,8 @@ def describe(x, name: str) -> Arr:
     if is_torch(x):
         if x.device.type != "cpu":
             raise ValueError(f"{name}: expected a CPU tensor, got device {x.device}")
-        dtype = _TORCH_DTYPE_NAMES.get(str(x.dtype), str(x.dtype))
+        name_of = str(x.dtype)
+        dtype = _TORCH_DTYPE_NAMES.get(name_of, name_of)
         return Arr(x.data_ptr(), dtype, tuple(x.shape), tuple(x.stride()), x)
     raise TypeError(f"{name}: expected a numpy array or a torch CPU tensor, got {type(x).__name__}")
 

@@ -93,6 +93,7 @@ class KVPool:
         scales = (c.n_layers, c.n_blocks, c.n_kv_heads, c.block_size)
         self.k_scale = np.zeros(scales, np.float32) if c.dtype == "int8" else None
         self.v_scale = np.zeros(scales, np.float32) if c.dtype == "int8" else None
+        self._descs: list | None = None  # each layer's C descriptor, built at the first prepare_decode
 
     def _layer(self, layer: int) -> dict:
         if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.config.n_layers:
@@ -111,6 +112,12 @@ class KVPool:
         """Decode attention of q [n_seqs, n_q_heads, head_dim] over this layer; see `attention.decode_attention`."""
         return attention.decode_attention(**self._layer(layer), q=q, block_tables=block_tables, seq_lens=seq_lens,
                                           scale=scale, out=out, out_dtype=out_dtype, n_threads=n_threads)
+
+    def prepare_decode(self, slot_mapping, block_tables, seq_lens) -> attention.DecodeStep:
+        """Check one decode step's index arrays once; the returned step's `write`/`attend` serve every layer."""
+        if self._descs is None:
+            self._descs = [attention._layer(**self._layer(layer)) for layer in range(self.config.n_layers)]
+        return attention.DecodeStep(self._descs, slot_mapping, block_tables, seq_lens)
 
     def _block_index(self, block_ids) -> slice | np.ndarray:
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)

@@ -43,8 +43,20 @@ def paged_decode_attention(pool, layer: int, q: torch.Tensor, k: torch.Tensor, v
     new token's K/V goes); block_tables int32 [b, max_blocks]; seq_lens int32 [b] including the new token;
     the three index arrays as numpy arrays or torch CPU tensors.
     Returns [b, n_heads, d] in q's dtype when it is fp32 or bf16 (the kernel writes it directly), else fp32.
+    A loop over layers should prepare the step once instead: `step_decode_attention`.
     """
-    pool.write(layer, slot_mapping, k, v)
-    out = torch.empty(q.shape, dtype=q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32)
-    pool.attend(layer, q.float(), block_tables, seq_lens, out=out, n_threads=n_threads)
-    return out
+    step = pool.prepare_decode(slot_mapping, block_tables, seq_lens)
+    return step_decode_attention(step, layer, q, k, v, n_threads=n_threads)
+
+
+def step_decode_attention(step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          out: torch.Tensor | None = None, n_threads: int | None = None) -> torch.Tensor:
+    """`paged_decode_attention` with the step's index arrays checked once (`KVPool.prepare_decode`).
+
+    `out` (optional) is reused across layers: a step allocates it once; its dtype is q's when that is fp32
+    or bf16, else fp32, and its shape q's.
+    """
+    step.write(layer, k, v)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32)
+    return step.attend(layer, q.float(), out, n_threads=n_threads)

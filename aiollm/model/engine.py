@@ -13,7 +13,7 @@ import torch
 
 from aiollm.kv.blocks import BlockAllocator, BlockTable
 from aiollm.kv.pool import KVConfig, KVPool
-from aiollm.model.attention import paged_decode_attention
+from aiollm.model.attention import step_decode_attention
 from aiollm.model.llama import LlamaModel
 from aiollm.model.sampling import SamplingParams, new_generator, sample
 
@@ -102,11 +102,15 @@ class ColocatedEngine:
         slots = table.append_batch(active, [1] * len(active))  # numpy: the kernel wrapper's native kind
         tables = table.block_tables(active)
         seq_lens = table.seq_lens(active)
+        step = self.pool.prepare_decode(slots, tables, seq_lens)  # checked once, not per layer
         rope = model.rope(positions)
         h = model.embed([s.output[-1] for s in seqs])
-        for layer in range(model.config.n_layers):
+        c = model.config
+        out_dtype = model.dtype if model.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        out = torch.empty((len(seqs), c.n_heads, c.head_dim), dtype=out_dtype)  # every layer's attention output
+        for layer in range(c.n_layers):
             q, k, v = model.pre_attention(layer, h, positions, rope)
-            attn = paged_decode_attention(self.pool, layer, q, k, v, slots, tables, seq_lens, self.n_threads)
+            attn = step_decode_attention(step, layer, q, k, v, out, self.n_threads)
             h = model.post_attention(layer, h, attn)
         self._append(seqs, model.logits(h))
 

@@ -1,0 +1,84 @@
+"""KVPool.prepare_decode: one step's index arrays checked once, then every layer's write/attend equals the
+per-call path and still rejects bad per-layer arguments before C runs."""
+import numpy as np
+import pytest
+
+from aiollm.kv.pool import KVConfig, KVPool
+
+H, G, D, BS, L = 2, 3, 64, 16, 3
+
+
+@pytest.fixture
+def pool():
+    return KVPool(KVConfig(n_layers=L, n_blocks=8, n_kv_heads=H, head_dim=D, block_size=BS, dtype="fp32"))
+
+
+def _step_args():
+    table = np.array([[0, 1, -1], [2, -1, -1]], np.int32)
+    lens = np.array([20, 16], np.int32)
+    slots = np.array([19, 47], np.int64)  # the last token of each sequence
+    return slots, table, lens
+
+
+def test_same_result_as_per_call_path(pool):
+    rng = np.random.default_rng(0)
+    pool.k[:] = rng.standard_normal(pool.k.shape, np.float32)
+    pool.v[:] = rng.standard_normal(pool.v.shape, np.float32)
+    other = KVPool(pool.config)
+    other.k[:], other.v[:] = pool.k, pool.v
+    slots, table, lens = _step_args()
+    step = pool.prepare_decode(slots, table, lens)
+    for layer in range(L):
+        k, v = (rng.standard_normal((2, H, D), np.float32) for _ in range(2))
+        q = rng.standard_normal((2, H * G, D), np.float32)
+        step.write(layer, k, v)
+        got = step.attend(layer, q, np.empty_like(q))
+        other.write(layer, slots, k, v)
+        want = other.attend(layer, q, table, lens)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_keeps_its_own_copies(pool):
+    slots, table, lens = _step_args()
+    step = pool.prepare_decode(slots, table, lens)
+    table[0, 0], lens[0], slots[0] = 99, 1000, -5  # the checked step must not see these
+    q = np.ones((2, H * G, D), np.float32)
+    step.write(0, np.ones((2, H, D), np.float32), np.ones((2, H, D), np.float32))
+    step.attend(0, q, np.empty_like(q))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(block_tables=a["block_tables"].astype(np.int64)), "block_tables: expected dtype int32"),
+    (lambda a: a.update(block_tables=a["block_tables"][:1]), r"block_tables: expected shape \(2, max_blocks\)"),
+    (lambda a: a.update(block_tables=np.array([[0, 9, -1], [2, -1, -1]], np.int32)),
+     r"block_tables: expected entries in use in \[0, 8\), got 9 at \[0, 1\]"),
+    (lambda a: a.update(seq_lens=np.array([20, 49], np.int32)), "seq_lens: sequence 1 has length 49, needing 4 blocks"),
+    (lambda a: a.update(seq_lens=np.array([20, -1], np.int32)), "seq_lens: expected lengths >= 0, got -1"),
+    (lambda a: a.update(seq_lens=np.array([20], np.int32)), r"seq_lens: expected shape \(2,\)"),
+    (lambda a: a.update(slot_mapping=np.array([0, 128], np.int64)), r"slot_mapping: expected entries in \[0, 128\), got 128"),
+    (lambda a: a.update(slot_mapping=np.array([0, 1], np.float32)), "slot_mapping: expected dtype int64 or int32"),
+])
+def test_prepare_rejects(pool, change, match):
+    slots, table, lens = _step_args()
+    args = {"slot_mapping": slots, "block_tables": table, "seq_lens": lens}
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        pool.prepare_decode(**args)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda s, q, kv: s.attend(L, q, np.empty_like(q)), r"layer: expected an int in \[0, 3\), got 3"),
+    (lambda s, q, kv: s.attend(0, q.astype(np.float64), np.empty_like(q)), "q: expected dtype fp32"),
+    (lambda s, q, kv: s.attend(0, q[:1], np.empty_like(q[:1])), r"q: expected shape \(2, n_q_heads, 64\)"),
+    (lambda s, q, kv: s.attend(0, np.zeros((2, 7, D), np.float32), np.zeros((2, 7, D), np.float32)),
+     "q: expected n_q_heads a multiple of n_kv_heads=2"),
+    (lambda s, q, kv: s.attend(0, q, np.empty((1, H * G, D), np.float32)), r"out: expected shape \(2, 6, 64\)"),
+    (lambda s, q, kv: s.attend(0, q, np.empty(q.shape, np.float64)), "out: expected dtype fp32 or fp16 or bf16"),
+    (lambda s, q, kv: s.write(0, kv[:, :, :32], kv[:, :, :32]), r"k: expected shape \(2, 2, 64\)"),
+    (lambda s, q, kv: s.write(0, kv, kv.astype(np.float16)), "v: expected the dtype of k"),
+    (lambda s, q, kv: s.write(-1, kv, kv), "layer: expected an int in"),
+])
+def test_layer_calls_reject(pool, call, match):
+    step = pool.prepare_decode(*_step_args())
+    with pytest.raises(ValueError, match=match):
+        call(step, np.zeros((2, H * G, D), np.float32), np.zeros((2, H, D), np.float32))
