@@ -25,9 +25,23 @@ def configure(level: str = "INFO", json: bool = False) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
+
+
+class _CurrentStderr:
+    """Writes to whatever `sys.stderr` is at write time, not at configure time.
+
+    Why: a stream captured when logging was configured may be closed later (a test's captured
+    stderr, a redirected stream); writing to it then raises inside an actor's loop.
+    """
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
