@@ -30,6 +30,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="batch 64, context 1024 only, fewer repetitions")
     parser.add_argument("--max-gib", type=float, default=2.0, help="cap on one fp16 KV copy per shape (GiB)")
     parser.add_argument("--threads", type=int, default=2, help="threads for the multi-threaded figures")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="measure only this shape (kernel tuning)")
 
 
 def _best(fn, reps: int) -> float:
@@ -144,8 +145,10 @@ def torch_interaction(n_threads: int, reps: int) -> dict:
     return figures
 
 
-def _shape_list(quick: bool):
+def _shape_list(quick: bool, only: str | None = None):
     for name, (n_q, n_kv, d) in SHAPES.items():
+        if only and name != only:
+            continue
         for batch in (64,) if quick else (64, 256):
             for ctx in (1024,) if quick else (1024, 4096):
                 yield name, n_q, n_kv, d, batch, ctx
@@ -161,7 +164,7 @@ def run(args) -> dict:
     inter = torch_interaction(nt, reps)
     print("attention next to torch (SmolLM2 64x1024, ms/call): " + ", ".join(f"{k} {v:.2f}" for k, v in inter.items()))
     rows = []
-    for name, n_q, n_kv, d, batch, ctx in _shape_list(args.quick):
+    for name, n_q, n_kv, d, batch, ctx in _shape_list(args.quick, args.shape):
         per_seq = ctx * n_kv * d * 2 * 2
         run_batch = min(batch, max(1, int(args.max_gib * 2**30 // per_seq)))
         row = {"shape": name, "batch": batch, "ctx": ctx, "run_batch": run_batch,

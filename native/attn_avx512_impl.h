@@ -33,12 +33,13 @@ T512 INLINE __m512 exp512(__m512 x) {
 }
 
 /* Scores of 16 tokens (chunk column `col` of a K tile) for GB q heads, NP partial sums each to hide FMA
- * latency. Pointer walks, not index arithmetic: the loop body is loads and FMAs only. */
+ * latency (4 cycles, 2 ports: GB * NP >= 8 chains, else the chunk is latency-bound; 12 for GQA 3 measured
+ * faster than 6). Pointer walks, not index arithmetic: the loop body is loads and FMAs only. */
 T512 INLINE void scores(int dt, const char *kt, int64_t col, int64_t BS, int D, const float *qs, int GB, int NP,
                         __m512 *out) {
     const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1, step = BS * es;
     const char *kp = kt + col * es;
-    __m512 acc[4][4];
+    __m512 acc[4][8];
     for (int g = 0; g < GB; g++)
         for (int p = 0; p < NP; p++) acc[g][p] = _mm512_setzero_ps();
     for (int d = 0; d < D; d += NP, kp += NP * step) {
@@ -95,10 +96,14 @@ T512 INLINE void vaccum(int dt, const char *vt, int64_t row0, int nv, int D, int
                         const float *alpha, float *acc, int GB) {
     const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1;
     const char *vp = vt + (row0 * D + dv * 16) * es;
-    __m512 r[4][4];
+    __m512 r[4][8];
+    int same = 1; /* after the first chunks the max rarely moves: no rescale, the loads feed the FMAs directly */
+    for (int g = 0; g < GB; g++) same &= alpha[g] == 1.0f;
     for (int g = 0; g < GB; g++)
-        for (int v = 0; v < VC; v++)
-            r[g][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + (dv + v) * 16), _mm512_set1_ps(alpha[g]));
+        for (int v = 0; v < VC; v++) {
+            const __m512 x = _mm512_loadu_ps(acc + g * D + (dv + v) * 16);
+            r[g][v] = same ? x : _mm512_mul_ps(x, _mm512_set1_ps(alpha[g]));
+        }
     for (int t = 0; t < nv; t++, vp += D * es) {
         __m512 w[4];
         for (int g = 0; g < GB; g++) w[g] = _mm512_set1_ps(pb[g * 16 + t]);
@@ -170,8 +175,9 @@ static inline void unpermute_acc(float *acc, int rows, int D) {
 #endif
 
 /* Prefetch a whole tile into L1. Tiles are 1-4 KiB, often exactly a page, and the hardware streamer stops
- * at page boundaries; asking for the next tile while this one is processed measured best (vs none, vs
- * the next block of the same head, vs L2 only). */
+ * at page boundaries; asking for the tile PF_DIST ahead in the item's order while this one is processed
+ * measured best (vs none, vs the next block of the same head, vs L2 only). */
+#define PF_DIST 2 /* tiles ahead: 2 and 3 measured no worse than 1 on one thread and better on two (noisy VM) */
 static inline void prefetch_tile(const char *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
@@ -197,10 +203,10 @@ T512 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, 
         } else
 #endif
         switch (gb) {
-        case 1: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 1, 4, s); break;
+        case 1: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 1, 8, s); break;
         case 2: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 2, 4, s); break;
-        case 3: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 3, 2, s); break;
-        default: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 4, 2, s); break;
+        case 3: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 3, 4, s); break;
+        default: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 4, 4, s); break;
         }
         for (int g = 0; g < gb; g++) {
             __m512 sc = s[g];
@@ -235,6 +241,8 @@ T512 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, 
         const float *pg = pb + g0 * 16, *ag = alpha + g0;
         float *accg = acc + g0 * D;
         int dv = 0;
+        if (gb == 1)
+            for (; dv + 8 <= D / 16; dv += 8) vaccum(dt, vt, c * 16, nv, D, dv, 8, pg, ag, accg, 1);
         for (; dv + 4 <= D / 16; dv += 4) {
             switch (gb) {
             case 1: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 1); break;
@@ -308,8 +316,8 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
             const char *kt = (const char *)kv->k + tile, *vt = (const char *)kv->v + tile;
             const float *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
             const float *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
-            const int32_t nblk = h + 1 < NH ? blk : blk + 1, nh = h + 1 < NH ? h0 + h + 1 : h0;
-            if (nblk < n_used) { /* the next tile in this item's order: next head, or first head of next block */
+            const int32_t tn = blk * NH + h + PF_DIST, nblk = tn / NH, nh = h0 + tn % NH;
+            if (nblk < n_used) { /* PF_DIST tiles ahead in this item's order (heads inner, blocks outer) */
                 const int64_t next = kv_tile(kv, table[nblk], nh) * es;
                 prefetch_tile((const char *)kv->k + next, tile_bytes);
                 prefetch_tile((const char *)kv->v + next, tile_bytes);
