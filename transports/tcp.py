@@ -103,7 +103,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.ended: Exception | None = None
         self.write_paused = False
         self.drain_waiters: list[asyncio.Future] = []
-        self.lost = asyncio.get_running_loop().create_future()
+        self.loop = asyncio.get_running_loop()
+        self.lost = self.loop.create_future()
         self.on_connected = None  # set by the listener: called with the protocol once connected
 
     # -- asyncio callbacks -------------------------------------------------------------------
@@ -165,7 +166,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
 
     def _progress(self) -> None:
         """Parse what arrived; hand a completed frame to the waiting recv (or keep it); pause when full."""
-        waiting = self.waiter is not None and not self.waiter.done()
+        waiter = self.waiter
+        waiting = waiter is not None and not waiter.done()
         try:
             frame = self.parse(waiting)
         except Exception as exc:  # a malformed frame or a bad allocate result ends the connection
@@ -173,7 +175,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             return
         if frame is not None:
             if waiting:
-                self.waiter.set_result(frame)
+                waiter.set_result(frame)
             else:  # only a frame whose recv was cancelled mid-body completes without a waiter
                 self.ready = frame
         if self.direct is None and self.wpos - self.rpos == len(self.scratch) and not self.reading_paused:
@@ -344,43 +346,41 @@ class TcpConnection(Connection):
             self._turns.append(fut)
             await fut
         self._receiving = True
-        try:
-            return await self._recv(allocate)
+        p = self._p
+        try:  # the body is inline (no inner coroutine): this is the hottest path of every ask
+            if isinstance(p.ended, ClosedError):
+                raise p.ended
+            if p.ready is not None:
+                frame, p.ready = p.ready, None
+                return frame
+            p.allocate = allocate
+            try:  # (nothing buffered at a frame boundary, the usual case when waiting: no parse)
+                parsable = p.rpos != p.wpos or p.stage != _PREFIX
+                frame = p.parse(True) if parsable and (p.ended is None or isinstance(p.ended, NodeUnreachable)) else None
+            except Exception as exc:
+                p.fail(exc)
+                raise
+            if frame is not None:
+                p.allocate = None
+                if p.reading_paused:
+                    p.resume()
+                return frame
+            if p.ended is not None:
+                raise p.ended
+            p.waiter = waiter = p.loop.create_future()
+            if p.reading_paused:
+                p.resume()
+            try:
+                return await waiter
+            finally:
+                p.waiter = None
+                p.allocate = None
         finally:
             self._receiving = False
             if self._turns:
                 turn = self._turns.popleft()
                 if not turn.done():
                     turn.set_result(None)
-
-    async def _recv(self, allocate: Allocator | None) -> Frame:
-        p = self._p
-        if isinstance(p.ended, ClosedError):
-            raise p.ended
-        if p.ready is not None:
-            frame, p.ready = p.ready, None
-            return frame
-        p.allocate = allocate
-        try:
-            frame = p.parse(True) if p.ended is None or isinstance(p.ended, NodeUnreachable) else None
-        except Exception as exc:
-            p.fail(exc)
-            raise
-        if frame is not None:
-            p.allocate = None
-            if p.reading_paused:
-                p.resume()
-            return frame
-        if p.ended is not None:
-            raise p.ended
-        p.waiter = asyncio.get_running_loop().create_future()
-        if p.reading_paused:
-            p.resume()
-        try:
-            return await p.waiter
-        finally:
-            p.waiter = None
-            p.allocate = None
 
     async def close(self) -> None:
         """Close the connection (idempotent); pending and later calls here raise `ClosedError`.
