@@ -180,23 +180,11 @@ class Codec:
 
     def decode_envelope(self, header: bytes | memoryview) -> AnyEnvelope:
         """The envelope of a frame; `ProtocolError` for garbage, an unknown kind or another version."""
-        try:
-            env = self._envelope_decoder.decode(header)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ProtocolError(_version_hint(header) or f"malformed frame header: {exc}") from None
-        if env.v != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {env.v} from peer, this node speaks {PROTOCOL_VERSION}")
-        return env
+        return _decode_versioned(self._envelope_decoder, header, "frame header")
 
     def decode_handshake(self, header: bytes | memoryview) -> Any:
         """A handshake envelope (Hello, Proof, or the peer's Failure); `ProtocolError` otherwise."""
-        try:
-            env = self._handshake_decoder.decode(header)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ProtocolError(_version_hint(header) or f"malformed handshake frame: {exc}") from None
-        if env.v != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {env.v} from peer, this node speaks {PROTOCOL_VERSION}")
-        return env
+        return _decode_versioned(self._handshake_decoder, header, "handshake frame")
 
     def decode_body(self, raw: msgspec.Raw, buffers: Sequence[memoryview]) -> Message | None:
         """The Message inside an envelope, tensors viewing `buffers`; `ProtocolError` when invalid."""
@@ -288,3 +276,14 @@ def _unknown_tag_hint(raw: msgspec.Raw) -> str | None:
         if tag is not None and tag not in message_types():
             return f"unknown message type {tag!r} (no Message class with that tag on this node)"
     return None
+
+
+def _decode_versioned(decoder: msgspec.msgpack.Decoder, header: bytes | memoryview, what: str) -> Any:
+    """Decode an envelope and check its protocol version; `ProtocolError` naming `what` otherwise."""
+    try:
+        env = decoder.decode(header)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(_version_hint(header) or f"malformed {what}: {exc}") from None
+    if env.v != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {env.v} from peer, this node speaks {PROTOCOL_VERSION}")
+    return env
