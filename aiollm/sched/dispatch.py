@@ -59,6 +59,21 @@ class Dispatcher:
             if name in table:
                 table[name].alive = False
 
+    def revive(self, name: str, capacity_tokens: int | None = None) -> None:
+        """Take an instance back after it re-registered or answered again: alive, with empty counters
+        (everything it held was failed over when it was marked dead); a decode instance may come back
+        with another capacity (None keeps the old one)."""
+        if name in self.prefill:
+            self.prefill[name] = PrefillLoad()
+        if name in self.decode:
+            old = self.decode[name].capacity_tokens
+            self.decode[name] = DecodeLoad()
+            self.add_decode(name, old if capacity_tokens is None else capacity_tokens)
+
+    def any_alive(self, kind: str) -> bool:
+        """Whether a live instance of `kind` ("prefill" or "decode") exists."""
+        return any(load.alive for load in (self.prefill if kind == "prefill" else self.decode).values())
+
     def choose_prefill(self) -> str | None:
         """The live prefill instance with the shortest queue (fewest queued tokens breaks ties)."""
         live = [(load.queued, load.queued_tokens, name) for name, load in self.prefill.items() if load.alive]

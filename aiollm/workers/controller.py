@@ -8,9 +8,20 @@ least-loaded decode instance, which pulls the KV itself. All tokens pass through
 to the frontend, so the controller records each request's arrival, first-token and token times,
 and hands each finished request's timings to a replanning hook (see `ReplanHook`).
 
-Failover: when an instance dies (watched: `Terminated`), a decode pull fails, or a KV lease
-expires, the request is sent back to the head of the queue with its prompt extended by the tokens
-already generated, up to `max_retries` times; the client sees one uninterrupted stream.
+Failover: when an instance dies (watched: `Terminated`, which also covers a silent node past the
+heartbeat timeout), a decode pull fails, or a KV lease expires, the request is sent back to the head
+of the queue with its prompt extended by the tokens already generated, up to `max_retries` times;
+the client sees one uninterrupted stream. Why retry rather than fail: the tokens so far are kept, so
+a retry costs one re-prefill, not the whole request. A request fails with a clear error ("failed: ...
+lost ...; no live decode instance") once its retries are spent or no live instance of the kind it
+needs is left (the frontend answers 503 before the stream starts, or ends the stream with the error).
+
+Taking instances back: a dead instance's name stays in the tables. An instance (re)started with
+`--controller URL` joins with `Register` (a known name is taken back at its new address, a new name
+is added, so replicas can also be added while serving); and every `revive_probe_s` the controller
+asks each dead instance's last address for its load, so one declared dead after a heartbeat loss
+that is in fact alive (a frozen process that resumed, a network blip) is taken back as well. Stale
+work of a taken-back instance (prefills and decodes already failed over) is cancelled on sight.
 """
 from __future__ import annotations
 
@@ -28,7 +39,8 @@ from aiollm.actors.ref import ActorRef
 from aiollm.log import get_logger
 from aiollm.sched.dispatch import Dispatcher
 from aiollm.workers.messages import (
-    Cancel, Decode, Delta, Generate, GetLoad, KVLost, Load, Prefill, Prefilled, Sampling, Tokens,
+    Cancel, Decode, Delta, Generate, GetLoad, KVLost, Load, Prefill, Prefilled, Register, Registered, Sampling,
+    Tokens,
 )
 
 
@@ -49,9 +61,11 @@ class ControllerConfig:
     max_retries: int = 2
     # seconds between load polls of the instances (for /metrics)
     load_poll_s: float = 0.5
+    # seconds between probes of a dead instance's last address (it is taken back when it answers)
+    revive_probe_s: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("prefill_queue_limit", "max_waiting", "load_poll_s"):
+        for name in ("prefill_queue_limit", "max_waiting", "load_poll_s", "revive_probe_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ControllerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_retries < 0:
@@ -131,7 +145,8 @@ class Controller(Actor):
             self._loads[name] = load
         for ref in self._refs.values():
             await self.watch(ref)
-        self._tasks = [asyncio.create_task(self._poll_loads(), name="controller-loads")]
+        self._tasks = [asyncio.create_task(self._poll_loads(), name="controller-loads"),
+                       asyncio.create_task(self._probe_dead(), name="controller-revive")]
 
     async def on_stop(self) -> None:
         for task in self._tasks:
@@ -205,6 +220,8 @@ class Controller(Actor):
         for delta in msg.deltas:
             req = self._requests.get(delta.request_id)
             if req is None or req.stage != "decode" or req.decode != msg.source:
+                if delta.finish is None and delta.error is None:  # stale work of a taken-back instance
+                    await self._tell(msg.source, Cancel(delta.request_id))
                 continue
             if delta.error is not None:
                 self.dispatcher.decode_done(req.decode, self._decode_need(req))
@@ -233,21 +250,76 @@ class Controller(Actor):
     @handler(Terminated)
     async def on_terminated(self, msg: Terminated) -> None:
         name = next((n for n, ref in self._refs.items() if ref.url == msg.url), None)
-        if name is None:
+        if name is None or not self._instance_alive(name):
             return
         # an orderly stop (the cluster shutting down) is not a fault worth a warning
         (_log().info if msg.reason == "node stopped" else _log().warning)("instance lost", instance=name,
                                                                           reason=msg.reason)
+        await self._lose(name, msg.reason)
+        await self._dispatch()
+
+    @handler(Register)
+    async def on_register(self, msg: Register) -> Registered:
+        if msg.kind not in ("prefill", "decode"):
+            raise ValueError(f"Register.kind must be 'prefill' or 'decode', got {msg.kind!r}")
+        names = self._prefill_names if msg.kind == "prefill" else self._decode_names
+        known = msg.name in self._urls
+        if known and msg.name not in names:
+            raise ValueError(f"instance {msg.name!r} is registered as the other kind, not {msg.kind}")
+        if known and self._instance_alive(msg.name):
+            if self._refs[msg.name].url == msg.instance.url:
+                return Registered(known=True)
+            # restarted before its old address was declared dead: the old one's requests fail over
+            await self._lose(msg.name, f"replaced by {msg.instance.url}")
+        await self._take(msg.name, msg.kind, self.node.ref(msg.instance.url), msg.capacity_tokens)
+        _log().warning("instance registered", instance=msg.name, url=msg.instance.url, known=known)
+        await self._dispatch()
+        return Registered(known=known)
+
+    # ---- instances ----------------------------------------------------------------------------
+
+    async def _lose(self, name: str, reason: str) -> None:
+        """Stop sending to `name` and fail its requests over (or fail them, see `_retry`)."""
         self.dispatcher.mark_dead(name)
         for req in list(self._requests.values()):
             if req.stage == "prefill" and req.prefill == name:
                 self.dispatcher.prefill_done(name, len(req.current_prompt))
-                await self._retry(req, f"prefill instance {name} lost ({msg.reason})")
+                await self._retry(req, f"prefill instance {name} lost ({reason})")
             elif req.stage == "decode" and req.decode == name:
                 self.dispatcher.decode_done(name, self._decode_need(req))
                 await self._tell(req.prefill, Cancel(req.request_id))
-                await self._retry(req, f"decode instance {name} lost ({msg.reason})")
-        await self._dispatch()
+                await self._retry(req, f"decode instance {name} lost ({reason})")
+
+    async def _take(self, name: str, kind: str, ref: ActorRef, capacity_tokens: int) -> None:
+        """Add `name` at `ref`, or take it back there (live, empty counters) and watch it."""
+        old = self._refs.get(name)
+        if old is not None:
+            await self.unwatch(old)
+        self._refs[name], self._urls[name] = ref, ref.url
+        if kind == "prefill":
+            if name not in self._prefill_names:
+                self._prefill_names.append(name)
+            self.dispatcher.add_prefill(name)
+        else:
+            if name not in self._decode_names:
+                self._decode_names.append(name)
+            self.dispatcher.add_decode(name, capacity_tokens)
+        self.dispatcher.revive(name, capacity_tokens or None)
+        await self.watch(ref)
+
+    async def _probe_dead(self) -> None:
+        """Ask each dead instance's last address for its load; one that answers registers again (through
+        this actor's own mailbox, so the take-back runs between handlers, not inside one)."""
+        while True:
+            await asyncio.sleep(self.config.revive_probe_s)
+            for name in [n for n in self._urls if not self._instance_alive(n)]:
+                try:
+                    load = await self._refs[name].ask(GetLoad(), timeout=2.0)
+                except Exception:
+                    continue
+                kind = "prefill" if name in self.dispatcher.prefill else "decode"
+                _log().warning("dead instance answers again", instance=name)
+                await self.ref.tell(Register(name, kind, self._refs[name], load.kv_blocks_total * load.kv_block_size))
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -256,7 +328,7 @@ class Controller(Actor):
         while self._queue:
             name = self.dispatcher.choose_prefill()
             if name is None:
-                await self._fail(self._queue.popleft(), "unavailable")
+                await self._fail(self._queue.popleft(), "unavailable: no live prefill instance")
                 continue
             if self.dispatcher.prefill[name].queued >= self.config.prefill_queue_limit:
                 return
@@ -271,7 +343,7 @@ class Controller(Actor):
         name = self.dispatcher.choose_decode(self._decode_need(req))
         if name is None:
             await self._tell(req.prefill, Cancel(req.request_id))
-            await self._fail(req, "unavailable")
+            await self._fail(req, "unavailable: no live decode instance")
             return
         self.dispatcher.assign_decode(name, self._decode_need(req))
         req.stage, req.decode = "decode", name
@@ -294,8 +366,12 @@ class Controller(Actor):
 
     async def _retry(self, req: _Request, reason: str) -> None:
         if req.retries >= self.config.max_retries or req.remaining <= 0:
-            await self._fail(req, f"failed: {reason}")
+            await self._fail(req, f"failed: {reason}; retries spent")
             return
+        for kind in ("prefill", "decode"):
+            if not self.dispatcher.any_alive(kind):
+                await self._fail(req, f"failed: {reason}; no live {kind} instance")
+                return
         _log().warning("request failed over", request_id=req.request_id, reason=reason, retry=req.retries + 1)
         req.retries += 1
         req.stage, req.prefill, req.decode = "waiting", None, None
@@ -357,3 +433,22 @@ class Controller(Actor):
     def _instance_alive(self, name: str) -> bool:
         table = self.dispatcher.prefill if name in self.dispatcher.prefill else self.dispatcher.decode
         return table[name].alive
+
+
+async def register_with(node, controller_url: str, name: str, kind: str, instance: ActorRef,
+                        attempts: int = 30) -> Registered:
+    """Join a running controller from an instance's node (`--controller` of the prefill/decode roles).
+
+    Retries for a while (the controller may still be starting); raises the last error after
+    `attempts` tries half a second apart."""
+    load = await instance.ask(GetLoad(), timeout=10.0)
+    msg = Register(name, kind, instance, load.kv_blocks_total * load.kv_block_size if kind == "decode" else 0)
+    controller = node.ref(controller_url)
+    for attempt in range(attempts):
+        try:
+            return await controller.ask(msg, timeout=10.0)
+        except Exception:
+            if attempt + 1 == attempts:
+                raise
+            await asyncio.sleep(0.5)
+    raise AssertionError("unreachable")

@@ -5,8 +5,9 @@ tells a prefill instance `Prefill`; the prefill instance answers `Prefilled` (th
 keeps the KV; the controller tells a decode instance `Decode`; once it has room, the decode
 instance pulls the KV with the stream `PullKV` (items `KVBlock`) and acknowledges with `AckKV`,
 then sends its tokens to the controller as `Tokens` (one message per step for all its sequences),
-which forwards them to the frontend. `Cancel` travels the same way down. Every message is a tell
-except the KV stream and the `GetLoad` asks, so no handler ever waits on another actor.
+which forwards them to the frontend. `Cancel` travels the same way down. An instance started (or
+restarted) after the controller joins it with the ask `Register`. Every message is a tell
+except the KV stream and the `GetLoad` and `Register` asks, so no handler ever waits on another actor.
 """
 from __future__ import annotations
 
@@ -135,6 +136,25 @@ class AckKV(Message, tag="ds.ack_kv"):
     """Decode instance -> prefill instance: the KV is stored here; free yours."""
 
     request_id: str
+
+
+class Register(Message, tag="ds.register"):
+    """Instance -> controller (ask): take me (back) into dispatch, e.g. after a restart at a new address."""
+
+    # the instance's name in the controller's tables (a known name replaces the old instance)
+    name: str
+    # "prefill" or "decode"
+    kind: str
+    instance: ActorRef
+    # decode: KV tokens it can hold (0: unknown)
+    capacity_tokens: int = 0
+
+
+class Registered(Message, tag="ds.registered"):
+    """Controller -> instance: the answer to `Register`."""
+
+    # True when the name was known (the instance was taken back), False when it was added
+    known: bool
 
 
 class GetLoad(Message, tag="ds.get_load"):

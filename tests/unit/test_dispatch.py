@@ -115,3 +115,18 @@ def test_decode_admission_limits():
     adm.release("x")
     assert [a.seq_id for a in adm.admit()] == ["y"]
     assert blocks_for(17, 16) == 2 and blocks_for(16, 16) == 1
+
+
+def test_revived_instance_gets_work_again_with_fresh_counters():
+    d = _dispatcher(n_prefill=1, n_decode=1)
+    d.assign_prefill("p0", 10)
+    d.assign_decode("d0", 500)
+    d.mark_dead("p0")
+    d.mark_dead("d0")
+    assert not d.any_alive("prefill") and not d.any_alive("decode")
+    d.revive("p0")
+    d.revive("d0", capacity_tokens=2000)
+    assert d.any_alive("prefill") and d.any_alive("decode")
+    assert d.prefill["p0"].queued == 0 and d.decode["d0"].reserved_tokens == 0
+    assert d.decode["d0"].capacity_tokens == 2000
+    assert d.choose_prefill() == "p0" and d.choose_decode(10) == "d0"

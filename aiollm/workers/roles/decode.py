@@ -10,6 +10,7 @@ import argparse
 import asyncio
 
 from aiollm.actors.node import Node
+from aiollm.workers.controller import register_with
 from aiollm.workers.decode import DecodeConfig, DecodeInstance
 from aiollm.workers.offloaded_executor import OffloadedConfig, OffloadedExecutor
 from aiollm.workers.roles.common import actor_arg, load_model, model_args
@@ -19,6 +20,9 @@ from aiollm.workers.s_worker import r_worker_urls
 def add_arguments(parser) -> None:
     actor_arg(parser, "decode")
     model_args(parser)
+    parser.add_argument("--controller", default="",
+                        help="join this running controller (tcp://host:port/controller) under the --actor name, "
+                             "e.g. when restarting a lost instance; empty: the controller is given this instance")
     parser.add_argument("--kv-blocks", type=int, default=2048,
                         help="KV pool of decoding sequences, in blocks (colocated; offloaded: the R-workers' budgets)")
     parser.add_argument("--max-running", type=int, default=128, help="most sequences per decode step")
@@ -39,4 +43,6 @@ async def start(node: Node, args: argparse.Namespace) -> dict[str, str]:
         executor = await OffloadedExecutor.connect(node, r_worker_urls(args.r_workers), model, args.block_size,
                                                    args.kv_dtype, offload)
     ref = await node.spawn(DecodeInstance(model, config, executor), args.actor)
+    if args.controller:
+        await register_with(node, args.controller, args.actor, "decode", ref)
     return {args.actor: ref.url}

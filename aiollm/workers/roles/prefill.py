@@ -6,6 +6,7 @@ import asyncio
 
 from aiollm.actors.node import Node
 from aiollm.log import get_logger
+from aiollm.workers.controller import register_with
 from aiollm.workers.prefill import PrefillConfig, PrefillInstance
 from aiollm.workers.roles.common import actor_arg, load_model, model_args
 
@@ -18,6 +19,9 @@ def _log():
 def add_arguments(parser) -> None:
     actor_arg(parser, "prefill")
     model_args(parser)
+    parser.add_argument("--controller", default="",
+                        help="join this running controller (tcp://host:port/controller) under the --actor name, "
+                             "e.g. when restarting a lost instance; empty: the controller is given this instance")
     parser.add_argument("--kv-blocks", type=int, default=1024, help="KV buffer of prefilled sequences, in blocks")
     parser.add_argument("--max-batch-tokens", type=int, default=0,
                         help="L_m: prompt tokens per prefill batch (default: the compute-bound length from this "
@@ -47,4 +51,6 @@ async def start(node: Node, args: argparse.Namespace) -> dict[str, str]:
                            lease_s=args.lease)
     model = await asyncio.to_thread(load_model, args)
     ref = await node.spawn(PrefillInstance(model, config), args.actor)
+    if args.controller:
+        await register_with(node, args.controller, args.actor, "prefill", ref)
     return {args.actor: ref.url}
