@@ -48,6 +48,9 @@ class Attend(Message, tag="fd.attend"):
     # [b, n_kv_heads, head_dim] keys (after RoPE) and values of the new tokens, appended to the cache
     k: torch.Tensor
     v: torch.Tensor
+    # int64 [b] KV entries each sequence holds before this step, at layer 0 only (with `seqs`): the new
+    # entry goes at that position, so a step repeated after an R-worker loss overwrites, never appends twice
+    positions: np.ndarray | None = None
 
 
 class Attended(Message, tag="fd.attended"):
@@ -118,3 +121,5 @@ class Trace(Message, tag="fd.trace"):
     started: list[int]
     # the S-worker's time.perf_counter() at the end of each step (gaps between steps include prefills)
     ended: list[float]
+    # sequences re-placed on surviving R-workers (re-prefilled) after an R-worker was lost, since the start
+    recovered: int = 0

@@ -9,6 +9,10 @@ the same as without the split (rows are independent), so the tokens are the same
 Within a half, rows are ordered by R-worker, so each R-worker's q/k/v are one contiguous slice
 (no gather) and the outputs are concatenated back in the same order. The pure helpers
 (`place`, `minibatches`) are tested on their own.
+
+A lost R-worker (its process died, its node unreachable) fails the step with `RWorkerLost` naming it,
+after the step's other work is cancelled, so the caller can re-place that worker's sequences and run
+the same step again (the positions sent at layer 0 make the repeat overwrite, not append).
 """
 from __future__ import annotations
 
@@ -20,8 +24,17 @@ import numpy as np
 import torch
 
 from aiollm.actors.ref import ActorRef
+from aiollm.errors import ActorDied, NodeUnreachable
 from aiollm.model.llama import LlamaModel
-from aiollm.workers.fastdecode_messages import Attend
+from aiollm.workers.fastdecode_messages import Attend, Attended
+
+
+class RWorkerLost(NodeUnreachable):
+    """An R-worker stopped answering during a step (process died, node dropped); `worker` is its index."""
+
+    def __init__(self, worker: int, url: str, cause: BaseException) -> None:
+        super().__init__(f"R-worker {url} lost: {cause}")
+        self.worker = worker
 
 
 @dataclass
@@ -63,7 +76,7 @@ async def decode_step(model: LlamaModel, workers: Sequence[ActorRef], rows: Sequ
                       pipeline: bool) -> torch.Tensor:
     """fp32 logits [len(rows), vocab] of one decode step over every row (rows in any worker order)."""
     groups = minibatches([r.worker for r in rows], pipeline)
-    parts = await asyncio.gather(*(_minibatch(model, workers, [rows[i] for i in g], n) for n, g in enumerate(groups)))
+    parts = await _all_or_cancel([_minibatch(model, workers, [rows[i] for i in g], n) for n, g in enumerate(groups)])
     if len(parts) == 1:
         return parts[0][torch.argsort(torch.tensor(groups[0]))]
     logits = torch.empty(len(rows), parts[0].shape[1], dtype=parts[0].dtype)
@@ -77,6 +90,7 @@ async def _minibatch(model: LlamaModel, workers: Sequence[ActorRef], rows: Seque
     """Every layer of one mini-batch (rows sorted by worker): S-part here, attention on the R-workers."""
     positions = [r.position for r in rows]
     seqs = np.array([r.seq for r in rows], dtype=np.int64)
+    held = np.array(positions, dtype=np.int64)
     bounds = _worker_slices([r.worker for r in rows])
     # inference mode only around code without awaits: the other mini-batch runs in between
     with torch.inference_mode():
@@ -85,14 +99,37 @@ async def _minibatch(model: LlamaModel, workers: Sequence[ActorRef], rows: Seque
     for layer in range(model.config.n_layers):
         with torch.inference_mode():
             q, k, v = model.pre_attention(layer, h, positions, rope)
-        replies = await asyncio.gather(*(
-            workers[w].ask(Attend(group, layer, seqs[s] if layer == 0 else None, q[s], k[s], v[s]))
-            for w, s in bounds))
+        replies = await _all_or_cancel([
+            _attend(workers, w, Attend(group, layer, seqs[s] if layer == 0 else None, q[s], k[s], v[s],
+                                       held[s] if layer == 0 else None))
+            for w, s in bounds])
         with torch.inference_mode():
             attn = torch.cat([r.o for r in replies]) if len(replies) > 1 else replies[0].o
             h = model.post_attention(layer, h, attn)
     with torch.inference_mode():
         return model.logits(h)
+
+
+async def _attend(workers: Sequence[ActorRef], worker: int, msg: Attend) -> Attended:
+    try:
+        return await workers[worker].ask(msg)
+    except (NodeUnreachable, ActorDied) as exc:
+        raise RWorkerLost(worker, workers[worker].url, exc) from exc
+
+
+async def _all_or_cancel(coros: list) -> list:
+    """Results of all `coros` in order; on the first failure the others are cancelled (and awaited) before
+    it is raised, so no half of a failed step keeps talking to the R-workers behind the caller's back."""
+    if len(coros) == 1:
+        return [await coros[0]]
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _worker_slices(worker_of_row: list[int]) -> list[tuple[int, slice]]:

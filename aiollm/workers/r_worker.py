@@ -102,15 +102,22 @@ class SequenceStore:
         self.pool.write_blocks(None, [int(blocks[block.index])], block.k, block.v,
                                k_scale=block.k_scale, v_scale=block.v_scale)
 
-    def begin_step(self, seqs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Append one entry to each sequence; (slot_mapping int64, block_tables int32, seq_lens int32) of the step."""
+    def begin_step(self, seqs: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Put each sequence's new entry at `positions[i]` (the entries it held before the step); returns
+        (slot_mapping int64, block_tables int32, seq_lens int32) of the step.
+
+        The position comes from the S-worker, not from a counter here, so a step that is run again after
+        another R-worker was lost (this one may have taken part of it already) overwrites its own entry."""
+        if len(positions) != len(seqs):
+            raise ValueError(f"positions: {len(positions)} for {len(seqs)} sequences")
         bs = self.config.block_size
-        lens = np.empty(len(seqs), np.int32)
-        for i, s in enumerate(seqs.tolist()):
-            n = self.lengths[s]
-            if n >= self.max_lens[s]:
-                raise ValueError(f"sequence {s} is at its reserved length {n}")
-            lens[i] = n + 1
+        lens = np.asarray(positions, np.int32) + 1
+        for s, n in zip(seqs.tolist(), lens.tolist()):
+            held = self.lengths[s]
+            if n > self.max_lens[s]:
+                raise ValueError(f"sequence {s} is at its reserved length {self.max_lens[s]}")
+            if n > held + 1:
+                raise ValueError(f"sequence {s} holds {held} entries; position {n - 1} would leave a gap")
         width = int(self.blocks_for(int(lens.max()))) if len(seqs) else 0
         tables = np.full((len(seqs), width), -1, np.int32)
         slots = np.empty(len(seqs), np.int64)
@@ -177,7 +184,9 @@ class RWorker(Actor):
     @handler(Attend)
     async def attend(self, msg: Attend) -> Attended:
         if msg.seqs is not None:
-            self._steps[msg.group] = (msg.seqs, *self.store.begin_step(msg.seqs))
+            if msg.positions is None:
+                raise ValueError(f"Attend group {msg.group}: seqs without positions")
+            self._steps[msg.group] = (msg.seqs, *self.store.begin_step(msg.seqs, msg.positions))
         step = self._steps.get(msg.group)
         if step is None or len(step[0]) != msg.q.shape[0]:
             raise ValueError(f"Attend group {msg.group} layer {msg.layer}: no step begun for these "

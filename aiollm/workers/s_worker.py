@@ -16,6 +16,13 @@ R-workers' KV pulls from here) are served while it waits:
 The S-worker reserves on its side what every R-worker will hold (prompt + max_tokens per
 sequence), so it never picks a request no R-worker has room for; an R-worker's own refusal is
 still honoured (that request fails with the R-worker's message).
+
+Recovery: the S-worker watches every R-worker. When one is lost (`Terminated`, or a step's ask
+failing with `RWorkerLost`), its sequences are re-placed on the survivors: each one's prompt plus the
+tokens generated so far (all but the last, which the next step feeds) is prefilled again into
+staging and pulled by its new R-worker, then the interrupted step runs again (positions make the
+repeat overwrite what survivors already appended). Greedy output is unchanged; a sequence that no
+survivor has room for fails with an error that says so.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from aiollm.actors.actor import Actor, handler
+from aiollm.actors.messages import Terminated
 from aiollm.actors.ref import ActorRef
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
@@ -38,7 +46,7 @@ from aiollm.sched.sls import LoadSchedule, SLSConfig
 from aiollm.workers import runner
 from aiollm.workers.fastdecode_messages import Admit, GetRLoad, GetTrace, Release, RLoad, Synthetic, Trace
 from aiollm.workers.messages import AckKV, Cancel, Delta, Generate, GetLoad, KVBlock, Load, PullKV, Tokens
-from aiollm.workers.pipeline import StepRow, decode_step, place
+from aiollm.workers.pipeline import RWorkerLost, StepRow, decode_step, place
 
 if TYPE_CHECKING:
     from aiollm.actors.node import Node
@@ -91,6 +99,10 @@ class _Request:
     worker: int = -1
     # decode step it started at under the schedule (-1: not scheduled)
     start: int = -1
+    # KV entries staged here for its R-worker to pull (the prompt; after a loss, everything but the last token)
+    staged: int = 0
+    # a load-test sequence: its R-worker holds zeros instead of pulling KV, nobody receives its tokens
+    synthetic: bool = False
 
 
 class SWorker(Actor):
@@ -111,6 +123,9 @@ class SWorker(Actor):
         # per step: (seconds, batch, KV entries held, sequences started before it, perf_counter at its end)
         self._trace: deque[tuple[float, int, int, int, float]] = deque(maxlen=config.trace_len)
         self._started_now = 0
+        # indices of R-workers lost (never used again), and sequences re-placed after a loss
+        self._dead: set[int] = set()
+        self.recovered = 0
 
     async def on_start(self) -> None:
         self.workers: list[ActorRef] = [self.node.ref(url) for url in self.r_urls]
@@ -126,6 +141,8 @@ class SWorker(Actor):
         self.expected = [0] * len(loads)
         self.staging = runner.PagedCache(self.model, -(-self.config.staging_tokens // self.block_size),
                                          self.block_size, self.kv_dtype)
+        for worker in self.workers:
+            await self.watch(worker)
         self._task = asyncio.create_task(self._loop(), name=f"{self.name}-loop")
 
     async def on_stop(self) -> None:
@@ -153,14 +170,14 @@ class SWorker(Actor):
     async def on_synthetic(self, msg: Synthetic) -> None:
         # + 1: the placeholder token fed at the first step counts as output, and each must decode max_tokens steps
         params = SamplingParams(max_tokens=msg.max_tokens + 1, ignore_eos=True)
-        reqs = [_Request(runner.new_sequence(f"synthetic-{next(self._ids)}", [0] * n, params, self.model), None)
-                for n in msg.context_lens]
+        reqs = [_Request(runner.new_sequence(f"synthetic-{next(self._ids)}", [0] * n, params, self.model), None,
+                         synthetic=True) for n in msg.context_lens]
         for req in reqs:
             req.seq.output.append(0)  # the token fed at the first step
             self._check_fits(req.seq)
             if not self._place(req):
                 raise ValueError(f"no R-worker has room for a {req.seq.max_length}-token synthetic sequence")
-        await asyncio.gather(*(self._admit(req, placeholder=True) for req in reqs))
+        await asyncio.gather(*(self._admit(req) for req in reqs))
         self._wake.set()
 
     @handler(Cancel)
@@ -179,12 +196,20 @@ class SWorker(Actor):
         if msg.reset:
             self._trace.clear()
         return Trace(step_s=[s[0] for s in steps], batch=[s[1] for s in steps], tokens=[s[2] for s in steps],
-                     started=[s[3] for s in steps], ended=[s[4] for s in steps])
+                     started=[s[3] for s in steps], ended=[s[4] for s in steps], recovered=self.recovered)
+
+    @handler(Terminated)
+    async def on_terminated(self, msg: Terminated) -> None:
+        for i, worker in enumerate(self.workers):
+            if worker.url == msg.url:
+                self._lose(i, msg.reason)
+        self._wake.set()
 
     @handler(PullKV)
     async def on_pull(self, msg: PullKV):
-        seq = self._staged(msg.request_id)
-        for index in range(self.staging.blocks_for(len(seq.prompt))):
+        req = self._staged(msg.request_id)
+        seq = req.seq
+        for index in range(self.staging.blocks_for(req.staged)):
             kv = self.staging.pool.read(None, [seq.blocks[index]])
             yield KVBlock(index, kv.k, kv.v, kv.k_scale, kv.v_scale)
 
@@ -199,6 +224,7 @@ class SWorker(Actor):
     async def _loop(self) -> None:
         while True:
             await self._drop_cancelled()
+            await self._recover()
             starting = self._pick()
             if starting:
                 await self._start(starting)
@@ -209,6 +235,8 @@ class SWorker(Actor):
                 continue
             try:
                 await self._step()
+            except RWorkerLost as exc:  # re-place its sequences at the top of the loop, then repeat the step
+                self._lose(exc.worker, str(exc.__cause__))
             except Exception as exc:
                 _log().exception("decode step failed", worker=self.name, batch=len(self._live), step=self.step_no)
                 for req in list(self._live.values()):
@@ -269,6 +297,8 @@ class SWorker(Actor):
         return True
 
     def _unplace(self, req: _Request) -> None:
+        if req.worker < 0:
+            return
         self.reserved[req.worker] -= self.staging.blocks_for(req.seq.max_length)
         self.expected[req.worker] -= req.seq.max_length
         req.worker = -1
@@ -276,37 +306,92 @@ class SWorker(Actor):
     async def _start(self, reqs: list[_Request]) -> None:
         """Prefill into staging, send first tokens, and have each sequence's R-worker pull its KV."""
         seqs = [r.seq for r in reqs]
-        for seq in seqs:
-            self.staging.reserve(seq, len(seq.prompt))
+        for req in reqs:
+            req.staged = len(req.seq.prompt)
+            self.staging.reserve(req.seq, req.staged)
         tokens = runner.prefill_into(self.model, self.staging, seqs)
         self._started_now += len(reqs)
         for req in reqs:
             self._live[req.seq.request_id] = req
         await self._send(reqs, [[t] for t in tokens])
-        await asyncio.gather(*(self._admit(req, placeholder=False) for req in reqs if req.seq.finish is None))
+        await asyncio.gather(*(self._admit(req) for req in reqs if req.seq.finish is None))
 
-    async def _admit(self, req: _Request, placeholder: bool) -> None:
-        """Have the sequence's R-worker take it (pulling the staged prompt KV from here); it decodes from the
-        next step on. A real request is already in `_live` (its first token went out); a placeholder joins
-        only once admitted, so a step never names a sequence its R-worker does not hold yet."""
+    async def _admit(self, req: _Request) -> None:
+        """Have the sequence's R-worker take it (pulling the staged KV from here, or holding zeros for a synthetic
+        one); it decodes from the next step on. A real request is already in `_live` (its first token went out);
+        a new synthetic one joins only once admitted, so a step never names a sequence its R-worker lacks."""
         seq = req.seq
-        n_tokens = seq.length - 1  # KV entries before the first decode step (its fed token is not cached yet)
-        msg = Admit(req.sid, seq.request_id, n_tokens, seq.max_length, None if placeholder else self.ref)
+        n_tokens = seq.length - 1  # KV entries before the next decode step (its fed token is not cached yet)
+        msg = Admit(req.sid, seq.request_id, n_tokens, seq.max_length, None if req.synthetic else self.ref)
         try:
             await self.workers[req.worker].ask(msg, timeout=60.0)
         except Exception as exc:  # RemoteError (e.g. AdmissionRefused), TimeoutError, the R-worker gone
             _log().warning("R-worker refused or failed admission", request_id=seq.request_id, error=str(exc))
-            if seq.request_id in self._live:
-                await self._finish(req, error=f"failed: admission on R-worker {self.r_urls[req.worker]}: {exc}",
-                                   admitted=False)
-            else:
+            if seq.request_id not in self._live:  # a synthetic sequence being added: its Synthetic ask fails
                 self._unplace(req)
-            if placeholder:
                 raise
+            await self._finish(req, error=f"failed: admission on R-worker {self.r_urls[req.worker]}: {exc}",
+                               admitted=False)
             return
         finally:
             self.staging.free(seq)
         self._live[seq.request_id] = req
+
+    # --- recovery from a lost R-worker --------------------------------------------------------
+
+    def _lose(self, worker: int, reason: str) -> None:
+        """Mark an R-worker lost: nothing is placed there again; `_recover` re-places its sequences."""
+        if worker in self._dead:
+            return
+        self._dead.add(worker)
+        self.capacity[worker] = 0
+        _log().warning("R-worker lost; re-placing its sequences", worker=self.r_urls[worker], reason=reason,
+                       sequences=sum(r.worker == worker for r in self._live.values()))
+
+    async def _recover(self) -> None:
+        """Re-place every sequence of a lost R-worker on a survivor with room, re-prefilling its KV (prompt and
+        the tokens generated so far) in batches that fit the staging pool and the prefill limit."""
+        lost = [r for r in self._live.values() if r.worker in self._dead]
+        while lost:
+            batch, tokens, free = [], 0, self.staging.free_blocks
+            for req in lost:
+                n = req.seq.length - 1
+                need = 0 if req.synthetic else self.staging.blocks_for(n)
+                if batch and (tokens + n > self.config.max_prefill_tokens or need > free):
+                    break
+                batch.append(req)
+                tokens, free = tokens + n, free - need
+            lost = lost[len(batch):]
+            placed = []
+            for req in batch:
+                self._unplace(req)
+                if not self._place(req):
+                    alive = len(self.workers) - len(self._dead)
+                    await self._finish(req, admitted=False, error=f"failed: its R-worker was lost and none of the "
+                                       f"{alive} surviving R-workers has room for {req.seq.max_length} tokens")
+                elif not req.synthetic and self.staging.blocks_for(req.seq.length - 1) > self.staging.free_blocks:
+                    await self._finish(req, admitted=False, error=f"failed: its R-worker was lost and its "
+                                       f"{req.seq.length - 1} tokens exceed the staging pool "
+                                       f"({self.config.staging_tokens} tokens)")
+                else:
+                    placed.append(req)
+            self._restage(placed)
+            self.recovered += len(placed)
+            await asyncio.gather(*(self._admit(req) for req in placed))
+
+    def _restage(self, reqs: list[_Request]) -> None:
+        """Prefill prompt + output[:-1] of each real sequence into staging (the next step feeds output[-1])."""
+        real = [r for r in reqs if not r.synthetic]
+        for req in real:
+            req.staged = req.seq.length - 1
+            self.staging.reserve(req.seq, req.staged)
+        if not real:
+            return
+        slots = torch.tensor([slot for r in real for slot in self.staging.slots(r.seq, 0, r.staged)],
+                             dtype=torch.int64)
+        with torch.inference_mode():
+            self.model.prefill([r.seq.prompt + r.seq.output[:-1] for r in real],
+                               kv_sink=lambda layer, k, v: self.staging.pool.write(layer, slots, k, v))
 
     async def _step(self) -> None:
         live = list(self._live.values())
@@ -343,7 +428,7 @@ class SWorker(Actor):
         if self._live.pop(rid, None) is None:
             return
         self.staging.free(req.seq)
-        if admitted:
+        if admitted and req.worker not in self._dead:
             try:
                 await self.workers[req.worker].tell(Release([req.sid]))
             except Exception as exc:  # the R-worker is gone: nothing left to free there
@@ -365,13 +450,15 @@ class SWorker(Actor):
                 req.reply_to = None
                 await self._finish(req)
 
-    def _staged(self, request_id: str) -> runner.Sequence:
+    def _staged(self, request_id: str) -> _Request:
         req = self._live.get(request_id)
         if req is None or not req.seq.blocks:
-            raise KeyError(f"no prompt KV staged for {request_id!r} on {self.name}")
-        return req.seq
+            raise KeyError(f"no KV staged for {request_id!r} on {self.name}")
+        return req
 
     def _check_fits(self, seq: runner.Sequence) -> None:
+        if len(self._dead) == len(self.workers):
+            raise ValueError("every R-worker of this S-worker was lost")
         need = self.staging.blocks_for(seq.max_length)
         if need > max(self.capacity):
             raise ValueError(f"prompt + max_tokens = {seq.max_length} tokens exceed every R-worker's KV budget")

@@ -2,8 +2,9 @@
 (`python -m aiollm.node --role r-worker`, TCP between them) on a tiny random Llama with fp32 KV.
 
 Greedy tokens equal the colocated `generate()` with and without the two-minibatch pipeline and the
-load-stabilising schedule; an R-worker at its budget refuses a sequence with a clear error and loses
-nothing it holds; a released sequence gives its blocks back."""
+load-stabilising schedule, and also when one R-worker process is killed (SIGKILL) mid-generation (its
+sequences are re-prefilled onto the survivor); an R-worker at its budget refuses a sequence with a clear
+error and loses nothing it holds; a released sequence gives its blocks back."""
 import asyncio
 import subprocess
 import sys
@@ -90,6 +91,29 @@ async def test_tokens_equal_colocated_generate_with_and_without_pipeline_and_sch
         assert await _generate(client, PROMPTS, params) == expected
 
 
+@pytest.mark.slow
+async def test_killed_r_worker_its_sequences_resume_on_the_survivor_with_the_same_tokens(tiny):
+    model, directory = tiny
+    params = [SamplingParams(max_tokens=n + 120, ignore_eos=True) for n in MAX_TOKENS]
+    expected = [c.token_ids for c in generate(model, PROMPTS, params)]
+    async with Graph() as graph:
+        urls = await _r_workers(graph, directory, 2, "4MiB")
+        victim = next(h for h in graph.nodes if h.actors.get("r-worker") == urls[0])
+        s = await graph.driver.spawn(SWorker(model, urls, SWorkerConfig(max_batch=8, pipeline=True)), "s")
+        client = ClusterClient(s.url)
+        await graph.driver.spawn(client, "client")
+        generating = asyncio.create_task(_generate(client, PROMPTS, params))
+        while len((await s.ask(GetTrace())).step_s) < 5:
+            await asyncio.sleep(0.001)
+        victim.process.kill()  # SIGKILL mid-generation: no goodbye, the connection just drops
+        got = await asyncio.wait_for(generating, 120)
+        assert got == expected
+        trace = await s.ask(GetTrace())
+        assert 0 < trace.recovered <= len(PROMPTS) and len(trace.step_s) < max(MAX_TOKENS) + 120
+        load = await graph.ref(urls[1]).ask(GetRLoad())
+        assert load.sequences == 0 and load.blocks_used == 0
+
+
 async def test_r_worker_at_budget_refuses_and_keeps_what_it_holds(tiny):
     model, directory = tiny
     c = model.config
@@ -102,7 +126,7 @@ async def test_r_worker_at_budget_refuses_and_keeps_what_it_holds(tiny):
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(1, c.n_heads, c.head_dim, generator=gen)
         k = torch.randn(1, c.n_kv_heads, c.head_dim, generator=gen)
-        first = (await r.ask(Attend(0, 0, np.array([0]), q, k, k))).o
+        first = (await r.ask(Attend(0, 0, np.array([0]), q, k, k, np.array([20])))).o
         assert torch.allclose(first, _expected_o(q, k, zeros=20, copies=1), atol=1e-5)
         with pytest.raises(RemoteError) as refused:
             await r.ask(Admit(1, "b", 10, 40))
@@ -111,7 +135,7 @@ async def test_r_worker_at_budget_refuses_and_keeps_what_it_holds(tiny):
         load = await r.ask(GetRLoad())
         assert (load.sequences, load.tokens, load.blocks_used) == (1, 21, 7)
         # the held sequence still attends over exactly what it held, plus the new entry
-        second = (await r.ask(Attend(0, 0, np.array([0]), q, k, k))).o
+        second = (await r.ask(Attend(0, 0, np.array([0]), q, k, k, np.array([21])))).o
         assert torch.allclose(second, _expected_o(q, k, zeros=20, copies=2), atol=1e-5)
         await r.tell(Release([0]))
         load = await r.ask(GetRLoad())

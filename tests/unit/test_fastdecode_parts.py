@@ -51,10 +51,15 @@ def test_store_reserves_whole_life_and_refuses_all_or_nothing():
     with pytest.raises(KVCacheFull):
         store.admit(1, 5, 16)  # 4 blocks, 3 free
     assert store.load().sequences == 1 and store.load().blocks_used == 5
-    slots, tables, lens = store.begin_step(np.array([0]))
+    slots, tables, lens = store.begin_step(np.array([0]), np.array([3]))
     assert lens.tolist() == [4] and tables.shape == (1, 1) and slots.tolist() == [int(tables[0, 0]) * 4 + 3]
-    slots, tables, lens = store.begin_step(np.array([0]))
+    slots, tables, lens = store.begin_step(np.array([0]), np.array([4]))
     assert lens.tolist() == [5] and tables.shape == (1, 2) and slots.tolist() == [int(tables[0, 1]) * 4]
+    # the same step again (after another R-worker was lost) overwrites its entry instead of appending
+    again, _, lens = store.begin_step(np.array([0]), np.array([4]))
+    assert lens.tolist() == [5] and again.tolist() == slots.tolist() and store.load().tokens == 5
+    with pytest.raises(ValueError, match="gap"):
+        store.begin_step(np.array([0]), np.array([6]))
     store.release(0)
     assert store.load().blocks_used == 0 and store.load().sequences == 0
     store.admit(1, 5, 16)
@@ -65,9 +70,9 @@ def test_store_reserves_whole_life_and_refuses_all_or_nothing():
 def test_store_stops_at_the_reserved_length():
     store = _store()
     store.admit(0, 3, 4)
-    store.begin_step(np.array([0]))
+    store.begin_step(np.array([0]), np.array([3]))
     with pytest.raises(ValueError, match="reserved length"):
-        store.begin_step(np.array([0]))
+        store.begin_step(np.array([0]), np.array([4]))
 
 
 def test_sizes_urls_and_config():
