@@ -9,8 +9,11 @@ Disaggregated: every prefill and decode instance, the controller and the fronten
 shares a fresh cluster secret and always reaps its processes); the instances start first, in
 parallel (each loads the model; with `--r-workers N`, each decode instance's N FastDecode R-worker
 processes start just before it and it is pointed at them), then the controller, then the frontend.
-The command prints the API base URL once the frontend answers and runs until interrupted or until
-a node dies, then stops every node.
+The command prints the API base URL once the frontend answers and runs until interrupted. It
+supervises the nodes: a prefill or decode instance whose process exits (crashed, killed, OOM) is
+started again with `--controller`, so it re-registers under its name and gets work again (the
+controller failed its requests over meanwhile), up to `_MAX_RESTARTS` times per instance; if the
+controller, the frontend or an R-worker exits, or an instance keeps dying, every node is stopped.
 """
 from __future__ import annotations
 
@@ -20,12 +23,15 @@ import signal
 import socket
 import sys
 import urllib.request
+from pathlib import Path
 
 from aiollm import log
 from aiollm.graph import Graph
 from aiollm.workers.roles.common import served_name
 
 _READY_TIMEOUT_S = 300.0
+# restarts of one prefill/decode instance before the cluster gives up
+_MAX_RESTARTS = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="R-worker processes per decode instance (offloaded attention, FastDecode); 0: colocated")
     parser.add_argument("--r-kv-memory", default="1GiB", help="KV budget of each R-worker, e.g. 1GiB")
     parser.add_argument("--log-level", default="WARNING", help="log level of the nodes")
+    parser.add_argument("--step-log", default="", metavar="DIR",
+                        help="each prefill/decode instance records its batch, step and KV pull timings in DIR/NAME.jsonl")
 
 
 def _free_port() -> int:
@@ -64,15 +72,28 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _step_log(args: argparse.Namespace, name: str) -> tuple[str, ...]:
+    return ("--step-log", str(Path(args.step_log, f"{name}.jsonl"))) if args.step_log else ()
+
+
 async def _serve_cluster(args: argparse.Namespace) -> int:
     """Start the nodes (instances in parallel, then controller, then frontend) and supervise them."""
     model = ("--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads),
              "--block-size", str(args.block_size), "--kv-dtype", args.kv_dtype)
     port = args.port or _free_port()
     async with Graph(startup_timeout=_READY_TIMEOUT_S, log_level=args.log_level) as graph:
-        prefill = [graph.start_node("prefill", process=True, args=(
+        # how each instance node was started, by its URL, to start it again
+        instances: dict[str, tuple[str, str, tuple[str, ...]]] = {}
+
+        async def instance(role: str, name: str, role_args: tuple[str, ...]):
+            handle = await graph.start_node(role, process=True, args=role_args)
+            instances[handle.url] = (role, name, role_args)
+            return handle
+
+        prefill = [instance("prefill", f"prefill{i}", (
             "--actor", f"prefill{i}", *model, "--kv-blocks", str(args.prefill_kv_blocks),
-            "--max-batch-tokens", str(args.max_batch_tokens))) for i in range(args.prefill)]
+            "--max-batch-tokens", str(args.max_batch_tokens), *_step_log(args, f"prefill{i}")))
+            for i in range(args.prefill)]
 
         async def decode_node(i: int):
             offload: tuple[str, ...] = ()
@@ -81,9 +102,9 @@ async def _serve_cluster(args: argparse.Namespace) -> int:
                     "--model", args.model, "--kv-dtype", args.kv_dtype, "--block-size", str(args.block_size),
                     "--kv-memory", args.r_kv_memory, "--threads", str(args.threads))) for _ in range(args.r_workers)))
                 offload = ("--r-workers", ",".join(h.actors["r-worker"] for h in r_workers))
-            return await graph.start_node("decode", process=True, args=(
+            return await instance("decode", f"decode{i}", (
                 "--actor", f"decode{i}", *model, "--kv-blocks", str(args.decode_kv_blocks),
-                "--max-running", str(args.max_running), *offload))
+                "--max-running", str(args.max_running), *offload, *_step_log(args, f"decode{i}")))
 
         decode = [decode_node(i) for i in range(args.decode)]
         handles = await asyncio.gather(*prefill, *decode)
@@ -100,21 +121,40 @@ async def _serve_cluster(args: argparse.Namespace) -> int:
         print(f"aiollm: serving {served_name(args.model)} at {base}/v1 "
               f"({args.prefill} prefill + {args.decode} decode instances"
               f"{f', {args.r_workers} R-workers each' if args.r_workers else ''})", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        exits = {asyncio.ensure_future(h.process.wait()): h for h in graph.nodes}
-        stopped = asyncio.ensure_future(stop.wait())
-        done, _ = await asyncio.wait({stopped, *exits}, return_when=asyncio.FIRST_COMPLETED)
-        for future in (stopped, *exits):
-            future.cancel()
-        dead = [exits[f] for f in done if f in exits]
-        if dead:
-            print(f"aiollm: node {dead[0].url} exited with status {dead[0].process.returncode}; stopping",
-                  file=sys.stderr)
-            return 1
-        return 0
+        return await _supervise(graph, instances, next(iter(controller.actors.values())))
+
+
+async def _supervise(graph: Graph, instances: dict, controller_url: str) -> int:
+    """Run until SIGINT/SIGTERM (0); restart instance nodes that exit; 1 when another node exits or an
+    instance exhausted its restarts."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stopped = asyncio.ensure_future(stop.wait())
+    restarts: dict[str, int] = {}
+    try:
+        while True:
+            exits = {asyncio.ensure_future(h.process.wait()): h for h in graph.nodes if h.process.returncode is None}
+            done, _ = await asyncio.wait({stopped, *exits}, return_when=asyncio.FIRST_COMPLETED)
+            for future in exits:
+                future.cancel()
+            if stopped in done:
+                return 0
+            for handle in (exits[f] for f in done):
+                spec = instances.pop(handle.url, None)
+                status = handle.process.returncode
+                if spec is None or restarts.get(spec[1], 0) >= _MAX_RESTARTS:
+                    print(f"aiollm: node {handle.url} exited with status {status}; stopping", file=sys.stderr)
+                    return 1
+                role, name, role_args = spec
+                restarts[name] = restarts.get(name, 0) + 1
+                print(f"aiollm: {name} exited with status {status}; starting it again "
+                      f"({restarts[name]}/{_MAX_RESTARTS})", file=sys.stderr, flush=True)
+                new = await graph.start_node(role, process=True, args=(*role_args, "--controller", controller_url))
+                instances[new.url] = spec
+    finally:
+        stopped.cancel()
 
 
 def _run_colocated(args: argparse.Namespace) -> int:

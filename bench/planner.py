@@ -1,8 +1,8 @@
 """Planner: search speed on 4x8 GPUs, DistServe's published OPT-13B example side by side, the paper's
 OPT-13B/66B/175B setting (disaggregated vs colocated per-GPU goodput), attainment-vs-rate plot.
 
-The simulator's accuracy against a real `bench serve` run needs that run's results (see
-`read_serve_results` for the file this reads); without one the figure is null and says why.
+The simulator's accuracy against a real `bench serve` run (bench/sim_vs_real.py) needs that run's results
+(see `read_serve_results` there for the file it reads); without one the figure is null and says why.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import math
 import statistics
 import time
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,16 +19,19 @@ import numpy as np
 from aiollm.planner.datasets import load_lengths
 from aiollm.planner.goodput import SLO, probe_workload
 from aiollm.planner.hardware import parse_cluster
-from aiollm.planner.latency import LatencyModel
 from aiollm.planner.models import get_model
 from aiollm.planner.placement import PlacementConfig, Planner
-from aiollm.planner.profiles import latency_model, load_local
-from aiollm.planner.simulator import InstanceSpec, SimConfig, SimResult, simulate
+from aiollm.planner.profiles import latency_model
+from aiollm.planner.simulator import InstanceSpec, SimConfig, simulate
 from aiollm.planner.workload import LengthSample, Workload
 from bench.report import table
+from bench.sim_vs_real import sim_vs_real
 
 # DistServe's chatbot SLOs on ShareGPT (paper, Table 1 as we read it): (TTFT s, TPOT s).
 PAPER_SLOS = {"opt-13b": (0.25, 0.1), "opt-66b": (2.5, 0.15), "opt-175b": (4.0, 0.2)}
+# DistServe's artifact scripts (evaluation/ae-scripts/e2e/_plot.py, Fig. 8) agree for OPT-13B and OPT-175B
+# but plot OPT-66B on ShareGPT at TTFT 0.4 s / TPOT 0.1 s, tighter than Table 1; that case is planned too.
+AE_SLOS = {"opt-66b": (0.4, 0.1)}
 # The DistServe simulator README example and the range the issue reports for it.
 DISTSERVE_EXAMPLE = {"config": "tp_prefill=2, pp=1, tp_decode=1", "per_gpu": (1.41, 1.88), "readme": 1.56,
                      "vllm_tp4": (1.25, 1.41)}
@@ -158,6 +160,22 @@ def search_speed_and_paper(args) -> dict:
         figures[f"paper_{key}_colocated_per_gpu"] = col.unit_per_gpu_goodput
         figures[f"ratio_paper_{key}_disagg_vs_colocated"] = low.unit_per_gpu_goodput / col.unit_per_gpu_goodput
         figures[f"paper_{key}_plans"] = {a: p.to_json() for a, p in plans.items()}
+    for model, (ttft, tpot) in AE_SLOS.items():
+        if model not in models:
+            continue
+        workload = Workload.build(load_lengths("sharegpt", model), args.requests, 0)
+        low, col = (Planner(_config(model, "4x8xA100-80G", SLO(ttft, tpot, 0.9), affinity, args.workers,
+                                    max_pp=4 if affinity == "colocated" else None), workload).plan()
+                    for affinity in ("low", "colocated"))
+        rows.append({"model": f"{model} (AE script SLO)", "SLO ttft/tpot": f"{ttft}/{tpot}",
+                     "profile": low.profile.split(" (")[0],
+                     "disagg plan (Alg. 2)": f"P tp{low.prefill.tp}pp{low.prefill.pp} x{low.prefill.count} + "
+                                             f"D tp{low.decode.tp}pp{low.decode.pp} x{low.decode.count}",
+                     "disagg per-GPU": low.unit_per_gpu_goodput,
+                     "colocated plan": f"tp{col.decode.tp}pp{col.decode.pp} x{col.decode.count}",
+                     "colocated per-GPU": col.unit_per_gpu_goodput,
+                     "ratio": low.unit_per_gpu_goodput / col.unit_per_gpu_goodput if col.unit_per_gpu_goodput else None})
+        figures[f"ratio_paper_{model.replace('-', '')}_ae_slo_disagg_vs_colocated"] = rows[-1]["ratio"]
     print("\nSearch speed on 4 nodes x 8 A100-80G (ShareGPT, 300 requests, "
           f"{args.workers} processes; DistServe: <1.3 min on 96 cores, its simulator ~4 min OPT-66B / ~11 min OPT-13B here)")
     print(table(speed))
@@ -202,122 +220,3 @@ def plot_attainment(args) -> dict:
     print(f"\nattainment vs rate plotted to {args.plot}")
     return {"attainment_plot": str(args.plot),
             "attainment_curves": {name: dict(zip(map(float, rates), values)) for name, values in curves.items()}}
-
-
-def read_serve_results(path: Path) -> dict | None:
-    """A real serving run to compare with, or None if the file does not exist.
-
-    The file this reads (written by `python -m bench serve --json PATH`, issue 7) is JSON with
-      "model": "smollm2", "ttft_slo": seconds, "tpot_slo": seconds, "kv_tokens": decode KV capacity,
-      optional "max_running" (default 128) and "max_batch_tokens" (default: L_m of the local profile),
-      "runs": [{"setup": "disaggregated", "rate": req/s, "attainment": share in [0, 1] meeting both SLOs,
-                "prompt_lens": [...], "output_lens": [...], "arrivals": [seconds from start, ...],
-                optional "ttft": [...], "tpot": [...] per request in seconds (null: failed)}, ...]
-    and the latency profile measured on the same machine by `python -m aiollm.plan profile`.
-    """
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    if "runs" not in data:
-        raise ValueError(f"{path}: no 'runs' list (expected the format in bench/planner.py:read_serve_results)")
-    return data
-
-
-def deployment_overheads(path: Path, latency: LatencyModel) -> dict:
-    """The real system's fixed per-request costs beyond the profiled compute, from an idle `bench serve` run
-    (requests seldom overlap, so each sees a lone prefill and a decode batch of 1): TTFT minus the profile's
-    prefill time (HTTP, tokenisation, controller hop, first token back), and the first-to-last token time
-    minus the profile's decode steps (KV pull over loopback TCP and its set-up, token delivery), the latter
-    fitted as set-up + seconds per prompt token. Medians and a least-squares line, robust to one overlap."""
-    data = read_serve_results(path)
-    if data is None:
-        raise FileNotFoundError(f"no {path}")
-    ttft_extra, prompts, pull_extra = [], [], []
-    for run_ in data["runs"]:
-        if run_["setup"] != "disaggregated" or "ttft" not in run_:
-            continue
-        for p, out, ttft, tpot in zip(run_["prompt_lens"], run_["output_lens"], run_["ttft"], run_["tpot"]):
-            if ttft is None:
-                continue
-            ttft_extra.append(ttft - latency.prefill_time([p]))
-            if out > 1:
-                steps = sum(latency.decode_time(1, p + 1 + k) for k in range(out - 1))
-                prompts.append(p)
-                pull_extra.append(tpot * (out - 1) - steps)
-    if len(pull_extra) < 3:
-        raise ValueError(f"{path}: fewer than 3 served requests with per-request times")
-    slope, setup = np.polyfit(prompts, pull_extra, 1)
-    if slope < 0 or setup < 0:
-        slope, setup = 0.0, float(np.median(pull_extra))
-    return {"request_overhead_s": max(0.0, float(np.median(ttft_extra))), "pull_overhead_s": max(0.0, float(setup)),
-            "pull_s_per_prompt_token": float(slope), "calibration_requests": len(pull_extra)}
-
-
-def _simulate_run(data: dict, run_: dict, latency: LatencyModel, overheads: dict) -> tuple[float, SimResult]:
-    """Simulated attainment of one real run: its own requests at its own arrival times, one prefill and one
-    decode instance with the run's KV, L_m and batch limits."""
-    lengths = LengthSample("served", np.array(run_["prompt_lens"]), np.array(run_["output_lens"]))
-    workload = Workload(lengths, np.array(run_["arrivals"]) * run_["rate"])
-    per_token = overheads.get("pull_s_per_prompt_token", 0.0)
-    cfg = SimConfig(latency, "disaggregated", InstanceSpec(1), InstanceSpec(1), data["kv_tokens"],
-                    data["kv_tokens"], 1, link_bandwidth=1.0 / per_token if per_token > 0 else math.inf,
-                    max_batch_tokens=data.get("max_batch_tokens", 0), max_running=data.get("max_running", 128),
-                    request_overhead=overheads.get("request_overhead_s", 0.0),
-                    pull_overhead=overheads.get("pull_overhead_s", 0.0))
-    result = simulate(cfg, workload, run_["rate"])
-    return result.attainment(data["ttft_slo"], data["tpot_slo"])["both"], result
-
-
-def _linear_only(latency: LatencyModel) -> LatencyModel:
-    """The same profile with its piecewise tables dropped: the DistServe linear form alone."""
-    by_tp = {tp: replace(s, prefill_table=(), decode_table=()) for tp, s in latency.by_tp.items()}
-    return replace(latency, by_tp=by_tp, source=latency.source.replace("measured points interpolated", "linear fit"))
-
-
-def _p90_ms(values) -> float:
-    finite = [v for v in values if v is not None and np.isfinite(v)]
-    return float(np.percentile(finite, 90)) * 1e3 if finite else float("nan")
-
-
-def sim_vs_real(path: Path, calibration: Path) -> dict:
-    """Max |simulated - measured| attainment (percentage points) over the real run's rates: one prefill and
-    one decode instance on the local latency profile (measured points interpolated) plus the fixed overheads
-    measured on an idle run (`deployment_overheads`), fed the run's own requests at their own arrival times.
-    The same comparison with the linear fit alone and without overheads shows what each part buys."""
-    try:
-        data = read_serve_results(path)
-        if data is None:
-            raise FileNotFoundError(f"no {path}")
-        latency = load_local()[get_model(data["model"]).name]
-    except (FileNotFoundError, ValueError, KeyError) as exc:
-        return {"sim_vs_real_attainment_max_diff_points": None,
-                "sim_vs_real_status": f"not measured: bench serve results or local profile not available ({exc})"}
-    try:
-        overheads = deployment_overheads(calibration, latency)
-    except (FileNotFoundError, ValueError, KeyError) as exc:
-        overheads, note = {}, f"no fixed overheads modelled ({exc})"
-    else:
-        note = (f"fixed overheads from {calibration}: request {overheads['request_overhead_s']*1e3:.0f} ms, KV pull "
-                f"{overheads['pull_overhead_s']*1e3:.0f} ms + {overheads['pull_s_per_prompt_token']*1e6:.0f} us/prompt token")
-    variants = {"linear fit, no overheads": (_linear_only(latency), {}),
-                "interpolated, no overheads": (latency, {}), "interpolated + overheads": (latency, overheads)}
-    rows, diffs = [], {name: [] for name in variants}
-    for run_ in data["runs"]:
-        if run_["setup"] != "disaggregated":
-            continue
-        row = {"rate": run_["rate"], "requests": len(run_["prompt_lens"]), "real %": run_["attainment"] * 100}
-        for name, (model, extra) in variants.items():
-            sim, result = _simulate_run(data, run_, model, extra)
-            diffs[name].append(abs(sim - run_["attainment"]) * 100)
-            row[f"sim % ({name})"] = sim * 100
-        row["diff points"] = diffs["interpolated + overheads"][-1]
-        row.update({"sim TTFT p90 ms": _p90_ms(result.ttft), "real TTFT p90 ms": _p90_ms(run_.get("ttft", [])),
-                    "sim TPOT p90 ms": _p90_ms(result.tpot), "real TPOT p90 ms": _p90_ms(run_.get("tpot", []))})
-        rows.append(row)
-    print(f"\nSimulator vs the real bench serve run in {path} (local profile: {latency.source}; {note})")
-    print(table(rows))
-    worst = {name: max(d) if d else None for name, d in diffs.items()}
-    return {"sim_vs_real_attainment_max_diff_points": worst["interpolated + overheads"], "sim_vs_real_rows": rows,
-            "sim_vs_real_max_diff_points_by_model": worst, "sim_vs_real_overheads": overheads,
-            "sim_vs_real_requests_per_rate": min((r["requests"] for r in rows), default=0),
-            "sim_vs_real_status": f"measured against {path} ({len(rows)} rates); {note}"}

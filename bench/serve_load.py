@@ -9,6 +9,7 @@ definition; a request meets the SLO when both are under their limits.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 
@@ -102,3 +103,44 @@ def max_rate_at(rates: list[float], attainments: list[float], target: float = 0.
             best = r0 + (r1 - r0) * (a0 - target) / (a0 - a1)
             break
     return best
+
+
+def p90_tpot(results: list[RequestResult]) -> float:
+    """The TPOT (s) that 90 % of the requests meet (a failed request meets none): the SLO at which
+    these results attain exactly 90 % (the bench's rule for picking the TPOT SLO)."""
+    values = sorted(r.tpot if r.ok else float("inf") for r in results)
+    return values[max(0, math.ceil(0.9 * len(values)) - 1)] if values else float("inf")
+
+
+def attainment(results: list[RequestResult], ttft_slo: float, tpot_slo: float) -> float:
+    return sum(1 for r in results if r.ok and r.ttft <= ttft_slo and r.tpot <= tpot_slo) / max(1, len(results))
+
+
+def goodput_ratio(runs: dict[str, dict[float, list[RequestResult]]], ttft_slo: float,
+                  tpot_slo: float | None, target: float = 0.9) -> tuple[float | None, float, dict[str, float]]:
+    """(disaggregated / colocated goodput, the TPOT SLO used, each setup's goodput) over the same rates.
+
+    `tpot_slo` None applies the rule: the colocated setup's p90 TPOT at the lowest rate, i.e. the TPOT
+    SLO at which colocated attains 90 % there. The ratio is None when colocated's goodput is 0."""
+    if tpot_slo is None:
+        colocated = runs["colocated"]
+        tpot_slo = p90_tpot(colocated[min(colocated)])
+    goodput = {setup: max_rate_at(list(by_rate), [attainment(r, ttft_slo, tpot_slo) for r in by_rate.values()], target)
+               for setup, by_rate in runs.items()}
+    ratio = goodput["disaggregated"] / goodput["colocated"] if goodput["colocated"] > 0 else None
+    return ratio, tpot_slo, goodput
+
+
+def bootstrap_ratio(runs: dict[str, dict[float, list[RequestResult]]], ttft_slo: float, tpot_slo: float | None,
+                    samples: int = 400, seed: int = 0) -> tuple[float, float]:
+    """10th and 90th percentile of the ratio over resampled requests (each run's requests drawn with
+    replacement, the SLO rule applied again to each draw): the sampling noise of the ratio. A draw
+    with no finite ratio counts as 0."""
+    rng = np.random.default_rng(seed)
+    ratios = []
+    for _ in range(samples):
+        drawn = {setup: {rate: [results[i] for i in rng.integers(0, len(results), len(results))]
+                         for rate, results in by_rate.items()} for setup, by_rate in runs.items()}
+        ratio, _, _ = goodput_ratio(drawn, ttft_slo, tpot_slo)
+        ratios.append(ratio or 0.0)
+    return float(np.percentile(ratios, 10)), float(np.percentile(ratios, 90))

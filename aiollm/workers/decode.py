@@ -15,6 +15,7 @@ when the R-part moves to other processes.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,6 +28,7 @@ from aiollm.model.llama import LlamaModel
 from aiollm.sched.decode_admission import DecodeAdmission
 from aiollm.workers import runner
 from aiollm.workers.messages import AckKV, Cancel, Decode, Delta, GetLoad, KVBlock, Load, PullKV, Tokens
+from aiollm.workers.step_log import StepLog
 
 
 def _log():
@@ -46,6 +48,8 @@ class DecodeConfig:
     max_running: int = 128
     # threads of the native attention kernel (None: its default)
     attn_threads: int | None = None
+    # file to record each step's and pull's timing in (aiollm.workers.step_log); empty: none
+    step_log: str = ""
 
     def __post_init__(self) -> None:
         for name in ("kv_blocks", "block_size", "max_running"):
@@ -131,6 +135,7 @@ class DecodeInstance(Actor):
         self._task: asyncio.Task | None = None
         # sequences decoded to their end so far (for load checks and logs)
         self.finished = 0
+        self._steps = StepLog(config.step_log) if config.step_log else None
 
     async def on_start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name=f"{self.name}-loop")
@@ -142,6 +147,8 @@ class DecodeInstance(Actor):
         for entry in self._entries.values():
             if entry.pull is not None:
                 entry.pull.cancel()
+        if self._steps is not None:
+            self._steps.close()
 
     @handler(Decode)
     async def on_decode(self, msg: Decode) -> None:
@@ -180,6 +187,8 @@ class DecodeInstance(Actor):
                 continue
             entries = list(self._running.values())
             seqs = [e.seq for e in entries]
+            started = time.time()
+            context = sum(len(s.prompt) + len(s.output) for s in seqs)
             try:
                 tokens = await self.executor.step(seqs)
             except Exception as exc:
@@ -188,10 +197,13 @@ class DecodeInstance(Actor):
                     await self._fail(entry, f"failed: decode step: {exc}")
                 continue
             await self._send(entries, tokens)
+            if self._steps is not None:  # the step and the sending of its tokens: what a TPOT sees
+                self._steps.record("decode", started, time.time(), batch=len(seqs), context=context)
 
     async def _pull(self, entry: _Entry) -> None:
         """Have the executor pull the prompt's KV, then join the batch."""
         seq = entry.seq
+        started = time.time()
         try:
             await self.executor.load_kv(seq, entry.source)
         except asyncio.CancelledError:
@@ -201,6 +213,8 @@ class DecodeInstance(Actor):
             await self._fail(entry, f"failed: KV pull: {exc}")
             return
         entry.pull = None
+        if self._steps is not None:
+            self._steps.record("pull", started, time.time(), tokens=len(seq.prompt))
         if seq.request_id in self._entries:
             self._running[seq.request_id] = entry
             self._wake.set()

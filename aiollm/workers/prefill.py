@@ -26,6 +26,7 @@ from aiollm.model.llama import LlamaModel
 from aiollm.sched.prefill_batching import take_batch
 from aiollm.workers import runner
 from aiollm.workers.messages import AckKV, Cancel, GetLoad, KVBlock, KVLost, Load, Prefill, Prefilled, PullKV
+from aiollm.workers.step_log import StepLog
 
 
 def _log():
@@ -45,6 +46,8 @@ class PrefillConfig:
     max_batch_tokens: int = 512
     # seconds a prefilled sequence's KV is kept waiting for its pull and ack
     lease_s: float = 60.0
+    # file to record each batch's timing in (aiollm.workers.step_log); empty: none
+    step_log: str = ""
 
     def __post_init__(self) -> None:
         for name in ("kv_blocks", "block_size", "max_batch_tokens"):
@@ -76,6 +79,9 @@ class PrefillInstance(Actor):
         self._tasks: list[asyncio.Task] = []
         # sequences prefilled so far (for load checks and logs)
         self.prefilled = 0
+        self._steps = StepLog(config.step_log) if config.step_log else None
+        # when each queued request arrived (only with a step log)
+        self._received: dict[str, float] = {}
 
     async def on_start(self) -> None:
         self._tasks = [asyncio.create_task(self._loop(), name=f"{self.name}-loop"),
@@ -85,6 +91,8 @@ class PrefillInstance(Actor):
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._steps is not None:
+            self._steps.close()
 
     @handler(Prefill)
     async def on_prefill(self, msg: Prefill) -> None:
@@ -94,11 +102,14 @@ class PrefillInstance(Actor):
                                               error=f"prompt of {len(seq.prompt)} tokens exceeds the KV buffer"))
             return
         self._queue[msg.request_id] = (seq, msg.reply_to)
+        if self._steps is not None:
+            self._received[msg.request_id] = time.time()
         self._wake.set()
 
     @handler(Cancel)
     async def on_cancel(self, msg: Cancel) -> None:
         rid = msg.request_id
+        self._received.pop(rid, None)
         if self._queue.pop(rid, None) is None and rid in self._computing:
             self._cancelled.add(rid)
         held = self._held.get(rid)
@@ -162,6 +173,7 @@ class PrefillInstance(Actor):
                 await self._wake.wait()
                 continue
             seqs = [seq for seq, _ in batch]
+            started = time.time()
             try:
                 await asyncio.to_thread(runner.prefill_into, self.model, self.cache, seqs)
             except Exception as exc:  # a failed batch fails its own requests only
@@ -185,6 +197,9 @@ class PrefillInstance(Actor):
                     self._held[rid] = _Held(seq, reply_to, deadline)
                 if not cancelled:
                     await self._tell(reply_to, Prefilled(rid, seq.output[0], seq.finish, self.name))
+            if self._steps is not None:
+                self._steps.record("prefill", started, time.time(), lengths=[len(s.prompt) for s in seqs],
+                                   recv=[self._received.pop(s.request_id, started) for s in seqs])
 
     async def _expire_leases(self) -> None:
         while True:

@@ -1,5 +1,6 @@
 """`python -m aiollm serve` as a user runs it: every instance its own OS process, a real chat request
-through the openai client, greedy tokens equal to the colocated generate(), and no process left after."""
+through the openai client, greedy tokens equal to the colocated generate(), a SIGKILLed decode instance
+started again and serving, and no process left after."""
 import os
 import signal
 import subprocess
@@ -13,6 +14,14 @@ from aiollm.model.engine import generate
 from aiollm.model.loader import load
 from aiollm.model.sampling import SamplingParams
 from tests.unit.tiny_llama import write_hf_dir
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def _children(pid: int) -> list[int]:
@@ -45,6 +54,22 @@ def test_serve_command_answers_a_chat_request_and_cleans_up(tmp_path):
         out = client.chat.completions.create(model=tmp_path.name, messages=messages, max_tokens=16, temperature=0)
         assert out.choices[0].message.content == ref.text
         assert out.usage.completion_tokens == len(ref.token_ids)
+
+        # a decode instance killed outright is started again, re-registers, and serves the same tokens
+        killed = next(p for p in children if "--role decode" in _cmdline(p))
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                out = client.chat.completions.create(model=tmp_path.name, messages=messages, max_tokens=16,
+                                                     temperature=0)
+                break
+            except openai.APIStatusError as exc:  # 503 until the new instance has registered
+                assert exc.status_code == 503 and time.monotonic() < deadline, exc
+                time.sleep(0.5)
+        assert out.choices[0].message.content == ref.text
+        children = _children(proc.pid)
+        assert len(children) == 4 and killed not in children
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -23,6 +23,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--controller", default="",
                         help="join this running controller (tcp://host:port/controller) under the --actor name, "
                              "e.g. when restarting a lost instance; empty: the controller is given this instance")
+    parser.add_argument("--step-log", default="", help="record each batch/step's timing here (JSON lines)")
     parser.add_argument("--kv-blocks", type=int, default=2048,
                         help="KV pool of decoding sequences, in blocks (colocated; offloaded: the R-workers' budgets)")
     parser.add_argument("--max-running", type=int, default=128, help="most sequences per decode step")
@@ -35,7 +36,7 @@ def add_arguments(parser) -> None:
 
 async def start(node: Node, args: argparse.Namespace) -> dict[str, str]:
     config = DecodeConfig(kv_blocks=args.kv_blocks, block_size=args.block_size, kv_dtype=args.kv_dtype,
-                          max_running=args.max_running, attn_threads=args.threads)
+                          max_running=args.max_running, attn_threads=args.threads, step_log=args.step_log)
     model = await asyncio.to_thread(load_model, args)
     executor = None
     if args.r_workers:

@@ -22,6 +22,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--controller", default="",
                         help="join this running controller (tcp://host:port/controller) under the --actor name, "
                              "e.g. when restarting a lost instance; empty: the controller is given this instance")
+    parser.add_argument("--step-log", default="", help="record each batch/step's timing here (JSON lines)")
     parser.add_argument("--kv-blocks", type=int, default=1024, help="KV buffer of prefilled sequences, in blocks")
     parser.add_argument("--max-batch-tokens", type=int, default=0,
                         help="L_m: prompt tokens per prefill batch (default: the compute-bound length from this "
@@ -48,7 +49,8 @@ def compute_bound_length(model: str) -> int:
 async def start(node: Node, args: argparse.Namespace) -> dict[str, str]:
     config = PrefillConfig(kv_blocks=args.kv_blocks, block_size=args.block_size, kv_dtype=args.kv_dtype,
                            max_batch_tokens=args.max_batch_tokens or compute_bound_length(args.model),
-                           lease_s=args.lease)
+                           lease_s=args.lease,
+                           step_log=args.step_log)
     model = await asyncio.to_thread(load_model, args)
     ref = await node.spawn(PrefillInstance(model, config), args.actor)
     if args.controller:
