@@ -11,8 +11,11 @@ What it runs, in one process tree on this machine (SmolLM2-135M, bf16 weights, f
 - the effect of thread counts and OpenMP wait policy when the processes share the cores.
 - a per-step latency trace with and without the schedule (real requests, short prompts), plotted to PNG
   like FastDecode's Fig. 11, with max and median step latency and tokens/s after warm-up.
-- the sizing model's predicted step time against the measured one: max(T(B), R*W/P, (T(B) + R*W)/cores)
-  plus one measured ask round trip per layer, W being the KV entries a step attends over.
+- the sizing model's predicted step time against the measured one for every row: aiollm.planner.fastdecode's
+  predict_step from this run's T(B), R, the Attend round trip C(b) at each row's rows-per-ask and the
+  effective cores (the largest of the S-worker's work, the busiest R-worker's, one mini-batch's chain, and
+  all the work over the cores), W being the KV entries a step attends over.
+Each section prints its wall time; `--parts` runs a subset (e.g. `--parts trace` while tuning the schedule).
 """
 from __future__ import annotations
 
@@ -37,9 +40,9 @@ from aiollm.model import load
 from aiollm.model.engine import ColocatedEngine
 from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
-from aiollm.planner.fastdecode import interpolate, size
+from aiollm.planner.fastdecode import predict_step, size, step_round_trip
 from aiollm.sched.sls import SLSConfig
-from aiollm.workers.fastdecode_messages import GetRLoad, GetTrace, Synthetic
+from aiollm.workers.fastdecode_messages import GetTrace, Synthetic
 from aiollm.workers.messages import Generate, GetLoad, Sampling, Tokens
 from aiollm.workers.s_worker import SWorker, SWorkerConfig
 from bench.model import t_of_b
@@ -52,17 +55,22 @@ MODEL = "smollm2"
 PIPELINE_MIN_BATCH = 64
 
 
+SECTIONS = ("throughput", "baselines", "trace")
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="S=256, B=16,64, a shorter trace and one transformers batch (about 3 minutes)")
     parser.add_argument("--seq-len", type=int, help="context S of the throughput runs (default 1024; quick 256)")
     parser.add_argument("--batches", help="comma-separated B (default 16,64,256,512; quick 16,64)")
     parser.add_argument("--trace-batch", type=int, help="B of the schedule trace (default 64; quick 32)")
-    parser.add_argument("--trace-seq-len", type=int, help="S of the schedule trace (default 256; quick 128)")
+    parser.add_argument("--trace-seq-len", type=int, help="S of the schedule trace (default 128; quick 96)")
     parser.add_argument("--trace-micro-batch", type=int, default=4,
                         help="M of the schedule trace; F = M*(S - prompt)/B steps between micro-batches")
     parser.add_argument("--plot", type=Path, default=Path("fastdecode_sls_trace.png"), help="PNG of the trace")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--parts", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (ratios need their parts)")
 
 
 class _Sink(Actor):
@@ -78,112 +86,194 @@ class _Sink(Actor):
 
 def run(args) -> dict:
     quick = args.quick
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"--parts: unknown {unknown}; sections are {', '.join(SECTIONS)}")
     seq_len = args.seq_len or (256 if quick else 1024)
     batches = [int(b) for b in (args.batches or ("16,64" if quick else "16,64,256,512")).split(",")]
-    trace_batch = args.trace_batch or (32 if quick else 64)
-    trace_seq = args.trace_seq_len or (128 if quick else 256)
     cores = len(os.sched_getaffinity(0))
     # every process started from here inherits these: a waiting OpenMP thread sleeps instead of spinning
     os.environ["OMP_WAIT_POLICY"] = "passive"
     torch.set_num_threads(1)
     kv_attention.set_num_threads(1)
     print(f"context: {cores} cores shared by the S-worker (this process, 1 torch thread) and the R-worker "
-          f"processes (1 attention thread each, OMP_WAIT_POLICY=passive); baselines use {cores} torch threads")
+          f"processes (1 attention thread each, OMP_WAIT_POLICY=passive); baselines at their best of 1 and "
+          f"{cores} torch threads")
     model = load(MODEL, dtype="bf16")
     figures: dict = {"cores": cores, "seq_len": seq_len, "quick": quick}
+    for part in parts:
+        started = time.perf_counter()
+        if part == "throughput":
+            _throughput_part(model, batches, seq_len, cores, figures)
+        elif part == "baselines":
+            _baselines_part(model, seq_len, cores, quick, args.no_transformers, figures)
+        else:
+            _trace_part(model, args, quick, figures)
+        figures[f"seconds_{part}"] = time.perf_counter() - started
+        print(f"[{part}: {figures[f'seconds_{part}']:.0f} s]")
+    if "transformers_best_tokens_per_s" in figures and "fastdecode_best_tokens_per_s" in figures:
+        hf = figures["transformers_best_tokens_per_s"]
+        figures.update(ratio_tokens_vs_transformers_best=figures["fastdecode_best_tokens_per_s"] / hf,
+                       ratio_tokens_vs_transformers_best_fp16_kv=figures["fastdecode_best_fp16_tokens_per_s"] / hf)
+    if "colocated_best_tokens_per_s" in figures and "fastdecode_best_tokens_per_s" in figures:
+        figures["ratio_tokens_vs_colocated"] = (figures["fastdecode_best_tokens_per_s"]
+                                                / figures["colocated_best_tokens_per_s"])
+    return figures
 
-    curve = {r["batch"]: r["seconds"] for r in t_of_b(model, sorted({1, *batches}), 0.3)}
-    r_per_token = _measure_r(model, seq_len)
-    r_of = {"fp16": r_per_token, "int8": _measure_r(model, seq_len, "int8")}
-    sizing = size(curve, r_per_token, seq_len)
-    print("\n-- sizing model (aiollm.planner.fastdecode)\n" + sizing.explain())
-    figures.update(t_of_b={str(b): t for b, t in curve.items()}, r_per_token_s=r_per_token,
-                   r_per_token_int8_s=r_of["int8"],
-                   sizing_batch=sizing.batch, sizing_workers=sizing.workers)
 
-    checked = max([b for b in batches if b <= max(sizing.batch, batches[0])])
+def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figures: dict) -> None:
+    """Sizing inputs, tokens/s per (P, B, KV dtype), the pipeline and thread-policy effects, predicted steps."""
+    per_ask = {max(1, b // (2 * p)) for b in batches for p in (1, 2)} | {b // 2 for b in batches}
+    curve = {r["batch"]: r["seconds"] for r in t_of_b(model, sorted({1, *batches, *per_ask}), 0.3)}
+    r_of = {"fp16": _measure_r(model, seq_len), "int8": _measure_r(model, seq_len, "int8")}
     c_eff = _effective_cores(cores)
     print(f"\n-- effective cores: {c_eff:.2f} of {cores} (a fixed single-threaded job in {cores} processes at once "
           f"vs alone; other users of this machine lower it)")
-    figures["effective_cores"] = c_eff
-    rows, off = uvloop.run(_throughput(model, batches, seq_len, checked))
+    figures.update(t_of_b={str(b): t for b, t in curve.items()}, r_per_token_s=r_of["fp16"],
+                   r_per_token_int8_s=r_of["int8"], effective_cores=c_eff)
+    unpipelined = max([b for b in batches if b <= 256] or batches[:1])
+    rows, off, trips, ramp = uvloop.run(_throughput(model, batches, seq_len, unpipelined, curve, r_of["fp16"]))
+    figures["round_trip_ms"] = {str(b): 1e3 * t for b, t in trips.items()}
+    sizing = size(curve, r_of["fp16"], seq_len, round_trip=trips, n_layers=model.config.n_layers, cores=c_eff)
+    print("\n-- sizing model (aiollm.planner.fastdecode, fed this run's T(B), R, C(b) and effective cores)\n"
+          + sizing.explain())
+    figures.update(sizing_batch=sizing.batch, sizing_workers=sizing.workers)
+    # every row's step predicted from the inputs measured above (no fitting to the measured steps)
+    for row in rows + [off]:
+        p = predict_step(curve, r_of[row["kv"]], trips, model.config.n_layers, row["batch"], row["kv_tokens"],
+                         row["r_workers"], row["pipelined"], c_eff)
+        row["predicted_ms"] = 1e3 * p.step
+        row["binding"] = max((("S", p.s_worker), ("R", p.r_worker), ("chain", p.chain),
+                              ("cores", p.all_over_cores)), key=lambda kv: kv[1])[0]
     print(f"\n-- S-worker + R-worker processes, decode at context S={seq_len} (placeholder contexts over "
-          f"[{PROMPT_LEN}, S))\n{table(rows)}")
-    figures["fastdecode"] = rows
+          f"[{PROMPT_LEN}, S)); predicted = aiollm.planner.fastdecode.predict_step, binding = its largest bound\n"
+          f"{table(rows + [off])}")
+    figures["fastdecode"] = rows + [off]
     best = max(rows, key=lambda r: r["tokens_per_s"])
     best_fp16 = max((r for r in rows if r["kv"] == "fp16"), key=lambda r: r["tokens_per_s"])
     figures.update(fastdecode_best_tokens_per_s=best["tokens_per_s"], fastdecode_best_kv=best["kv"],
                    fastdecode_best_batch=best["batch"], fastdecode_best_fp16_tokens_per_s=best_fp16["tokens_per_s"])
 
     naive = uvloop.run(_naive_threads(model, min(64, max(batches)), seq_len, cores))
-    deliberate = next(r for r in rows if r["batch"] == naive["batch"] and r["r_workers"] == 2)
+    deliberate = next(r for r in rows if r["batch"] == naive["batch"] and r["r_workers"] == 2 and r["kv"] == "fp16")
     print(f"\n-- threads when sharing {cores} cores (B={naive['batch']}, 2 R-workers): deliberate "
           f"{deliberate['step_ms']:.1f} ms/step vs naive {naive['step_ms']:.1f} ms/step "
           f"(S-worker {cores} torch threads, R-workers {cores} attention threads each, OMP_WAIT_POLICY=active)")
     figures.update(naive_threads_step_ms=naive["step_ms"], deliberate_threads_step_ms=deliberate["step_ms"],
                    ratio_naive_vs_deliberate_threads_step=naive["step_ms"] / deliberate["step_ms"])
 
-    # prediction: a step is bounded by its S-part (two half-batch S-parts when pipelined), by one R-worker's
-    # share of the attention, and by all that work over the cores this run really got, plus one round trip
-    # per layer (the two mini-batches' trips overlap each other); inputs: T(B), R, the KV entries a step
-    # attends over, the measured round trip and effective cores
-    layers = model.config.n_layers
-    for row in rows + [off]:
-        b = row["batch"]
-        s_part = 2 * interpolate(curve, b / 2) if row["pipelined"] else curve[b]
-        r_work = r_of[row.get("kv", "fp16")] * row["kv_tokens"]
-        row["predicted_ms"] = (1e3 * max(s_part, r_work / row["r_workers"], (s_part + r_work) / c_eff)
-                               + layers * row.get("rtt_ms", rows[-1]["rtt_ms"]))
-    check = next(r for r in rows if r["batch"] == checked and r["r_workers"] == 2 and r["kv"] == "fp16")
-    print(f"\n-- pipeline (B={checked}, 2 R-workers): {check['step_ms']:.1f} ms/step with, "
+    check = next(r for r in rows if r["batch"] == off["batch"] and r["r_workers"] == 2 and r["kv"] == "fp16")
+    print(f"\n-- pipeline (B={check['batch']}, 2 R-workers): {check['step_ms']:.1f} ms/step with, "
           f"{off['step_ms']:.1f} without")
     figures.update(pipeline_on_step_ms=check["step_ms"], pipeline_off_step_ms=off["step_ms"],
                    ratio_pipeline_step=check["step_ms"] / off["step_ms"])
+    _steady_state_schedule_gain(check, ramp, seq_len, figures)
+    ratios = [r["predicted_ms"] / r["step_ms"] for r in rows + [off]]
     figures.update(predicted_step_ms=check["predicted_ms"], measured_step_ms=check["step_ms"],
                    predicted_batch=check["batch"],
-                   ratio_predicted_vs_measured_step=check["predicted_ms"] / check["step_ms"])
-    print(f"\n-- predicted vs measured step (B={check['batch']}, 2 R-workers): {check['predicted_ms']:.1f} ms "
-          f"vs {check['step_ms']:.1f} ms; all rows:\n"
-          + table([{k: r.get(k, "fp16") for k in ("batch", "r_workers", "kv", "pipelined", "predicted_ms", "step_ms")}
-                   for r in rows + [off]]))
+                   ratio_predicted_vs_measured_step=check["predicted_ms"] / check["step_ms"],
+                   predicted_vs_measured_worst=max(ratios, key=lambda x: abs(x - 1)),
+                   predicted_within_15pct=sum(abs(x - 1) <= 0.15 for x in ratios) / len(ratios))
+    print(f"\n-- predicted vs measured step (B={check['batch']}, 2 R-workers): {check['predicted_ms']:.1f} ms vs "
+          f"{check['step_ms']:.1f} ms; over all {len(ratios)} rows: worst ratio {figures['predicted_vs_measured_worst']:.2f}, "
+          f"{100 * figures['predicted_within_15pct']:.0f} % within 15 %")
 
-    # the baselines get their best thread count too: with other processes on the cores, 2 spinning OpenMP
-    # threads can be slower than 1
+
+def _steady_state_schedule_gain(spread: dict, ramp: list[dict], seq_len: int, figures: dict) -> None:
+    """The schedule's tokens/s gain at context S, measured in steady state: a batch started together lives
+    through equal contexts from the prompt to S (mean step over that life), the schedule keeps it spread over
+    [prompt, S) (one step). Equal mean W; only a step time convex in W (the pipeline's max(S, R) on cores of
+    their own) makes the spread batch faster."""
+    life = float(np.mean([r["step_ms"] for r in ramp]))
+    ends = (ramp[0]["step_ms"] + ramp[-1]["step_ms"]) / 2
+    middle = float(np.mean([r["step_ms"] for r in ramp[1:-1]]))
+    print(f"\n-- schedule in steady state (B={spread['batch']}, 2 R-workers, S={seq_len}): equal contexts "
+          + ", ".join(f"{r['context']}: {r['step_ms']:.1f} ms" for r in ramp)
+          + f" (mean over the life {life:.1f} ms; middle points {middle:.1f} vs the ends' mean {ends:.1f}: "
+            f"{'linear' if abs(middle / ends - 1) < 0.05 else 'convex' if middle < ends else 'concave'} in W) vs "
+            f"spread contexts {spread['step_ms']:.1f} ms -> tokens/s with/without {life / spread['step_ms']:.3f}")
+    figures.update(sls_steady_ramp=ramp, sls_steady_spread_step_ms=spread["step_ms"],
+                   ratio_sls_tokens_steady_state=life / spread["step_ms"])
+
+
+def _baselines_part(model, seq_len: int, cores: int, quick: bool, no_transformers: bool, figures: dict) -> None:
+    """transformers `generate` at its best batch, dtype and thread count, and the colocated `generate()`."""
     threads = sorted({1, cores})
     colocated_rows = []
     for n in threads:
         torch.set_num_threads(n)
         colocated_rows.append(_colocated(model, 16 if quick else 32, seq_len))
+    torch.set_num_threads(1)
     colocated = max(colocated_rows, key=lambda r: r["tokens_per_s"])
     print(f"\n-- colocated generate (bf16, fp16 KV), prompts of S/2 tokens\n{table(colocated_rows)}")
-    figures["colocated"] = colocated_rows
-    if not args.no_transformers:
-        configs = [("bf16", 16)] if quick else [("bf16", 16), ("bf16", 64), ("fp32", 64)]
-        hf_rows = _transformers(seq_len, [(d, b, n) for d, b in configs for n in threads])
-        print(f"\n-- transformers generate, prompts of S/2 tokens\n{table(hf_rows)}")
-        figures["transformers"] = hf_rows
-        hf_best = max(hf_rows, key=lambda r: r["tokens_per_s"])
-        figures.update(transformers_best_tokens_per_s=hf_best["tokens_per_s"],
-                       ratio_tokens_vs_transformers_best=best["tokens_per_s"] / hf_best["tokens_per_s"],
-                       ratio_tokens_vs_transformers_best_fp16_kv=best_fp16["tokens_per_s"] / hf_best["tokens_per_s"])
-    figures["ratio_tokens_vs_colocated"] = best["tokens_per_s"] / colocated["tokens_per_s"]
+    figures.update(colocated=colocated_rows, colocated_best_tokens_per_s=colocated["tokens_per_s"])
+    if no_transformers:
+        return
+    configs = [("bf16", 16)] if quick else [("bf16", 16), ("bf16", 64), ("fp32", 64)]
+    hf_rows = _transformers(seq_len, configs, threads)
     torch.set_num_threads(1)
+    print(f"\n-- transformers generate, prompts of S/2 tokens (each generate times its first half of decode "
+          f"steps at one thread count and the second half at the other)\n{table(hf_rows)}")
+    hf_best = max(hf_rows, key=lambda r: r["tokens_per_s"])
+    figures.update(transformers=hf_rows, transformers_best_tokens_per_s=hf_best["tokens_per_s"])
 
-    schedule = _trace_schedule(trace_batch, trace_seq, args.trace_micro_batch)
-    traces = {name: uvloop.run(_trace(model, trace_batch, trace_seq, sls))
-              for name, sls in (("without", None), ("with", schedule))}
-    summary = [_summarise(name, trace, trace_seq) for name, trace in traces.items()]
-    title = (f"B={trace_batch}, S={trace_seq}, F={schedule.interval}, M={schedule.micro_batch_size}, "
-             f"W_lim={schedule.limit}")
-    print(f"\n-- load-stabilising schedule: {title}, prompts of {PROMPT_LEN} tokens, 2 R-workers; figures after "
-          f"a warm-up of S steps; step latency = time between consecutive steps (prefills included)\n"
-          f"{table(summary)}")
-    _plot(traces, trace_seq, args.plot, title)
+
+def _trace_part(model, args, quick: bool, figures: dict) -> None:
+    """Per-step latency with and without the load-stabilising schedule (real requests), the PNG, and what the
+    step model says the schedule's throughput gain is here and on dedicated cores."""
+    batch = args.trace_batch or (32 if quick else 64)
+    seq = args.trace_seq_len or (96 if quick else 128)
+    # both runs split every step into two mini-batches: with the schedule the batch dips a few sequences below
+    # B between micro-batches, and a pipeline threshold at B would turn exactly those steps unpipelined
+    pipeline_min = max(2, batch // 2)
+    schedule = _trace_schedule(batch, seq, args.trace_micro_batch)
+    sizes = sorted({1, batch, *(max(1, batch // d) for d in (2, 4, 8, 16))})
+    curve = {r["batch"]: r["seconds"] for r in t_of_b(model, sizes, 0.1)}
+    r_per_token = figures.get("r_per_token_s") or _measure_r(model, 1024)
+    runs = {name: uvloop.run(_trace(model, batch, seq, sls, pipeline_min, (curve, r_per_token, sizes[1:-1])))
+            for name, sls in (("without", None), ("with", schedule))}
+    traces = {name: trace for name, (trace, _) in runs.items()}
+    trips = runs["without"][1]
+    summary = [_summarise(name, trace, seq, pipeline_min) for name, trace in traces.items()]
+    title = f"B={batch}, S={seq}, F={schedule.interval}, M={schedule.micro_batch_size}, W_lim={schedule.limit}"
+    print(f"\n-- load-stabilising schedule: {title}, prompts of {PROMPT_LEN} tokens, 2 R-workers, pipeline from "
+          f"{pipeline_min} sequences; figures after a warm-up of S steps; step latency = time between consecutive "
+          f"steps (prefills included)\n{table(summary)}")
+    _plot(traces, seq, args.plot, title)
     print(f"wrote {args.plot}")
     without, with_ = summary
     figures.update(sls=summary, ratio_sls_max_step=with_["max_step_ms"] / without["max_step_ms"],
                    ratio_sls_tokens=with_["tokens_per_s"] / without["tokens_per_s"])
-    return figures
+    _sls_gain_explained(model, traces, seq, curve, r_per_token, trips, figures)
+
+
+def _sls_gain_explained(model, traces: dict, warm: int, curve: dict[int, float], r_per_token: float,
+                        trips: dict[int, float], figures: dict) -> None:
+    """The schedule's throughput gain as the step model predicts it from each trace's per-step (batch, W).
+
+    The gain comes from the pipeline's max(S-part, R-part): an unscheduled batch's W swings from ~B*prompt
+    to ~B*S, so R binds late in its life and S early, and the mean of that max exceeds the max at the mean W
+    the schedule holds. On shared cores a step is ~(S-part + R-part)/cores, linear in W: the same mean W
+    gives the same mean step, so no gain is possible. The same traces are priced both ways."""
+    cores = figures.get("effective_cores") or _effective_cores(len(os.sched_getaffinity(0)))
+    layers = model.config.n_layers
+    out = {}
+    for label, n_cores in (("here", cores), ("dedicated", 3.0)):
+        mean_step = {}
+        for name, trace in traces.items():
+            steps = [predict_step(curve, r_per_token, trips, layers, b, w, 2, b >= 2, n_cores).step
+                     for b, w in zip(trace["batch"][warm:], trace["tokens"][warm:])]
+            mean_step[name] = sum(trace["batch"][warm:]) / sum(steps)
+        out[label] = mean_step["with"] / mean_step["without"]
+    # the attention a dedicated core could hide: where R binds, the step grows with W, so flattening W pays
+    figures.update(sls_predicted_tokens_ratio_here=out["here"], sls_predicted_tokens_ratio_dedicated=out["dedicated"])
+    print(f"\n-- schedule gain by the step model (aiollm.planner.fastdecode.predict_step) over these traces' "
+          f"(batch, W): tokens/s with/without {out['here']:.3f} on {cores:.2f} effective cores shared by the 3 "
+          f"processes (a step costs ~the sum of S-part, attention and communication over the cores, linear in "
+          f"W, so a flatter W with the same mean cannot pay), {out['dedicated']:.3f} with a core per process "
+          f"(the max of S-part and attention is convex in W); measured here: "
+          f"{figures['ratio_sls_tokens']:.3f}")
 
 
 def _measure_r(model, seq_len: int, dtype: str = "fp16", batch: int = 16) -> float:
@@ -214,13 +304,14 @@ async def _r_workers(graph: Graph, n: int, threads: int = 1, kv_dtype: str = "fp
 
 
 async def _synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_len: int, name: str,
-                          warm: int = 1, steps: int = 3, pipeline: bool = True) -> dict:
-    """Median step time of B sequences with contexts spread over [16, S - steps), after `warm` steps."""
+                          warm: int = 1, steps: int = 3, pipeline: bool = True, context: int = 0) -> dict:
+    """Median step time of B sequences with contexts spread over [16, S - steps) (or all at `context`), after
+    `warm` steps."""
     config = SWorkerConfig(max_batch=batch, pipeline=pipeline, pipeline_min_batch=PIPELINE_MIN_BATCH)
     s = await graph.driver.spawn(SWorker(model, urls, config), name)
     total = warm + steps
     span = seq_len - PROMPT_LEN - total - 1
-    lens = [PROMPT_LEN + (i * span) // batch for i in range(batch)]
+    lens = [context or PROMPT_LEN + (i * span) // batch for i in range(batch)]
     await s.ask(Synthetic(lens, total), timeout=600)
     await _wait_steps(s, total)
     trace = await s.ask(GetTrace())
@@ -242,36 +333,35 @@ async def _wait_steps(s, steps: int) -> None:
         await asyncio.sleep(0.1)
 
 
-async def _throughput(model, batches: list[int], seq_len: int, unpipelined: int) -> tuple[list[dict], dict]:
-    """Rows for every (P, B), and with 2 R-workers one more run at B=`unpipelined` without the pipeline."""
-    rows, off = [], {}
+async def _throughput(model, batches: list[int], seq_len: int, unpipelined: int, curve: dict[int, float],
+                      r_per_token: float) -> tuple[list[dict], dict, dict[int, float], list[dict]]:
+    """Rows for every (P, B); with 2 R-workers one more run at B=`unpipelined` without the pipeline, the same B
+    at equal contexts from the prompt to S (an unscheduled batch's life), and the Attend round trip C(b) at
+    every rows-per-ask these runs use (aiollm.planner.fastdecode.step_round_trip: real steps at short contexts)."""
+    rows, off, trips, ramp = [], {}, {}, []
     for n in (1, 2):
         async with Graph(startup_timeout=120.0) as graph:
             urls = await _r_workers(graph, n)
-            rtt = await _round_trip(graph, urls[0])
+            if n == 1:
+                per_ask = {max(1, b // (2 * p)) for b in batches for p in (1, 2)} | {b // 2 for b in batches}
+                trips = await step_round_trip(graph.driver, model, urls[0], sorted(per_ask), curve, r_per_token)
             for batch in batches:
-                row = await _synthetic_step(graph, model, urls, batch, seq_len, f"s-{n}-{batch}")
-                rows.append({**row, "rtt_ms": 1e3 * rtt, "kv": "fp16"})
+                rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-{n}-{batch}"),
+                             "kv": "fp16"})
             if n == 2:
-                off = await _synthetic_step(graph, model, urls, unpipelined, seq_len, "s-off", pipeline=False)
+                off = {**await _synthetic_step(graph, model, urls, unpipelined, seq_len, "s-off", pipeline=False),
+                       "kv": "fp16"}
+                # without the schedule a batch that starts together holds equal contexts that grow from the
+                # prompt to S: the same B at equal contexts over that life
+                for i, context in enumerate(np.linspace(PROMPT_LEN, seq_len - 8, 4).astype(int).tolist()):
+                    ramp.append({**await _synthetic_step(graph, model, urls, unpipelined, seq_len, f"s-ramp-{i}",
+                                                         context=context), "context": context})
     async with Graph(startup_timeout=120.0) as graph:  # int8 KV halves the bytes the R-part reads
         urls = await _r_workers(graph, 2, kv_dtype="int8")
-        rtt = await _round_trip(graph, urls[0])
         for batch in [b for b in batches if b >= 256] or batches[-1:]:
-            row = await _synthetic_step(graph, model, urls, batch, seq_len, f"s-int8-{batch}")
-            rows.append({**row, "rtt_ms": 1e3 * rtt, "kv": "int8"})
-    return rows, off
-
-
-async def _round_trip(graph: Graph, url: str, n: int = 200) -> float:
-    """Median seconds of one small ask to an R-worker process and back (the per-layer communication floor)."""
-    ref = graph.ref(url)
-    times = []
-    for _ in range(n):
-        started = time.perf_counter()
-        await ref.ask(GetRLoad())
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+            rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-int8-{batch}"),
+                         "kv": "int8"})
+    return rows, off, trips, ramp
 
 
 async def _naive_threads(model, batch: int, seq_len: int, cores: int) -> dict:
@@ -324,8 +414,12 @@ def _colocated(model, batch: int, seq_len: int) -> dict:
             "tokens_per_s": batch / step}
 
 
-def _transformers(seq_len: int, configs: list[tuple[str, int, int]]) -> list[dict]:
-    """transformers `generate` (greedy, KV cache, SDPA), each step timed by a logits processor."""
+def _transformers(seq_len: int, configs: list[tuple[str, int]], threads: list[int], steps: int = 8) -> list[dict]:
+    """transformers `generate` (greedy, KV cache, SDPA), each decode step timed by a logits processor.
+
+    One generate per (dtype, batch): the prompt is prefilled once (with the most threads), then `steps` decode
+    steps run at each thread count in turn (the processor switches between steps); a row's step is the median
+    of its phase (the context grows by `steps` tokens over ~S/2, so the phases see the same work)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
@@ -335,15 +429,18 @@ def _transformers(seq_len: int, configs: list[tuple[str, int, int]]) -> list[dic
 
         def __call__(self, input_ids, scores):
             self.stamps.append(time.perf_counter())
+            phase, at = divmod(len(self.stamps) - 1, steps)
+            if at == 0 and phase < len(threads):
+                torch.set_num_threads(threads[phase])
             return scores
 
     path = bundled_path(MODEL)
     base = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     rows = []
-    n = 17
+    n = 1 + steps * len(threads)
     bf16 = copy.deepcopy(base).to(torch.bfloat16)
-    for dtype, batch, threads in configs:
-        torch.set_num_threads(threads)
+    for dtype, batch in configs:
+        torch.set_num_threads(max(threads))
         hf = base if dtype == "fp32" else bf16
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(100, base.config.vocab_size, (batch, seq_len // 2), generator=gen)
@@ -351,10 +448,11 @@ def _transformers(seq_len: int, configs: list[tuple[str, int, int]]) -> list[dic
         with torch.inference_mode():
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                         do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
-        step = (clock.stamps[-1] - clock.stamps[0]) / (len(clock.stamps) - 1)  # decode steps only
-        rows.append({"dtype": dtype, "threads": threads, "batch": batch, "prompt_len": seq_len // 2,
-                     "step_ms": 1e3 * step,
-                     "tokens_per_s": batch / step})
+        gaps = np.diff(clock.stamps)  # decode steps only: stamps[0] is the prefill's logits
+        for phase, count in enumerate(threads):
+            step = float(np.median(gaps[phase * steps:(phase + 1) * steps]))
+            rows.append({"dtype": dtype, "threads": count, "batch": batch, "prompt_len": seq_len // 2,
+                         "step_ms": 1e3 * step, "tokens_per_s": batch / step})
     return rows
 
 
@@ -367,12 +465,16 @@ def _trace_schedule(batch: int, seq_len: int, micro_batch: int) -> SLSConfig:
     return SLSConfig(batch, life, interval, workload_limit=batch * (PROMPT_LEN + (life + interval + 1) // 2))
 
 
-async def _trace(model, batch: int, seq_len: int, schedule: SLSConfig | None) -> dict:
-    """Real requests (short prompts, completions to S) through 2 R-workers for 2*S steps; the S-worker's trace."""
+async def _trace(model, batch: int, seq_len: int, schedule: SLSConfig | None, pipeline_min: int,
+                 probe: tuple[dict[int, float], float, list[int]]) -> tuple[dict, dict[int, float]]:
+    """Real requests (short prompts, completions to S) through 2 R-workers for 2*S steps: the S-worker's trace,
+    and C(b) at the rows-per-ask the step model needs (probe: T(B), R and those rows; measured first)."""
     steps = 2 * seq_len
     async with Graph(startup_timeout=120.0) as graph:
         urls = await _r_workers(graph, 2)
-        config = SWorkerConfig(max_batch=batch, pipeline_min_batch=PIPELINE_MIN_BATCH, schedule=schedule)
+        curve, r_per_token, rows = probe
+        trips = await step_round_trip(graph.driver, model, urls[0], rows, curve, r_per_token)
+        config = SWorkerConfig(max_batch=batch, pipeline_min_batch=pipeline_min, schedule=schedule)
         s = await graph.driver.spawn(SWorker(model, urls, config), "s-trace")
         sink = _Sink()
         sink_ref = await graph.driver.spawn(sink, "sink")
@@ -384,17 +486,19 @@ async def _trace(model, batch: int, seq_len: int, schedule: SLSConfig | None) ->
         trace = await s.ask(GetTrace())
         await graph.driver.stop_actor("s-trace")
     return {"step_s": trace.step_s[:steps], "batch": trace.batch[:steps], "tokens": trace.tokens[:steps],
-            "ended": trace.ended[:steps]}
+            "ended": trace.ended[:steps]}, trips
 
 
-def _summarise(name: str, trace: dict, warm: int) -> dict:
+def _summarise(name: str, trace: dict, warm: int, pipeline_min: int) -> dict:
     """Step latency = time between consecutive steps' ends (prefills of new requests included)."""
     ended = trace["ended"]
     gaps = np.diff(ended)[warm - 1:]
     tokens = sum(trace["batch"][warm:])
     return {"schedule": name, "steps": len(gaps), "max_step_ms": 1e3 * float(gaps.max()),
             "median_step_ms": 1e3 * float(np.median(gaps)), "tokens_per_s": tokens / (ended[-1] - ended[warm - 1]),
-            "max_kv_tokens": max(trace["tokens"][warm:]), "mean_batch": float(np.mean(trace["batch"][warm:]))}
+            "max_kv_tokens": max(trace["tokens"][warm:]), "mean_kv_tokens": float(np.mean(trace["tokens"][warm:])),
+            "mean_batch": float(np.mean(trace["batch"][warm:])),
+            "pipelined_steps": float(np.mean(np.array(trace["batch"][warm:]) >= pipeline_min))}
 
 
 def _plot(traces: dict, warm: int, path: Path, title: str) -> None:

@@ -6,6 +6,16 @@ over P R-workers. With the two-minibatch pipeline the R-part of one half overlap
 so neither side waits when the R time per step equals the S time T(B): B*S*R / (2*P) = T(B).
 B itself is the largest batch whose T(B) meets the latency target, or, without one, the smallest batch that
 reaches 90 % of the best measured S-part throughput B/T(B) (past it, more batch adds latency, not tokens/s).
+
+That formula ignores two costs that dominate on a small CPU box (measured on 2 shared vCPUs: the formula
+predicted 0.60x the real step). `predict_step` adds them:
+- communication: every layer sends each R-worker one `Attend` per mini-batch and waits for the reply; its
+  round trip C(b) at b rows (encode, loopback TCP, decode, handling, reply) is measured, not assumed, and
+  counts both as latency on each mini-batch's chain and as CPU work on the two processes;
+- core sharing: when the S-worker and the P R-workers have fewer cores than processes, no part overlaps for
+  free: the step is at least all the CPU work (S-part + attention + communication) over the cores.
+The step is the largest of four bounds: the S-worker's own work, the busiest R-worker's work, one mini-batch's
+dependency chain through the layers, and all the work over the cores.
 """
 from __future__ import annotations
 
@@ -33,13 +43,69 @@ class Sizing:
     workers: int
     tokens_per_s: float
     reasoning: list[str] = field(default_factory=list)
+    # the step predicted with communication and core sharing (0 when only the classic formula was used)
+    predicted_step: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
 
     def explain(self) -> str:
+        step = f", predicted step {self.predicted_step*1e3:.1f} ms" if self.predicted_step else ""
         return "\n".join(self.reasoning + [f"=> B = {self.batch}, P = {self.workers} R-workers "
-                                           f"(exact {self.workers_exact:.3g}), ~{self.tokens_per_s:.0f} tokens/s"])
+                                           f"(formula alone {self.workers_exact:.3g}){step}, "
+                                           f"~{self.tokens_per_s:.0f} tokens/s"])
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """A decode step's predicted time and the bounds it is the largest of (seconds)."""
+
+    step: float
+    s_worker: float
+    r_worker: float
+    chain: float
+    all_over_cores: float
+    # the communication CPU included above, and the round trip per ask it came from
+    communication: float
+    round_trip: float
+
+    def explain(self) -> str:
+        bounds = {"S-worker work": self.s_worker, "busiest R-worker": self.r_worker,
+                  "one mini-batch's chain": self.chain, "all work / cores": self.all_over_cores}
+        binding = max(bounds, key=bounds.get)
+        return (", ".join(f"{k} {v*1e3:.1f} ms" for k, v in bounds.items())
+                + f" -> {self.step*1e3:.1f} ms ({binding} binds; communication {self.communication*1e3:.1f} ms "
+                  f"of CPU at {self.round_trip*1e3:.2f} ms per ask)")
+
+
+def predict_step(t_of_b: dict[int, float], r_per_token: float, round_trip: dict[int, float], n_layers: int,
+                 batch: int, kv_tokens: float, workers: int, pipelined: bool, cores: float) -> StepPrediction:
+    """Predicted decode step of `batch` sequences holding `kv_tokens` KV entries in all, on `workers` R-workers.
+
+    t_of_b: S-part seconds per batch size; r_per_token: attention seconds per KV entry (all layers, one
+    thread); round_trip: seconds of one `Attend` ask per rows carried; cores: the cores the S-worker and the
+    R-workers share (the effective count when other load is on them). Rows are spread evenly over R-workers."""
+    if batch <= 0 or workers <= 0 or n_layers <= 0 or cores <= 0 or kv_tokens < 0:
+        raise ValueError(f"need batch, workers, n_layers, cores > 0 and kv_tokens >= 0, got {batch}, {workers}, "
+                         f"{n_layers}, {cores}, {kv_tokens}")
+    if not round_trip:
+        raise ValueError("round_trip: need measured {rows: seconds}")
+    groups = 2 if pipelined else 1
+    half = batch / groups
+    s_part = groups * interpolate(t_of_b, half)
+    attention = r_per_token * kv_tokens
+    rows = max(1.0, half / workers)
+    trip = interpolate(round_trip, rows)
+    asks = n_layers * groups * workers
+    communication = asks * trip
+    # the round trip's CPU is split between the S-worker (encode q/k/v, decode o) and the R-worker (the reverse)
+    s_worker = s_part + communication / 2
+    r_worker = attention / workers + n_layers * groups * trip / 2
+    # a mini-batch waits for its own S-part (all layers), a round trip per layer, and its share of attention
+    chain = interpolate(t_of_b, half) + n_layers * trip + attention / (groups * workers)
+    all_over_cores = (s_part + attention + communication) / min(cores, workers + 1)
+    step = max(s_worker, r_worker, chain, all_over_cores)
+    return StepPrediction(step, s_worker, r_worker, chain, all_over_cores, communication, trip)
 
 
 def interpolate(curve: dict[int, float], batch: float) -> float:
@@ -54,8 +120,11 @@ def interpolate(curve: dict[int, float], batch: float) -> float:
     return float(np.interp(batch, bs, ts))
 
 
-def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_target: float | None = None) -> Sizing:
-    """Pick B from the measured T(B) curve, then P = B*S*R / (2*T(B))."""
+def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_target: float | None = None,
+         round_trip: dict[int, float] | None = None, n_layers: int = 0, cores: float = 0.0) -> Sizing:
+    """Pick B from the measured T(B) curve, then P = B*S*R / (2*T(B)); with the measured `Attend` round trip
+    per rows (and the model's layer count and the cores the roles share), P is instead the fewest R-workers
+    whose `predict_step` is within 5 % of the best, and the predicted step is the one reported."""
     if not t_of_b or any(b <= 0 or t <= 0 for b, t in t_of_b.items()):
         raise ValueError("t_of_b: need measured {batch: seconds} with positive values")
     if r_per_token <= 0 or seq_len <= 0:
@@ -85,7 +154,25 @@ def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_tar
     workers = max(1, math.ceil(exact - 1e-9))
     lines.append(f"P = B*S*R / (2*T(B)) = {batch}*{seq_len}*{r_per_token:.3e} / (2*{t:.4f}) = {exact:.3g}: "
                  f"a step's attention covers ~B*S/2 tokens (lengths spread over 0..S), which P R-workers finish in T(B)")
-    return Sizing(batch, t, r_per_token, seq_len, exact, workers, batch / t, lines)
+    if round_trip is None:
+        return Sizing(batch, t, r_per_token, seq_len, exact, workers, batch / t, lines)
+    if n_layers <= 0 or cores <= 0:
+        raise ValueError(f"with round_trip, need n_layers and cores > 0, got {n_layers}, {cores}")
+    lines.append("Attend round trip C(b) per ask, measured: " +
+                 ", ".join(f"C({b})={round_trip[b]*1e3:.2f} ms" for b in sorted(round_trip)) +
+                 f"; {n_layers} layers x 2 mini-batches x P asks per step; {cores:.3g} cores shared by the "
+                 f"S-worker and the P R-workers (one thread each)")
+    pipelined = batch >= 2
+    options = {p: predict_step(t_of_b, r_per_token, round_trip, n_layers, batch, batch * seq_len / 2, p, pipelined,
+                               cores) for p in range(1, max(2 * workers, math.ceil(cores) + 2, 4) + 1)}
+    best = min(o.step for o in options.values())
+    chosen = min(p for p, o in options.items() if o.step <= 1.05 * best)
+    for p, o in options.items():
+        lines.append(f"  P={p}: {o.explain()}")
+    lines.append(f"P = {chosen}: the fewest R-workers within 5 % of the best predicted step; past it, more "
+                 f"R-workers add asks (communication) and processes competing for the {cores:.3g} cores, not speed")
+    step = options[chosen].step
+    return Sizing(batch, t, r_per_token, seq_len, exact, chosen, batch / step, lines, predicted_step=step)
 
 
 def read_t_of_b(path: str | Path, key: str = "t_of_b") -> dict[int, float]:
@@ -148,6 +235,59 @@ def measure_r(model_name: str, seq_len: int, batch: int = 16, repeats: int = 3) 
             pool.attend(layer, q, tables, lens)
         best = min(best, time.perf_counter() - start)
     return best / (batch * seq_len)
+
+
+def measure_round_trip(model_name: str, rows: list[int], t_of_b: dict[int, float], r_per_token: float,
+                       kv_dtype: str = "fp16") -> dict[int, float]:
+    """C(b) by `step_round_trip` against one R-worker process started here for the purpose
+    (`python -m aiollm.node --role r-worker`, loopback TCP, as the S-worker talks to its R-workers)."""
+    import asyncio
+
+    from aiollm.graph import Graph
+
+    _, model = _load_model(model_name)
+
+    async def run() -> dict[int, float]:
+        async with Graph(startup_timeout=120.0) as graph:
+            node = await graph.start_node("r-worker", process=True, args=(
+                "--model", model_name, "--kv-memory", "1GiB", "--kv-dtype", kv_dtype, "--threads", "1"))
+            return await step_round_trip(graph.driver, model, node.actors["r-worker"], rows, t_of_b, r_per_token)
+
+    return asyncio.run(run())
+
+
+async def step_round_trip(driver, model, r_worker: str, rows: list[int], t_of_b: dict[int, float],
+                          r_per_token: float, context: int = 16, steps: int = 4) -> dict[int, float]:
+    """C(b): seconds per layer that a real decode step of b sequences spends beyond its S-part and attention.
+
+    An S-worker spawned on `driver` (a Node) decodes b synthetic sequences of `context` entries through the
+    R-worker at `r_worker` without the pipeline, so C(b) = (median step - T(b) - R*W) / layers. That is each
+    layer's `Attend` round trip with everything a real step adds to it (encoding the q/k/v slices, waking the
+    R-worker, its KV write and block tables, decoding the reply) plus the step's sampling, spread over the
+    layers. An idle ping-pong with the same tensors measured ~30 % less here: it misses the wake-ups."""
+    import asyncio
+
+    from aiollm.workers.fastdecode_messages import GetTrace, Synthetic
+    from aiollm.workers.messages import GetLoad
+    from aiollm.workers.s_worker import SWorker, SWorkerConfig
+
+    out = {}
+    for b in rows:
+        name = f"round-trip-probe-{b}"
+        s = await driver.spawn(SWorker(model, [r_worker], SWorkerConfig(max_batch=b, pipeline=False)), name)
+        try:
+            await s.ask(Synthetic([context] * b, steps + 1), timeout=300.0)
+            deadline = time.monotonic() + 120.0
+            while len((trace := await s.ask(GetTrace())).step_s) < steps + 1 or (await s.ask(GetLoad())).running:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"round-trip probe at {b} rows: the S-worker did not finish its steps")
+                await asyncio.sleep(0.02)
+        finally:
+            await driver.stop_actor(name)
+        step = float(np.median(trace.step_s[1:]))
+        attention = r_per_token * float(np.mean(trace.tokens[1:]))
+        out[b] = max(0.0, (step - interpolate(t_of_b, b) - attention) / model.config.n_layers)
+    return out
 
 
 @functools.lru_cache(maxsize=1)

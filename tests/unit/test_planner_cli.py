@@ -20,6 +20,8 @@ def test_bad_inputs_give_clear_errors(argv, message, capsys):
 def test_fastdecode_from_given_measurements(tmp_path, capsys):
     curve = tmp_path / "model.json"
     curve.write_text('{"t_of_b": {"1": 0.01, "64": 0.02, "256": 0.06}}')
-    assert main(["fastdecode", "--seq-len", "1024", "--t-of-b", str(curve), "--r-per-token", "2e-6"]) == 0
+    assert main(["fastdecode", "--seq-len", "1024", "--t-of-b", str(curve), "--r-per-token", "2e-6",
+                 "--round-trip", "8:0.7,128:2.5", "--cores", "2"]) == 0
     out = capsys.readouterr().out
     assert "P = B*S*R / (2*T(B))" in out and "R-workers" in out
+    assert "C(8)=0.70 ms" in out and "all work / cores" in out and "predicted step" in out

@@ -1,9 +1,10 @@
-"""FastDecode sizing: P = B*S*R / (2*T(B)) and the choice of B."""
+"""FastDecode sizing: P = B*S*R / (2*T(B)), the choice of B, and the step model with communication and
+core sharing."""
 import json
 
 import pytest
 
-from aiollm.planner.fastdecode import interpolate, read_t_of_b, size
+from aiollm.planner.fastdecode import interpolate, predict_step, read_t_of_b, size
 
 CURVE = {1: 0.010, 16: 0.012, 64: 0.020, 256: 0.060, 512: 0.120}
 
@@ -43,3 +44,39 @@ def test_bad_inputs():
         size({}, 1e-6, 10)
     with pytest.raises(ValueError):
         size(CURVE, 0.0, 10)
+
+
+TRIP = {8: 0.0007, 128: 0.0025}
+
+
+def test_step_is_the_largest_bound_with_communication_and_shared_cores():
+    # B=256 pipelined on 2 R-workers: halves of 128, 64 rows per ask, 30 layers x 2 halves x 2 workers = 120 asks
+    p = predict_step(CURVE, 2e-6, TRIP, n_layers=30, batch=256, kv_tokens=131072, workers=2, pipelined=True,
+                     cores=2)
+    trip = interpolate(TRIP, 64)
+    s_part, attention, comm = 2 * interpolate(CURVE, 128), 2e-6 * 131072, 120 * trip
+    assert p.round_trip == pytest.approx(trip) and p.communication == pytest.approx(comm)
+    assert p.all_over_cores == pytest.approx((s_part + attention + comm) / 2)
+    assert p.s_worker == pytest.approx(s_part + comm / 2)
+    assert p.step == max(p.s_worker, p.r_worker, p.chain, p.all_over_cores) == p.all_over_cores
+    # dedicated cores for every process: the shared-core bound stops binding, the S-worker's own work does
+    free = predict_step(CURVE, 2e-6, TRIP, 30, 256, 131072, 2, True, cores=16)
+    assert free.step < p.step and free.all_over_cores == pytest.approx((s_part + attention + comm) / 3)
+    # without the pipeline the step is one chain: the S-part, a round trip per layer, and all the attention / P
+    serial = predict_step(CURVE, 2e-6, TRIP, 30, 256, 131072, 2, False, cores=16)
+    assert serial.chain == pytest.approx(CURVE[256] + 30 * interpolate(TRIP, 128) + attention / 2)
+    with pytest.raises(ValueError):
+        predict_step(CURVE, 2e-6, {}, 30, 256, 1, 2, True, 2)
+
+
+def test_sizing_with_communication_and_few_cores_takes_fewer_workers_than_the_formula():
+    classic = size(CURVE, r_per_token=2e-6, seq_len=1024)
+    few = size(CURVE, 2e-6, 1024, round_trip=TRIP, n_layers=30, cores=2)
+    # near-free communication on dedicated cores: back to about the formula's P
+    ideal = size(CURVE, 2e-6, 1024, round_trip={8: 1e-6, 128: 2e-6}, n_layers=30, cores=64)
+    assert few.batch == classic.batch == ideal.batch == 256
+    assert few.workers < ideal.workers and ideal.workers >= classic.workers - 1
+    assert few.predicted_step > ideal.predicted_step > 0
+    assert "C(8)=0.70 ms" in few.explain() and "all work / cores" in few.explain()
+    with pytest.raises(ValueError, match="n_layers"):
+        size(CURVE, 2e-6, 1024, round_trip=TRIP)
