@@ -79,6 +79,9 @@ class SimConfig:
     # message round trips) on top of the bytes over `link_bandwidth`.
     request_overhead: float = 0.0
     pull_overhead: float = 0.0
+    # Instead of the one `request_overhead`: request i's own, overheads[i % len] (a deployment's measured
+    # spread of it, e.g. drawn from a real run; a constant would hide the tail that decides attainment).
+    request_overheads: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -87,8 +90,8 @@ class SimConfig:
             raise ValueError("SimConfig: n_prefill and n_decode must be > 0")
         if self.link_bandwidth <= 0 or self.block_size <= 0 or self.max_batch_tokens < 0 or self.max_running < 0:
             raise ValueError("SimConfig: link_bandwidth, block_size must be > 0; max_batch_tokens, max_running >= 0")
-        if self.request_overhead < 0 or self.pull_overhead < 0:
-            raise ValueError("SimConfig: request_overhead and pull_overhead must be >= 0")
+        if self.request_overhead < 0 or self.pull_overhead < 0 or any(x < 0 for x in self.request_overheads):
+            raise ValueError("SimConfig: request_overhead(s) and pull_overhead must be >= 0")
 
 
 @dataclass
@@ -387,8 +390,10 @@ class _Simulation:
         self.kv_seconds_per_token = config.kv_bytes_per_token / config.link_bandwidth
 
     def run(self) -> SimResult:
+        spread = self.config.request_overheads
         for r, t in enumerate(self.arrival):
-            self.clock.at(float(t) + self.config.request_overhead, self.arrive, r)
+            overhead = spread[r % len(spread)] if spread else self.config.request_overhead
+            self.clock.at(float(t) + overhead, self.arrive, r)
         self.clock.run()
         return SimResult(self.arrival, self.first_token, self.finish, self.output)
 
