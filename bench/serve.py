@@ -41,7 +41,13 @@ import numpy as np
 from bench.report import table
 from bench.serve_cpu import CoreMeter
 from bench.serve_load import (
-    BenchRequest, bootstrap_ratio, goodput_ratio, max_rate_at, p90_tpot, run_rate, summarise,
+    BenchRequest,
+    bootstrap_ratio,
+    goodput_ratio,
+    max_rate_at,
+    p90_tpot,
+    run_rate,
+    summarise,
 )
 
 _TARGET = 0.9
@@ -221,9 +227,9 @@ def _why_not(raw: list[dict], goodput: dict[str, float], ttft_slo: float, tpot_s
 
     low = min(r["rate"] for r in raw)
     tpot = {s: np.median([q.tpot for q in row(s, low)["results"] if q.ok]) * 1e3 for s in ("disaggregated", "colocated")}
-    parts = [f"TPOT p50 at {low} req/s: disaggregated {tpot['disaggregated']:.0f} ms (decode instance on 1 of the "
-             f"cores), colocated {tpot['colocated']:.0f} ms (all cores, prefill interleaved); TPOT SLO "
-             f"{tpot_slo*1e3:.0f} ms"]
+    parts = [(f"TPOT p50 at {low} req/s: disaggregated {tpot['disaggregated']:.0f} ms (decode instance on 1 of the "
+              f"cores), colocated {tpot['colocated']:.0f} ms (all cores, prefill interleaved); TPOT SLO "
+              f"{tpot_slo*1e3:.0f} ms")]
     missed = [r for r in raw if r["setup"] == "disaggregated" and r["rate"] > goodput["disaggregated"]]
     if missed:
         first = min(missed, key=lambda r: r["rate"])

@@ -240,4 +240,4 @@ def sim_vs_real(path: Path, calibration: Path) -> dict:
 def _requests_for(rows: list[dict]) -> int:
     """Requests per rate at which the worst paired s.e. seen would shrink to 1 point (2 points = 2 s.e.)."""
     worst = max(rows, key=lambda r: r["paired_se_points"])
-    return int(math.ceil(worst["requests"] * worst["paired_se_points"] ** 2))
+    return math.ceil(worst["requests"] * worst["paired_se_points"] ** 2)

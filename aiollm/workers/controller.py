@@ -36,10 +36,22 @@ import msgspec
 from aiollm.actors.actor import Actor, handler
 from aiollm.actors.messages import Terminated
 from aiollm.actors.ref import ActorRef
+from aiollm.errors import AiollmError
 from aiollm.log import get_logger
 from aiollm.sched.dispatch import Dispatcher
 from aiollm.workers.messages import (
-    Cancel, Decode, Delta, Generate, GetLoad, KVLost, Load, Prefill, Prefilled, Register, Registered, Sampling,
+    Cancel,
+    Decode,
+    Delta,
+    Generate,
+    GetLoad,
+    KVLost,
+    Load,
+    Prefill,
+    Prefilled,
+    Register,
+    Registered,
+    Sampling,
     Tokens,
 )
 
@@ -315,7 +327,7 @@ class Controller(Actor):
             for name in [n for n in self._urls if not self._instance_alive(n)]:
                 try:
                     load = await self._refs[name].ask(GetLoad(), timeout=2.0)
-                except Exception:
+                except (AiollmError, TimeoutError):  # still gone
                     continue
                 kind = "prefill" if name in self.dispatcher.prefill else "decode"
                 _log().warning("dead instance answers again", instance=name)
@@ -447,7 +459,7 @@ async def register_with(node, controller_url: str, name: str, kind: str, instanc
     for attempt in range(attempts):
         try:
             return await controller.ask(msg, timeout=10.0)
-        except Exception:
+        except (AiollmError, TimeoutError):
             if attempt + 1 == attempts:
                 raise
             await asyncio.sleep(0.5)

@@ -110,8 +110,8 @@ def test_thousand_requests_simulate_fast():
 def test_per_request_overheads_shift_each_arrival():
     latency = LatencyModel("toy", "cpu", "test", {1: StackLatency((0.1, 0.0, 0.0), (0.01, 0.0, 0.0))})
     workload = Workload(LengthSample("toy", np.array([10, 10]), np.array([2, 2])), np.array([0.0, 10.0]))
-    base = dict(latency=latency, mode="disaggregated", prefill=InstanceSpec(1), decode=InstanceSpec(1),
-                prefill_kv_tokens=1000, decode_kv_tokens=1000, kv_bytes_per_token=1, max_batch_tokens=512)
+    base = {"latency": latency, "mode": "disaggregated", "prefill": InstanceSpec(1), "decode": InstanceSpec(1),
+            "prefill_kv_tokens": 1000, "decode_kv_tokens": 1000, "kv_bytes_per_token": 1, "max_batch_tokens": 512}
     result = simulate(SimConfig(**base, request_overheads=(0.05, 0.5)), workload, 1.0)
     assert result.ttft == pytest.approx([0.15, 0.6])  # each request's own overhead before its 0.1 s prefill
     with pytest.raises(ValueError, match="request_overhead"):

@@ -2,7 +2,15 @@
 import pytest
 
 from bench.serve_cpu import CoreMeter
-from bench.serve_load import RequestResult, attainment, bootstrap_ratio, goodput_ratio, max_rate_at, p90_tpot, summarise
+from bench.serve_load import (
+    RequestResult,
+    attainment,
+    bootstrap_ratio,
+    goodput_ratio,
+    max_rate_at,
+    p90_tpot,
+    summarise,
+)
 
 
 def test_summarise_counts_only_requests_meeting_both_slos():
@@ -55,8 +63,8 @@ def test_core_meter_sees_a_busy_child_process():
     import sys
     import time
     # busy for 0.5 s, then idle (alive, so /proc still has its times when the meter stops)
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<0.5: pass\n"
-                              "time.sleep(30)"])
+    busy_then_idle = "import time\nt=time.time()\nwhile time.time()-t<0.5: pass\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", busy_then_idle])
     try:
         meter = CoreMeter([child.pid])
         meter.start(time.perf_counter())
