@@ -6,6 +6,7 @@ it knows nothing about messages, actors or models.
 """
 from __future__ import annotations
 
+import asyncio
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
@@ -13,12 +14,25 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
+from aiollm.errors import AiollmError, ChannelBroken
+from aiollm.log import get_logger
+
+_log = get_logger("transports")
+
 # Anything exposing the buffer protocol: bytes, bytearray, memoryview, a contiguous numpy array.
 Buffer = bytes | bytearray | memoryview
 
-# Called by `recv` once the header and the buffer sizes are known, before the payload is read:
-# returns one writable buffer per size (e.g. slots of a KV pool) so the payload lands there directly.
+# Called by `recv` once the header and the buffer sizes are known, before the payload is read, for
+# frames with at least one buffer: returns one writable buffer per size (e.g. slots of a KV pool) so
+# the payload lands there directly.
 Allocator = Callable[[bytes, list[int]], list[memoryview]]
+
+
+# Push mode (`Connection.deliver`): called with each frame's header and buffers as soon as it is complete;
+# returning an awaitable holds every later frame back until it completes (the receiver's backpressure).
+FrameHandler = Callable[[bytes, list[memoryview]], Awaitable[object] | None]
+# Push mode: called once, with the error that ended the connection (after every frame received before it).
+EndHandler = Callable[[Exception], None]
 
 
 class Frame(NamedTuple):
@@ -108,6 +122,23 @@ class Connection(ABC):
         `ChannelBroken` for a malformed or over-limit frame (the connection is then unusable).
         """
 
+    def deliver(self, on_frame: FrameHandler, on_end: EndHandler, allocate: Allocator | None = None) -> None:
+        """Switch to push mode: every later frame goes to `on_frame(header, buffers)`, in order, once complete.
+
+        Buffers land in `allocate`'s memory (or fresh memory), as with `recv`, which must not be called
+        afterwards. When `on_frame` returns an awaitable, no further frame is handed over until it
+        completes: the connection is then read only into the transport's bounded read-ahead, so a
+        receiver that cannot keep up stalls the sender. `on_end(error)` is called once when the
+        connection ends, with the error `recv` would raise: `NodeUnreachable` (after every frame the
+        peer sent), `ClosedError` (closed here) or `ChannelBroken` (bad data, an `allocate` that failed,
+        or `on_frame` raising — a receiver bug, logged). Call it at most once, from the event loop.
+
+        This default runs a task that loops over `recv`; a transport with a receive callback (tcp)
+        overrides it to call `on_frame` from there, which saves a task wake-up per frame.
+        """
+        loop = asyncio.get_running_loop()
+        self._delivery = loop.create_task(_deliver_loop(self, on_frame, on_end, allocate))
+
     @abstractmethod
     async def close(self) -> None:
         """Close the connection; idempotent."""
@@ -116,6 +147,26 @@ class Connection(ABC):
     @abstractmethod
     def closed(self) -> bool:
         """True once either side closed the connection."""
+
+
+async def _deliver_loop(conn: Connection, on_frame: FrameHandler, on_end: EndHandler,
+                        allocate: Allocator | None) -> None:
+    """The default push mode: receive, hand over, wait while the receiver holds the frame back."""
+    try:
+        while True:
+            frame = await conn.recv(allocate)
+            held = on_frame(frame.header, frame.buffers)
+            if held is not None:
+                await held
+    except AiollmError as exc:
+        on_end(exc)
+    except ValueError as exc:  # allocate returned unsuitable buffers: the stream lost its place
+        await conn.close()
+        on_end(ChannelBroken(f"receive failed: {exc}"))
+    except Exception as exc:  # on_frame (or what it returned) raised: a bug on the receiving side
+        _log.exception("frame handler failed; closing the connection", peer=conn.peer_address)
+        await conn.close()
+        on_end(ChannelBroken(f"frame handler failed: {exc!r}"))
 
 
 class Listener(ABC):

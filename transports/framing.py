@@ -82,6 +82,8 @@ def allocate_buffers(allocate: Allocator | None, header: bytes, sizes: list[int]
     """
     if allocate is None:
         return [memoryview(np.empty(size, dtype=np.uint8)) for size in sizes]
+    if not sizes:  # nothing to place: allocate is only asked about frames that carry buffers
+        return []
     given = allocate(header, list(sizes))
     if len(given) != len(sizes):
         raise ValueError(f"allocate returned {len(given)} buffers for a frame with {len(sizes)}")

@@ -37,7 +37,9 @@ from aiollm.transports.base import (
     Buffer,
     Connection,
     ConnectionHandler,
+    EndHandler,
     Frame,
+    FrameHandler,
     Listener,
     Transport,
     TransportConfig,
@@ -106,6 +108,10 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.loop = asyncio.get_running_loop()
         self.lost = self.loop.create_future()
         self.on_connected = None  # set by the listener: called with the protocol once connected
+        # Push mode (TcpConnection.deliver): the receiver's callbacks, and the awaitable holding frames back.
+        self.on_frame: FrameHandler | None = None
+        self.on_end: EndHandler | None = None
+        self.hold: asyncio.Future | None = None
 
     # -- asyncio callbacks -------------------------------------------------------------------
 
@@ -139,7 +145,10 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             self.pos = 0
         else:
             self.wpos += nbytes
-        self._progress()
+        if self.on_frame is not None:
+            self.push()
+        else:
+            self._progress()
 
     def eof_received(self) -> bool:
         return False  # close our side too; connection_lost follows
@@ -182,6 +191,54 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             self.reading_paused = True
             self.transport.pause_reading()
 
+    def push(self) -> None:
+        """Push mode: hand every complete frame to `on_frame` until one is held back; pause when full."""
+        on_frame = self.on_frame
+        while self.hold is None and self.on_frame is not None:  # (on_end clears on_frame)
+            try:
+                frame = self.parse(True)
+            except Exception as exc:  # a malformed frame or a bad allocate result ends the connection
+                self.fail(exc)
+                return
+            if frame is None:
+                break
+            try:
+                held = on_frame(frame.header, frame.buffers)
+            except Exception as exc:
+                self.handler_failed(exc)
+                return
+            if held is not None:
+                self.hold = hold = asyncio.ensure_future(held)
+                hold.add_done_callback(self._released)
+        if self.hold is None:
+            if self.ended is not None:
+                self.end_push()
+            elif self.reading_paused:
+                self.resume()
+        elif self.direct is None and self.wpos - self.rpos == len(self.scratch) and not self.reading_paused:
+            self.reading_paused = True
+            self.transport.pause_reading()
+
+    def _released(self, hold: asyncio.Future) -> None:
+        """The receiver let go of the frame it held back: go on with the next ones."""
+        self.hold = None
+        if not hold.cancelled() and hold.exception() is not None:
+            self.handler_failed(hold.exception())
+        elif isinstance(self.ended, (ClosedError, ChannelBroken)):
+            self.end_push()
+        elif self.on_frame is not None:
+            self.push()
+
+    def handler_failed(self, exc: BaseException) -> None:
+        _log.error("frame handler failed; closing the connection", peer=self.peername(), exc_info=exc)
+        self.fail(ChannelBroken(f"frame handler failed: {exc!r}"))
+
+    def end_push(self) -> None:
+        """Tell the receiver, once, why the connection ended (after the frames it held back, if the peer closed)."""
+        if self.on_end is not None and (self.hold is None or not isinstance(self.ended, NodeUnreachable)):
+            on_end, self.on_end, self.on_frame = self.on_end, None, None
+            on_end(self.ended)
+
     def parse(self, may_allocate: bool) -> Frame | None:
         """Advance the current frame with the bytes in scratch; returns it once complete.
 
@@ -222,8 +279,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         if self.stage == _ALLOC:
             if not may_allocate:
                 return None
-            allocate, self.allocate = self.allocate, None
-            self.dests, self.idx, self.pos = allocate_buffers(allocate, self.header, self.sizes), 0, 0
+            self.dests, self.idx, self.pos = allocate_buffers(self.allocate, self.header, self.sizes), 0, 0
             self.stage = _BODY
         if not self._fill():
             return None
@@ -275,6 +331,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         for fut in waiters:
             if not fut.done():
                 fut.set_exception(exc)
+        if self.on_end is not None:
+            self.end_push()
 
     def peername(self) -> str:
         peer = self.transport.get_extra_info("peername") if self.transport else None
@@ -341,6 +399,8 @@ class TcpConnection(Connection):
         over-limit frame (the connection is then closed), `ValueError` if `allocate` returns
         unsuitable buffers (the connection is then closed too: its byte stream lost its place).
         """
+        if self._p.on_end is not None or self._p.on_frame is not None:
+            raise RuntimeError("recv called on a connection in push mode (deliver)")
         while self._receiving:  # one recv at a time; later callers take turns
             fut = asyncio.get_running_loop().create_future()
             self._turns.append(fut)
@@ -381,6 +441,31 @@ class TcpConnection(Connection):
                 turn = self._turns.popleft()
                 if not turn.done():
                     turn.set_result(None)
+
+    def deliver(self, on_frame: FrameHandler, on_end: EndHandler, allocate: Allocator | None = None) -> None:
+        """Push mode, from the protocol's receive callback: a frame reaches `on_frame` with no task wake-up.
+
+        See `Connection.deliver`. Frames already read ahead (and one a cancelled `recv` left) go first.
+        """
+        p = self._p
+        if p.on_end is not None or self._receiving:
+            raise RuntimeError("deliver called twice, or while a recv is waiting")
+        p.on_frame, p.on_end, p.allocate = on_frame, on_end, allocate
+        if p.ready is not None:
+            frame, p.ready = p.ready, None
+            try:
+                held = on_frame(frame.header, frame.buffers)
+            except Exception as exc:
+                p.handler_failed(exc)
+                return
+            if held is not None:
+                p.hold = asyncio.ensure_future(held)
+                p.hold.add_done_callback(p._released)
+                return
+        if isinstance(p.ended, (ClosedError, ChannelBroken)):
+            p.end_push()
+        else:
+            p.push()
 
     async def close(self) -> None:
         """Close the connection (idempotent); pending and later calls here raise `ClosedError`.

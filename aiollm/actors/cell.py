@@ -6,15 +6,20 @@ cancels the loop task while it is inside that request's handler and absorbs the 
 `Task.uncancel()`; the actor keeps running. Stream handlers are async generators whose steps are
 scheduled through the mailbox's system lane, so their code, too, runs one piece at a time with the
 other handlers, and a generator at zero credit is simply not resumed.
+
+A request from a peer that finds the actor idle does not even cost that wake-up: `run_now` runs
+the handler from the transport's receive callback as the loop task would (see `inline.py`).
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import traceback
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from aiollm.actors.actor import Actor
+from aiollm.actors.inline import Resume, first_step
 from aiollm.actors.mailbox import Mailbox, MailboxClosed
 from aiollm.actors.messages import STREAM, Message, Terminated
 from aiollm.actors.reply import LocalReply, LocalSink, Reply, Sink, wait_reply
@@ -43,6 +48,11 @@ class ActorCell:
         self.handlers = type(actor).handlers
         self.mailbox = Mailbox(mailbox_size, name)
         self._task: asyncio.Task | None = None
+        # The loop task's contextvars, so that handlers run inline see the same ones.
+        self._context = contextvars.copy_context()
+        # A handler that started inline and suspended, queued for the loop task to continue.
+        self._resume: Resume | None = None
+        self._loop = asyncio.get_running_loop()
         # The Reply or Sink whose handler code is running right now.
         self._current: Reply | Sink | None = None
         # Streams with a live generator, closed when the actor stops.
@@ -51,7 +61,7 @@ class ActorCell:
 
     async def start(self) -> None:
         await self.actor.on_start()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"actor:{self.name}")
+        self._task = self._loop.create_task(self._run(), name=f"actor:{self.name}", context=self._context)
         self._task.add_done_callback(self._loop_ended)
 
     def _loop_ended(self, task: asyncio.Task) -> None:
@@ -73,6 +83,28 @@ class ActorCell:
         if not self.mailbox.put_nowait(item):
             await self.mailbox.put(item)
         return await wait_reply(fut, timeout, lambda: self.cancel(reply))
+
+    def run_now(self, msg: Message, reply: Reply | None) -> bool:
+        """Handle an ask or tell right away, from a transport callback, if the actor is idle; False: queue it.
+
+        Idle means the loop task is parked on an empty mailbox, so order and one-at-a-time hold. The
+        handler runs as that task (`inline.first_step`); if it suspends, the loop task continues it.
+        """
+        task = self._task
+        if (task is None or self._resume is not None or not self.mailbox.parked()
+                or (reply is not None and reply.kind == STREAM) or asyncio.current_task(self._loop) is not None):
+            return False
+        coro = self._handle(msg, reply)
+        try:
+            done, waiting_on = first_step(self._loop, task, self._context, coro)
+        except (Exception, asyncio.CancelledError) as exc:  # _handle lets only runtime bugs through
+            _log().error("actor loop crashed", actor=self.name, exc_info=exc)
+            self._loop.create_task(self.actor.node.stop_actor(self.name, 0.0, "crashed"))
+            return True
+        if not done:
+            self._resume = resume = Resume(coro, waiting_on)
+            self.mailbox.put_system(resume)
+        return True
 
     def stream_local(self, msg: Message, window: int) -> AsyncIterator[Message]:
         rx = StreamReceiver(window)
@@ -136,8 +168,17 @@ class ActorCell:
                 item = await get()
             except MailboxClosed:
                 return
-            if item.__class__ is tuple:
+            except asyncio.CancelledError:  # meant for the handler that started inline and waits for us
+                if self._resume is None:
+                    raise
+                item = self.mailbox.take_system()  # that Resume: queued first, while the mailbox was empty
+                item.error = asyncio.CancelledError()
+            cls = item.__class__
+            if cls is tuple:
                 await self._handle(item[0], item[1])
+            elif cls is Resume:
+                self._resume = None
+                await item
             else:
                 await self._step(item)
 

@@ -82,6 +82,15 @@ class Mailbox:
             self._wake_putter()
         return item
 
+    def parked(self) -> bool:
+        """True while the consumer waits in `get` on an empty mailbox (nothing queued since)."""
+        getter = self._getter
+        return getter is not None and not getter.done()
+
+    def take_system(self) -> Any:
+        """Remove and return the first item of the system lane (the caller knows it is there)."""
+        return self._system.popleft()
+
     def close(self) -> None:
         """Refuse new user messages; waiting senders get `ActorDied`; `get` drains what is queued."""
         self.closed = True

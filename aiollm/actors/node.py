@@ -291,7 +291,7 @@ class Node:
             _log().info("connection dropped during handshake", peer=conn.peer_address, reason=str(exc))
             return
         peer = self._add_peer(conn, info.node or conn.peer_address, info)
-        await asyncio.gather(peer.reader, return_exceptions=True)
+        await peer.finished
 
     def _add_peer(self, conn: Connection, url: str, info: PeerInfo) -> Peer:
         peer = Peer(self, conn, url, info.max_frame)

@@ -1,10 +1,12 @@
 """One authenticated connection to another node: sending requests, reading and routing frames, heartbeats.
 
-The reader is the only task that receives on the connection. It settles ask futures and feeds
-stream receivers directly (no task per message) and puts requests into mailboxes; when a
-mailbox is full it waits there, so the connection is not read and the sender's transport
-backs up — backpressure across the network. Time spent so blocked does not count against the
-peer's heartbeat. When the connection drops or stays silent past the heartbeat timeout, every
+Frames arrive by push (`Connection.deliver`): over tcp `_on_frame` runs inside the transport's
+receive callback, so a reply settles the asker's future and a request lands in its actor's
+mailbox with no reader task in between (one task wake-up less per frame, measured as the
+largest avoidable cost of an ask). Asks, stream items and requests are handled there directly;
+when a mailbox is full `_on_frame` returns the wait, the transport delivers nothing more until
+it is done and stops reading, and the sender's transport backs up — backpressure across the
+network. Time spent so blocked does not count against the peer's heartbeat. When the connection drops or stays silent past the heartbeat timeout, every
 ask and stream waiting on it fails with `NodeUnreachable` and the node fires `Terminated` for
 the actors watched over it.
 """
@@ -84,8 +86,10 @@ class Peer:
         # Last error the peer reported about a frame of ours (shown when the connection then drops).
         self._peer_error = ""
         self._tasks: set[asyncio.Task] = set()
-        self.reader = self._loop.create_task(self._read_loop(), name=f"peer-reader:{url}")
+        # Resolved once the connection is lost (the node's accept handler waits on it).
+        self.finished = self._loop.create_future()
         self._heartbeat = self._loop.create_task(self._beat(), name=f"peer-heartbeat:{url}")
+        conn.deliver(self._on_frame, self._on_end)  # last: frames read ahead are handed over at once
 
     # --- sending -------------------------------------------------------------------------
 
@@ -104,7 +108,7 @@ class Peer:
             raise NodeUnreachable(f"{self.url}: {exc}{self._why()}") from None
 
     def notify(self, env: Envelope) -> None:
-        """Send in the background (from the reader, which must not block on its own link)."""
+        """Send in the background (from `_on_frame`, which must not block on its own link)."""
         if not self.closed:
             self._spawn(self.send_quiet(env))
 
@@ -156,40 +160,44 @@ class Peer:
 
     # --- receiving -----------------------------------------------------------------------
 
-    async def _read_loop(self) -> None:
-        reason = "connection lost"
+    def _on_frame(self, header: bytes, buffers: list[memoryview]) -> Coroutine[Any, Any, None] | None:
+        """Route one frame (called by the transport); returns the wait when a full mailbox must hold the link."""
+        self._last_recv = self._loop.time()
         try:
-            while True:
-                frame = await self.conn.recv()
-                self._last_recv = self._loop.time()
-                try:
-                    env = self._codec.decode_envelope(frame.header)
-                except ProtocolError as exc:
-                    _log().warning("bad frame refused", peer=self.url, error=str(exc))
-                    self.notify(Failure(V, 0, "protocol", "ProtocolError", str(exc), ""))
-                    continue
-                kind = env.__class__
-                if kind is Request:
-                    blocked = self._on_request(env, frame.buffers)
-                    if blocked is not None:
-                        await self._put_waiting(*blocked)
-                elif kind is Reply:
-                    self._on_reply(env, frame.buffers)
-                elif kind is Item:
-                    self._on_item(env, frame.buffers)
-                else:
-                    self._on_control(env)
-        except (NodeUnreachable, ClosedError) as exc:
-            reason = f"connection lost ({exc})"
-        except ChannelBroken as exc:
-            reason = f"channel broken ({exc})"
-            _log().warning("bad frame: closing connection", peer=self.url, error=str(exc))
-            await self.send_quiet(Failure(V, 0, "protocol", "ChannelBroken", str(exc), ""))
-        finally:
-            self.lose(reason)
+            env = self._codec.decode_envelope(header)
+        except ProtocolError as exc:
+            _log().warning("bad frame refused", peer=self.url, error=str(exc))
+            self.notify(Failure(V, 0, "protocol", "ProtocolError", str(exc), ""))
+            return None
+        kind = env.__class__
+        if kind is Reply:  # inline: the hottest branch
+            fut = self._pending.pop(env.id, None)
+            if fut is None or fut.done():
+                return None  # the asker gave up (timeout or cancel)
+            try:
+                fut.set_result(self._codec.decode_body(env.body, buffers))
+            except ProtocolError as exc:
+                fut.set_exception(exc)
+        elif kind is Request:
+            blocked = self._on_request(env, buffers)
+            if blocked is not None:
+                return self._put_waiting(*blocked)
+        elif kind is Item:
+            self._on_item(env, buffers)
+        else:
+            self._on_control(env)
+        return None
+
+    def _on_end(self, error: Exception) -> None:
+        """The transport says the connection ended (after every frame it delivered)."""
+        if isinstance(error, ChannelBroken):
+            _log().warning("bad frame: closing connection", peer=self.url, error=str(error))
+            self.lose(f"channel broken ({error})")
+        else:
+            self.lose(f"connection lost ({error})")
 
     def _on_request(self, env: Request, buffers: list[memoryview]) -> tuple[ActorCell, tuple] | None:
-        """Decode and queue a request; returns (actor, item) when the mailbox is full and the reader must wait."""
+        """Decode and queue a request; returns (actor, item) when the mailbox is full and delivery must wait."""
         actor = self.node.actors.get(env.to)
         if actor is None or actor.mailbox.closed:
             text = f"no actor {env.to!r} on {self.node.url}"
@@ -210,6 +218,8 @@ class Peer:
         else:
             reply = _RemoteReply(self, env.id) if env.kind == ASK else _RemoteSink(self, env.id, env.credits)
             self._inflight[env.id] = (actor, reply)
+        if actor.run_now(msg, reply):
+            return None
         item = (msg, reply)
         if actor.mailbox.put_nowait(item):
             return None
@@ -225,15 +235,6 @@ class Peer:
         finally:
             self._blocked = False
             self._last_recv = self._loop.time()
-
-    def _on_reply(self, env: Reply, buffers: list[memoryview]) -> None:
-        fut = self._pending.pop(env.id, None)
-        if fut is None or fut.done():
-            return  # the asker gave up (timeout or cancel)
-        try:
-            fut.set_result(self._codec.decode_body(env.body, buffers))
-        except ProtocolError as exc:
-            fut.set_exception(exc)
 
     def _on_item(self, env: Item, buffers: list[memoryview]) -> None:
         rx = self._streams.get(env.id)
@@ -324,13 +325,15 @@ class Peer:
         self._inflight.clear()
         self._heartbeat.cancel()
         self._spawn(self.conn.close())
+        if not self.finished.done():
+            self.finished.set_result(None)
         self.node.peer_lost(self, reason)
 
     async def close(self) -> None:
-        """Close the connection and wait for the reader to finish."""
+        """Close the connection and wait for the tasks serving it to finish."""
         self.lose("closed by this node")
         await self.conn.close()
-        await asyncio.gather(self.reader, self._heartbeat, *self._tasks, return_exceptions=True)
+        await asyncio.gather(self._heartbeat, *self._tasks, return_exceptions=True)
 
     def _why(self) -> str:
         return f" (peer said: {self._peer_error})" if self._peer_error else ""
