@@ -181,7 +181,8 @@ static inline void unpermute_acc(float *acc, int rows, int D) {
 static inline void prefetch_tile(const char *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
-/* One 16-token chunk of one kv head: scores, online-softmax update, V accumulation. */
+/* One 16-token chunk of one kv head: scores, online-softmax update, V accumulation. m: running max per q head;
+ * l: 16 lane partial sums of the softmax denominator per q head (l + g * 16). */
 T512 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, const float *vs, int c, int nv,
                        int G, int D, int BS, const float *qs, float *acc, float *m, float *l,
                        const int32_t *q4, const int32_t *corr, const float *qsc) {
@@ -212,10 +213,21 @@ T512 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, 
             __m512 sc = s[g];
             if (dt == AIOLLM_DT_I8) sc = _mm512_mul_ps(sc, _mm512_loadu_ps(ks + c * 16));
             sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), sc);
-            const float mx = _mm512_reduce_max_ps(sc), mo = m[g0 + g], mn = mx > mo ? mx : mo;
+            /* The max rarely moves after a few chunks: one compare decides, and only then the horizontal max
+             * and the rescale run. l is kept as 16 lane sums (reduced once per item), so the common path has
+             * no horizontal reduction at all (measured: hot-cache compute 23 -> 26 GB/s, DRAM-bound 1 thread
+             * 8.9 -> 10.0 GB/s, 2 threads 16.2 -> 19.0 GB/s for SmolLM2 256 x 4096). */
+            const float mo = m[g0 + g];
+            float mn = mo, al = 1.0f;
+            __m512 lv = _mm512_load_ps(l + (g0 + g) * 16);
+            if (_mm512_cmp_ps_mask(sc, _mm512_set1_ps(mo), _CMP_GT_OQ)) {
+                const float mx = _mm512_reduce_max_ps(sc);
+                mn = mx > mo ? mx : mo;
+                al = expf(mo - mn);
+                lv = _mm512_mul_ps(lv, _mm512_set1_ps(al));
+            }
             __m512 p = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mn))));
-            const float al = mn == mo ? 1.0f : expf(mo - mn); /* the max rarely moves after a few chunks */
-            l[g0 + g] = l[g0 + g] * al + _mm512_reduce_add_ps(p);
+            _mm512_store_ps(l + (g0 + g) * 16, _mm512_add_ps(lv, p));
             m[g0 + g] = mn;
             alpha[g0 + g] = al;
             if (dt == AIOLLM_DT_I8) p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(mask, vs + c * 16));
@@ -296,13 +308,13 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
     const float *q = a->q + seq * a->q_seq_stride + (int64_t)h0 * GD;
     float qs[AIOLLM_ITEM_FLOATS] __attribute__((aligned(64)));
     float acc[AIOLLM_ITEM_FLOATS] __attribute__((aligned(64)));
-    float m[AIOLLM_ITEM_FLOATS / 16], l[AIOLLM_ITEM_FLOATS / 16];
+    float m[AIOLLM_ITEM_FLOATS / 16], l[AIOLLM_ITEM_FLOATS] __attribute__((aligned(64))); /* l: 16 lane sums per row */
     int32_t q4[AIOLLM_ITEM_FLOATS / 4], corr[AIOLLM_ITEM_FLOATS / 16];
     float qsc[AIOLLM_ITEM_FLOATS / 16];
 
     for (int r = 0; r < NH * G; r++) {
         m[r] = -INFINITY;
-        l[r] = 0.0f;
+        _mm512_store_ps(l + r * 16, _mm512_setzero_ps());
     }
     for (int i = 0; i < NH * GD; i += 16) {
         _mm512_store_ps(qs + i, _mm512_mul_ps(_mm512_loadu_ps(q + i), _mm512_set1_ps(a->scale)));
@@ -326,7 +338,7 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                 int nv = n - (blk * BS + c * 16);
                 if (nv <= 0) break;
                 const int w = nv > 16 ? 16 : nv;
-                float *ah = acc + h * GD, *mh = m + h * G, *lh = l + h * G;
+                float *ah = acc + h * GD, *mh = m + h * G, *lh = l + h * G * 16;
                 const int32_t *q4h = vnni ? q4 + h * G * (D / 4) : NULL;
                 const int32_t *ch = corr + h * G;
                 const float *qh = qsc + h * G;
@@ -340,7 +352,8 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
     if (vnni && D % 64 == 0) unpermute_acc(acc, NH * G, D);
 #endif
     for (int r = 0; r < NH * G; r++) {
-        const __m512 inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+        const float lr = _mm512_reduce_add_ps(_mm512_load_ps(l + r * 16));
+        const __m512 inv = _mm512_set1_ps(lr > 0.0f ? 1.0f / lr : 0.0f);
         for (int d = 0; d < D; d += 16) _mm512_store_ps(acc + r * D + d, _mm512_mul_ps(_mm512_load_ps(acc + r * D + d), inv));
     }
     store_row_ref(a->out, ((int64_t)seq * a->n_q_heads + (int64_t)h0 * G) * D, acc, NH * GD, a->out_dtype);
