@@ -65,7 +65,7 @@ def cmd_fastdecode(args: argparse.Namespace) -> int:
     t_of_b = read_t_of_b(args.t_of_b, args.t_of_b_key) if args.t_of_b else measure_t_of_b(args.model, args.batches)
     r = args.r_per_token if args.r_per_token else measure_r(args.model, args.seq_len)
     if args.round_trip:
-        round_trip = {int(b): float(ms) / 1e3 for b, ms in (item.split(":") for item in args.round_trip.split(","))}
+        round_trip = {1: {int(b): float(ms) / 1e3 for b, ms in (i.split(":") for i in args.round_trip.split(","))}}
     else:
         round_trip = measure_round_trip(args.model, [8, 32, 128], t_of_b, r)
     cores = args.cores or len(os.sched_getaffinity(0))
@@ -129,8 +129,8 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--r-per-token", type=float, help="R: seconds of attention per context token on one R-worker "
                                                       "(instead of measuring with aiollm.kv)")
     f.add_argument("--batches", default="1,4,16,64,256", help="batch sizes to measure T(B) at")
-    f.add_argument("--round-trip", help="C(b): Attend round trip per rows carried, ms, as ROWS:MS,... "
-                                        "(instead of measuring it against an R-worker process started here)")
+    f.add_argument("--round-trip", help="C(b): a step's per-layer cost per Attend ask of b rows, ms, as ROWS:MS,... "
+                                        "(instead of measuring it in real steps with 1 and 2 R-worker processes)")
     f.add_argument("--cores", type=float, help="cores the S-worker and R-workers share (default: this machine's)")
     f.add_argument("--json", type=Path)
     f.set_defaults(func=cmd_fastdecode)

@@ -37,22 +37,20 @@ from aiollm.graph import Graph
 from aiollm.kv import attention as kv_attention
 from aiollm.kv.pool import KVConfig, KVPool
 from aiollm.model import load
-from aiollm.model.engine import ColocatedEngine
 from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
-from aiollm.planner.fastdecode import predict_step, size, step_round_trip
+from aiollm.planner.fastdecode import interpolate, predict_step, size, step_round_trip
 from aiollm.sched.sls import SLSConfig
+from aiollm.workers import runner
 from aiollm.workers.fastdecode_messages import GetTrace, Synthetic
 from aiollm.workers.messages import Generate, GetLoad, Sampling, Tokens
 from aiollm.workers.s_worker import SWorker, SWorkerConfig
-from bench.model import t_of_b
+from bench.model import s_part_step
 from bench.report import table
 
 PROMPT_LEN = 16
 # the bundled model every part of this benchmark runs
 MODEL = "smollm2"
-# the S-worker's default (--pipeline-min-batch): smaller batches run as one mini-batch
-PIPELINE_MIN_BATCH = 64
 
 
 SECTIONS = ("throughput", "baselines", "trace")
@@ -124,30 +122,38 @@ def run(args) -> dict:
 
 def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figures: dict) -> None:
     """Sizing inputs, tokens/s per (P, B, KV dtype), the pipeline and thread-policy effects, predicted steps."""
-    per_ask = {max(1, b // (2 * p)) for b in batches for p in (1, 2)} | {b // 2 for b in batches}
-    curve = {r["batch"]: r["seconds"] for r in t_of_b(model, sorted({1, *batches, *per_ask}), 0.3)}
+    sizes = {max(1, b // 2) for b in batches} | {max(1, b // 4) for b in batches}
+    curve = _t_of_b(model, sorted({1, *batches, *sizes}))
     r_of = {"fp16": _measure_r(model, seq_len), "int8": _measure_r(model, seq_len, "int8")}
     c_eff = _effective_cores(cores)
     print(f"\n-- effective cores: {c_eff:.2f} of {cores} (a fixed single-threaded job in {cores} processes at once "
           f"vs alone; other users of this machine lower it)")
     figures.update(t_of_b={str(b): t for b, t in curve.items()}, r_per_token_s=r_of["fp16"],
                    r_per_token_int8_s=r_of["int8"], effective_cores=c_eff)
-    unpipelined = max([b for b in batches if b <= 256] or batches[:1])
-    rows, off, trips, ramp = uvloop.run(_throughput(model, batches, seq_len, unpipelined, curve, r_of["fp16"]))
-    figures["round_trip_ms"] = {str(b): 1e3 * t for b, t in trips.items()}
+    check_batch = max([b for b in batches if b <= 256] or batches[:1])
+    rows, off, trips, ramp, r_situ = uvloop.run(_throughput(model, batches, seq_len, check_batch, curve, r_of,
+                                                            c_eff))
+    # the kernel alone on a fresh pool vs a real R-worker: the step model uses the latter (int8 scaled alike)
+    r_of = {"fp16": r_situ, "int8": r_situ * r_of["int8"] / r_of["fp16"]}
+    print(f"\n-- R, attention per KV entry (all layers): kernel alone {figures['r_per_token_s']*1e9:.0f} ns, in a "
+          f"real R-worker step {r_situ*1e9:.0f} ns (used below)")
+    figures["r_per_token_in_situ_s"] = r_situ
+    figures["round_trip_ms"] = {str(p): {str(b): 1e3 * t for b, t in c.items()} for p, c in trips.items()}
     sizing = size(curve, r_of["fp16"], seq_len, round_trip=trips, n_layers=model.config.n_layers, cores=c_eff)
     print("\n-- sizing model (aiollm.planner.fastdecode, fed this run's T(B), R, C(b) and effective cores)\n"
           + sizing.explain())
     figures.update(sizing_batch=sizing.batch, sizing_workers=sizing.workers)
     # every row's step predicted from the inputs measured above (no fitting to the measured steps)
     for row in rows + [off]:
-        p = predict_step(curve, r_of[row["kv"]], trips, model.config.n_layers, row["batch"], row["kv_tokens"],
+        p = predict_step(curve, r_of[row["kv"]], trips[row["r_workers"]], model.config.n_layers, row["batch"],
+                         row["kv_tokens"],
                          row["r_workers"], row["pipelined"], c_eff)
         row["predicted_ms"] = 1e3 * p.step
         row["binding"] = max((("S", p.s_worker), ("R", p.r_worker), ("chain", p.chain),
                               ("cores", p.all_over_cores)), key=lambda kv: kv[1])[0]
     print(f"\n-- S-worker + R-worker processes, decode at context S={seq_len} (placeholder contexts over "
-          f"[{PROMPT_LEN}, S)); predicted = aiollm.planner.fastdecode.predict_step, binding = its largest bound\n"
+          f"[{PROMPT_LEN}, S)); pipelined or not as predict_step said faster (last row: the other way); "
+          f"predicted = aiollm.planner.fastdecode.predict_step, binding = its largest bound\n"
           f"{table(rows + [off])}")
     figures["fastdecode"] = rows + [off]
     best = max(rows, key=lambda r: r["tokens_per_s"])
@@ -155,8 +161,9 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
     figures.update(fastdecode_best_tokens_per_s=best["tokens_per_s"], fastdecode_best_kv=best["kv"],
                    fastdecode_best_batch=best["batch"], fastdecode_best_fp16_tokens_per_s=best_fp16["tokens_per_s"])
 
-    naive = uvloop.run(_naive_threads(model, min(64, max(batches)), seq_len, cores))
-    deliberate = next(r for r in rows if r["batch"] == naive["batch"] and r["r_workers"] == 2 and r["kv"] == "fp16")
+    deliberate = next(r for r in rows if r["batch"] == min(64, max(batches)) and r["r_workers"] == 2
+                      and r["kv"] == "fp16")
+    naive = uvloop.run(_naive_threads(model, deliberate["batch"], seq_len, cores, deliberate["pipelined"]))
     print(f"\n-- threads when sharing {cores} cores (B={naive['batch']}, 2 R-workers): deliberate "
           f"{deliberate['step_ms']:.1f} ms/step vs naive {naive['step_ms']:.1f} ms/step "
           f"(S-worker {cores} torch threads, R-workers {cores} attention threads each, OMP_WAIT_POLICY=active)")
@@ -164,11 +171,14 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
                    ratio_naive_vs_deliberate_threads_step=naive["step_ms"] / deliberate["step_ms"])
 
     check = next(r for r in rows if r["batch"] == off["batch"] and r["r_workers"] == 2 and r["kv"] == "fp16")
-    print(f"\n-- pipeline (B={check['batch']}, 2 R-workers): {check['step_ms']:.1f} ms/step with, "
-          f"{off['step_ms']:.1f} without")
-    figures.update(pipeline_on_step_ms=check["step_ms"], pipeline_off_step_ms=off["step_ms"],
-                   ratio_pipeline_step=check["step_ms"] / off["step_ms"])
-    _steady_state_schedule_gain(check, ramp, seq_len, figures)
+    on, without = (check, off) if check["pipelined"] else (off, check)
+    print(f"\n-- pipeline (B={check['batch']}, 2 R-workers): {on['step_ms']:.1f} ms/step with, "
+          f"{without['step_ms']:.1f} without (predicted {on['predicted_ms']:.1f} and {without['predicted_ms']:.1f}); "
+          f"the step model chose {'with' if check['pipelined'] else 'without'}")
+    figures.update(pipeline_on_step_ms=on["step_ms"], pipeline_off_step_ms=without["step_ms"],
+                   ratio_pipeline_step=on["step_ms"] / without["step_ms"])
+    _steady_state_schedule_gain(check, ramp, seq_len, figures, lambda w, n_cores, pipe: predict_step(
+        curve, r_of["fp16"], trips[2], model.config.n_layers, check["batch"], w, 2, pipe, n_cores).step, c_eff)
     ratios = [r["predicted_ms"] / r["step_ms"] for r in rows + [off]]
     figures.update(predicted_step_ms=check["predicted_ms"], measured_step_ms=check["step_ms"],
                    predicted_batch=check["batch"],
@@ -180,7 +190,8 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
           f"{100 * figures['predicted_within_15pct']:.0f} % within 15 %")
 
 
-def _steady_state_schedule_gain(spread: dict, ramp: list[dict], seq_len: int, figures: dict) -> None:
+def _steady_state_schedule_gain(spread: dict, ramp: list[dict], seq_len: int, figures: dict, price, c_eff: float
+                                ) -> None:
     """The schedule's tokens/s gain at context S, measured in steady state: a batch started together lives
     through equal contexts from the prompt to S (mean step over that life), the schedule keeps it spread over
     [prompt, S) (one step). Equal mean W; only a step time convex in W (the pipeline's max(S, R) on cores of
@@ -193,24 +204,33 @@ def _steady_state_schedule_gain(spread: dict, ramp: list[dict], seq_len: int, fi
           + f" (mean over the life {life:.1f} ms; middle points {middle:.1f} vs the ends' mean {ends:.1f}: "
             f"{'linear' if abs(middle / ends - 1) < 0.05 else 'convex' if middle < ends else 'concave'} in W) vs "
             f"spread contexts {spread['step_ms']:.1f} ms -> tokens/s with/without {life / spread['step_ms']:.3f}")
+    predicted = {}
+    # here as run; on a core per process with the two-minibatch pipeline, as FastDecode runs
+    for label, n_cores, pipe in (("here", c_eff, spread["pipelined"]), ("dedicated", 3.0, True)):
+        ramp_steps = [price(spread["batch"] * r["context"], n_cores, pipe) for r in ramp]
+        predicted[label] = float(np.mean(ramp_steps)) / price(spread["kv_tokens"], n_cores, pipe)
+    print(f"   step model over the same W: with/without {predicted['here']:.3f} on {c_eff:.2f} shared cores, "
+          f"{predicted['dedicated']:.3f} with a core per process (S-worker, 2 R-workers): the gain needs the "
+          f"R-part to bind late in an unscheduled batch's life and the S-part early, which shared cores never let "
+          f"happen (every bound there is the sum of the work)")
     figures.update(sls_steady_ramp=ramp, sls_steady_spread_step_ms=spread["step_ms"],
-                   ratio_sls_tokens_steady_state=life / spread["step_ms"])
+                   ratio_sls_tokens_steady_state=life / spread["step_ms"],
+                   sls_steady_predicted_ratio_here=predicted["here"],
+                   sls_steady_predicted_ratio_dedicated=predicted["dedicated"])
 
 
 def _baselines_part(model, seq_len: int, cores: int, quick: bool, no_transformers: bool, figures: dict) -> None:
     """transformers `generate` at its best batch, dtype and thread count, and the colocated `generate()`."""
     threads = sorted({1, cores})
-    colocated_rows = []
-    for n in threads:
-        torch.set_num_threads(n)
-        colocated_rows.append(_colocated(model, 16 if quick else 32, seq_len))
-    torch.set_num_threads(1)
+    colocated_rows = _colocated(model, 16 if quick else 32, seq_len, threads)
     colocated = max(colocated_rows, key=lambda r: r["tokens_per_s"])
-    print(f"\n-- colocated generate (bf16, fp16 KV), prompts of S/2 tokens\n{table(colocated_rows)}")
+    print(f"\n-- colocated decode (aiollm.workers.runner, bf16, fp16 KV), prompts of S/2 tokens, both thread "
+          f"counts after one prefill\n{table(colocated_rows)}")
     figures.update(colocated=colocated_rows, colocated_best_tokens_per_s=colocated["tokens_per_s"])
     if no_transformers:
         return
-    configs = [("bf16", 16)] if quick else [("bf16", 16), ("bf16", 64), ("fp32", 64)]
+    # fp32 at B=16 only: at B=64 it ran 1.4x slower than bf16 (its prefill of 64 x 512 tokens alone took ~1 min)
+    configs = [("bf16", 16)] if quick else [("bf16", 16), ("bf16", 64), ("fp32", 16)]
     hf_rows = _transformers(seq_len, configs, threads)
     torch.set_num_threads(1)
     print(f"\n-- transformers generate, prompts of S/2 tokens (each generate times its first half of decode "
@@ -229,9 +249,10 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
     pipeline_min = max(2, batch // 2)
     schedule = _trace_schedule(batch, seq, args.trace_micro_batch)
     sizes = sorted({1, batch, *(max(1, batch // d) for d in (2, 4, 8, 16))})
-    curve = {r["batch"]: r["seconds"] for r in t_of_b(model, sizes, 0.1)}
+    curve = _t_of_b(model, sizes)
     r_per_token = figures.get("r_per_token_s") or _measure_r(model, 1024)
-    runs = {name: uvloop.run(_trace(model, batch, seq, sls, pipeline_min, (curve, r_per_token, sizes[1:-1])))
+    per_ask = [b for b in sizes if 1 < b <= batch // 4]
+    runs = {name: uvloop.run(_trace(model, batch, seq, sls, pipeline_min, (curve, r_per_token, per_ask)))
             for name, sls in (("without", None), ("with", schedule))}
     traces = {name: trace for name, (trace, _) in runs.items()}
     trips = runs["without"][1]
@@ -276,6 +297,23 @@ def _sls_gain_explained(model, traces: dict, warm: int, curve: dict[int, float],
           f"{figures['ratio_sls_tokens']:.3f}")
 
 
+def _t_of_b(model, sizes: list[int], repeats: int = 5) -> dict[int, float]:
+    """T(B): the S-part step (bench.model.s_part_step) per batch size, the fastest of `repeats` after a warm-up
+    (the least disturbed by the other processes on these cores; the mean let one spike double a point)."""
+    curve = {}
+    with torch.inference_mode():
+        for b in sizes:
+            ids = torch.randint(0, model.config.vocab, (b,))
+            rope = model.rope(torch.arange(b) % 1024 + 64)
+            times = []
+            for _ in range(repeats + 1):
+                started = time.perf_counter()
+                s_part_step(model, model.embed(ids), rope)
+                times.append(time.perf_counter() - started)
+            curve[b] = min(times[1:])
+    return curve
+
+
 def _measure_r(model, seq_len: int, dtype: str = "fp16", batch: int = 16) -> float:
     """R: seconds of attention per context entry, all layers, one thread (one R-worker)."""
     c = model.config
@@ -307,7 +345,7 @@ async def _synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_
                           warm: int = 1, steps: int = 3, pipeline: bool = True, context: int = 0) -> dict:
     """Median step time of B sequences with contexts spread over [16, S - steps) (or all at `context`), after
     `warm` steps."""
-    config = SWorkerConfig(max_batch=batch, pipeline=pipeline, pipeline_min_batch=PIPELINE_MIN_BATCH)
+    config = SWorkerConfig(max_batch=batch, pipeline=pipeline, pipeline_min_batch=2)
     s = await graph.driver.spawn(SWorker(model, urls, config), name)
     total = warm + steps
     span = seq_len - PROMPT_LEN - total - 1
@@ -319,7 +357,7 @@ async def _synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_
         await asyncio.sleep(0.05)
     await graph.driver.stop_actor(name)
     step = statistics.median(trace.step_s[warm:total])
-    return {"batch": batch, "r_workers": len(urls), "pipelined": pipeline and batch >= PIPELINE_MIN_BATCH,
+    return {"batch": batch, "r_workers": len(urls), "pipelined": pipeline and batch >= 2,
             "step_ms": 1e3 * step, "tokens_per_s": batch / step,
             "kv_tokens": int(statistics.mean(trace.tokens[warm:total]))}
 
@@ -333,45 +371,68 @@ async def _wait_steps(s, steps: int) -> None:
         await asyncio.sleep(0.1)
 
 
-async def _throughput(model, batches: list[int], seq_len: int, unpipelined: int, curve: dict[int, float],
-                      r_per_token: float) -> tuple[list[dict], dict, dict[int, float], list[dict]]:
-    """Rows for every (P, B); with 2 R-workers one more run at B=`unpipelined` without the pipeline, the same B
-    at equal contexts from the prompt to S (an unscheduled batch's life), and the Attend round trip C(b) at
-    every rows-per-ask these runs use (aiollm.planner.fastdecode.step_round_trip: real steps at short contexts)."""
-    rows, off, trips, ramp = [], {}, {}, []
+async def _throughput(model, batches: list[int], seq_len: int, check: int, curve: dict[int, float],
+                      r_of: dict[str, float], cores: float
+                      ) -> tuple[list[dict], dict, dict[int, dict[int, float]], list[dict], float]:
+    """Rows for every (P, B), each with or without the pipeline as the step model predicts faster; with 2
+    R-workers B=`check` once more the other way, and the same B at equal contexts from the prompt to S (an
+    unscheduled batch's life). First, in the same processes: {P: C(b)} at every rows-per-ask either mode uses
+    (aiollm.planner.fastdecode.step_round_trip: real steps at short contexts) and R in situ (a real unpipelined
+    step at context S minus its S-part and C(b), per KV entry; the kernel alone on a fresh pool is a floor)."""
+    rows, off, trips, ramp, r_situ = [], {}, {}, [], r_of["fp16"]
+    layers = model.config.n_layers
+    mean_w = (PROMPT_LEN + seq_len) / 2
+
+    def pipelined(batch: int, n: int, r: float) -> bool:
+        def step(pipe: bool) -> float:
+            return predict_step(curve, r, trips[n], layers, batch, batch * mean_w, n, pipe, cores).step
+        return batch >= 2 and step(True) < step(False)
+
     for n in (1, 2):
         async with Graph(startup_timeout=120.0) as graph:
             urls = await _r_workers(graph, n)
-            if n == 1:
-                per_ask = {max(1, b // (2 * p)) for b in batches for p in (1, 2)} | {b // 2 for b in batches}
-                trips = await step_round_trip(graph.driver, model, urls[0], sorted(per_ask), curve, r_per_token)
+            per_ask = {max(1, b // d) for b in batches for d in (n, 2 * n)}
+            trips[n] = await step_round_trip(graph.driver, model, urls, sorted(per_ask), curve, r_of["fp16"])
+            if n == 1:  # R as a real R-worker attends (its allocator's blocks, its per-step work), not the kernel alone
+                b = min(64, max(batches))
+                long = await _synthetic_step(graph, model, urls, b, seq_len, "s-r-probe", pipeline=False,
+                                             context=seq_len - 8)
+                rest = interpolate(curve, b) + layers * interpolate(trips[1], b)
+                r_situ = max(r_of["fp16"], (long["step_ms"] / 1e3 - rest) / long["kv_tokens"])
             for batch in batches:
-                rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-{n}-{batch}"),
-                             "kv": "fp16"})
+                pipe = pipelined(batch, n, r_situ)
+                rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-{n}-{batch}",
+                                                     pipeline=pipe), "kv": "fp16"})
             if n == 2:
-                off = {**await _synthetic_step(graph, model, urls, unpipelined, seq_len, "s-off", pipeline=False),
+                pipe = pipelined(check, n, r_situ)
+                off = {**await _synthetic_step(graph, model, urls, check, seq_len, "s-other", pipeline=not pipe),
                        "kv": "fp16"}
                 # without the schedule a batch that starts together holds equal contexts that grow from the
                 # prompt to S: the same B at equal contexts over that life
                 for i, context in enumerate(np.linspace(PROMPT_LEN, seq_len - 8, 4).astype(int).tolist()):
-                    ramp.append({**await _synthetic_step(graph, model, urls, unpipelined, seq_len, f"s-ramp-{i}",
-                                                         context=context), "context": context})
+                    ramp.append({**await _synthetic_step(graph, model, urls, check, seq_len, f"s-ramp-{i}",
+                                                         pipeline=pipe, context=context), "context": context})
+    r_int8 = r_situ * r_of["int8"] / r_of["fp16"]
     async with Graph(startup_timeout=120.0) as graph:  # int8 KV halves the bytes the R-part reads
         urls = await _r_workers(graph, 2, kv_dtype="int8")
         for batch in [b for b in batches if b >= 256] or batches[-1:]:
-            rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-int8-{batch}"),
-                         "kv": "int8"})
-    return rows, off, trips, ramp
+            rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-int8-{batch}",
+                                                 pipeline=pipelined(batch, 2, r_int8)), "kv": "int8"})
+        # and one R-worker at the largest batch (the other process idles: S-worker and R-worker get a core each)
+        batch = max(batches)
+        rows.append({**await _synthetic_step(graph, model, urls[:1], batch, seq_len, "s-int8-p1",
+                                             pipeline=pipelined(batch, 1, r_int8)), "kv": "int8"})
+    return rows, off, trips, ramp, r_situ
 
 
-async def _naive_threads(model, batch: int, seq_len: int, cores: int) -> dict:
+async def _naive_threads(model, batch: int, seq_len: int, cores: int, pipeline: bool) -> dict:
     """The same run with every process using all cores and spinning OpenMP waits."""
     os.environ["OMP_WAIT_POLICY"] = "active"
     torch.set_num_threads(cores)
     try:
         async with Graph(startup_timeout=120.0) as graph:
             urls = await _r_workers(graph, 2, threads=cores)
-            return await _synthetic_step(graph, model, urls, batch, seq_len, "s-naive")
+            return await _synthetic_step(graph, model, urls, batch, seq_len, "s-naive", pipeline=pipeline)
     finally:
         os.environ["OMP_WAIT_POLICY"] = "passive"
         torch.set_num_threads(1)
@@ -399,19 +460,34 @@ def _prompts(model, batch: int, length: int) -> list[list[int]]:
     return torch.randint(100, model.config.vocab, (batch, length), generator=gen).tolist()
 
 
-def _colocated(model, batch: int, seq_len: int) -> dict:
-    """Decode tokens/s of the colocated engine: (generate n+1 tokens - generate 1 token) / (B*n)."""
+def _colocated(model, batch: int, seq_len: int, threads: list[int], steps: int = 8) -> list[dict]:
+    """Decode steps of the colocated path (aiollm.workers.runner: prefill into a paged fp16 KV cache, then
+    `decode_step`, S-part and attention in this process), timed one by one after a single prefill: `steps` at
+    each thread count in turn (torch and attention threads alike), the median of each phase.
+
+    (Subtracting a 1-token generate from an (n+1)-token one instead put the prefill's run-to-run noise, about
+    a second at B=32 x 512 tokens, into every step.)"""
     prompts = _prompts(model, batch, seq_len // 2)
-    n = 16
-    engine = ColocatedEngine(model, kv_dtype="fp16", n_blocks=batch * (-(-(seq_len // 2 + n + 1) // 16)))
-    times = []
-    for max_tokens in (1, n + 1):
-        started = time.perf_counter()
-        engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        times.append(time.perf_counter() - started)
-    step = (times[1] - times[0]) / n
-    return {"threads": torch.get_num_threads(), "batch": batch, "prompt_len": seq_len // 2, "step_ms": 1e3 * step,
-            "tokens_per_s": batch / step}
+    params = SamplingParams(max_tokens=2 + steps * len(threads), ignore_eos=True)
+    seqs = [runner.new_sequence(f"colocated-{i}", p, params, model) for i, p in enumerate(prompts)]
+    cache = runner.PagedCache(model, batch * -(-seqs[0].max_length // 16), 16, "fp16")
+    for seq in seqs:
+        cache.reserve(seq)
+    torch.set_num_threads(max(threads))
+    runner.prefill_into(model, cache, seqs)
+    rows = []
+    for n in threads:
+        torch.set_num_threads(n)
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            runner.decode_step(model, cache, seqs, n)
+            times.append(time.perf_counter() - started)
+        step = statistics.median(times)
+        rows.append({"threads": n, "batch": batch, "prompt_len": seq_len // 2, "step_ms": 1e3 * step,
+                     "tokens_per_s": batch / step})
+    torch.set_num_threads(1)
+    return rows
 
 
 def _transformers(seq_len: int, configs: list[tuple[str, int]], threads: list[int], steps: int = 8) -> list[dict]:
@@ -473,7 +549,7 @@ async def _trace(model, batch: int, seq_len: int, schedule: SLSConfig | None, pi
     async with Graph(startup_timeout=120.0) as graph:
         urls = await _r_workers(graph, 2)
         curve, r_per_token, rows = probe
-        trips = await step_round_trip(graph.driver, model, urls[0], rows, curve, r_per_token)
+        trips = await step_round_trip(graph.driver, model, urls, rows, curve, r_per_token)
         config = SWorkerConfig(max_batch=batch, pipeline_min_batch=pipeline_min, schedule=schedule)
         s = await graph.driver.spawn(SWorker(model, urls, config), "s-trace")
         sink = _Sink()

@@ -121,10 +121,11 @@ def interpolate(curve: dict[int, float], batch: float) -> float:
 
 
 def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_target: float | None = None,
-         round_trip: dict[int, float] | None = None, n_layers: int = 0, cores: float = 0.0) -> Sizing:
-    """Pick B from the measured T(B) curve, then P = B*S*R / (2*T(B)); with the measured `Attend` round trip
-    per rows (and the model's layer count and the cores the roles share), P is instead the fewest R-workers
-    whose `predict_step` is within 5 % of the best, and the predicted step is the one reported."""
+         round_trip: dict[int, dict[int, float]] | None = None, n_layers: int = 0, cores: float = 0.0) -> Sizing:
+    """Pick B from the measured T(B) curve, then P = B*S*R / (2*T(B)); with C(b) measured per R-worker count
+    ({P: {rows per ask: seconds}}, see `step_round_trip`; a P not measured uses the largest measured one below
+    it), the model's layer count and the cores the roles share, P is instead the fewest R-workers whose
+    `predict_step` is within 5 % of the best, and the predicted step is the one reported."""
     if not t_of_b or any(b <= 0 or t <= 0 for b, t in t_of_b.items()):
         raise ValueError("t_of_b: need measured {batch: seconds} with positive values")
     if r_per_token <= 0 or seq_len <= 0:
@@ -158,12 +159,20 @@ def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_tar
         return Sizing(batch, t, r_per_token, seq_len, exact, workers, batch / t, lines)
     if n_layers <= 0 or cores <= 0:
         raise ValueError(f"with round_trip, need n_layers and cores > 0, got {n_layers}, {cores}")
-    lines.append("Attend round trip C(b) per ask, measured: " +
-                 ", ".join(f"C({b})={round_trip[b]*1e3:.2f} ms" for b in sorted(round_trip)) +
-                 f"; {n_layers} layers x 2 mini-batches x P asks per step; {cores:.3g} cores shared by the "
-                 f"S-worker and the P R-workers (one thread each)")
+    if not round_trip or min(round_trip) < 1:
+        raise ValueError("round_trip: need {R-workers: {rows: seconds}} for at least one R-worker count >= 1")
+    for p in sorted(round_trip):
+        lines.append(f"C(b), a step's per-layer cost per ask beyond S-part and attention, measured in real steps "
+                     f"with {p} R-worker(s): " +
+                     ", ".join(f"C({b})={t*1e3:.2f} ms" for b, t in sorted(round_trip[p].items())))
+    lines.append(f"{n_layers} layers x 2 mini-batches x P asks per step; {cores:.3g} cores shared by the S-worker "
+                 f"and the P R-workers (one thread each)")
     pipelined = batch >= 2
-    options = {p: predict_step(t_of_b, r_per_token, round_trip, n_layers, batch, batch * seq_len / 2, p, pipelined,
+
+    def curve(p: int) -> dict[int, float]:
+        return round_trip[max(m for m in round_trip if m <= p)]
+
+    options = {p: predict_step(t_of_b, r_per_token, curve(p), n_layers, batch, batch * seq_len / 2, p, pipelined,
                                cores) for p in range(1, max(2 * workers, math.ceil(cores) + 2, 4) + 1)}
     best = min(o.step for o in options.values())
     chosen = min(p for p, o in options.items() if o.step <= 1.05 * best)
@@ -238,8 +247,8 @@ def measure_r(model_name: str, seq_len: int, batch: int = 16, repeats: int = 3) 
 
 
 def measure_round_trip(model_name: str, rows: list[int], t_of_b: dict[int, float], r_per_token: float,
-                       kv_dtype: str = "fp16") -> dict[int, float]:
-    """C(b) by `step_round_trip` against one R-worker process started here for the purpose
+                       workers: tuple[int, ...] = (1, 2), kv_dtype: str = "fp16") -> dict[int, dict[int, float]]:
+    """{P: C(b)} by `step_round_trip` against P R-worker processes started here for the purpose
     (`python -m aiollm.node --role r-worker`, loopback TCP, as the S-worker talks to its R-workers)."""
     import asyncio
 
@@ -247,24 +256,28 @@ def measure_round_trip(model_name: str, rows: list[int], t_of_b: dict[int, float
 
     _, model = _load_model(model_name)
 
-    async def run() -> dict[int, float]:
+    async def run() -> dict[int, dict[int, float]]:
         async with Graph(startup_timeout=120.0) as graph:
-            node = await graph.start_node("r-worker", process=True, args=(
+            nodes = [await graph.start_node("r-worker", process=True, args=(
                 "--model", model_name, "--kv-memory", "1GiB", "--kv-dtype", kv_dtype, "--threads", "1"))
-            return await step_round_trip(graph.driver, model, node.actors["r-worker"], rows, t_of_b, r_per_token)
+                for _ in range(max(workers))]
+            urls = [node.actors["r-worker"] for node in nodes]
+            return {p: await step_round_trip(graph.driver, model, urls[:p], rows, t_of_b, r_per_token)
+                    for p in workers}
 
     return asyncio.run(run())
 
 
-async def step_round_trip(driver, model, r_worker: str, rows: list[int], t_of_b: dict[int, float],
+async def step_round_trip(driver, model, r_workers: list[str], rows: list[int], t_of_b: dict[int, float],
                           r_per_token: float, context: int = 16, steps: int = 4) -> dict[int, float]:
-    """C(b): seconds per layer that a real decode step of b sequences spends beyond its S-part and attention.
+    """C(b): seconds per layer that a real decode step spends beyond its S-part and attention, with b rows per ask.
 
-    An S-worker spawned on `driver` (a Node) decodes b synthetic sequences of `context` entries through the
-    R-worker at `r_worker` without the pipeline, so C(b) = (median step - T(b) - R*W) / layers. That is each
-    layer's `Attend` round trip with everything a real step adds to it (encoding the q/k/v slices, waking the
-    R-worker, its KV write and block tables, decoding the reply) plus the step's sampling, spread over the
-    layers. An idle ping-pong with the same tensors measured ~30 % less here: it misses the wake-ups."""
+    An S-worker spawned on `driver` (a Node) decodes P*b synthetic sequences of `context` entries through the
+    P R-workers at `r_workers` without the pipeline, so C(b) = (median step - T(P*b) - R*W/P) / layers. That is
+    each layer's `Attend` round trip with everything a real step adds to it (encoding the q/k/v slices, waking
+    the R-workers, their KV write and block tables, decoding the replies; with more processes than cores, the
+    waits for a core) plus the step's sampling, spread over the layers. An idle ping-pong with the same tensors
+    measured 2-3x less here: it misses the wake-ups and the competition for cores."""
     import asyncio
 
     from aiollm.workers.fastdecode_messages import GetTrace, Synthetic
@@ -272,11 +285,12 @@ async def step_round_trip(driver, model, r_worker: str, rows: list[int], t_of_b:
     from aiollm.workers.s_worker import SWorker, SWorkerConfig
 
     out = {}
+    p = len(r_workers)
     for b in rows:
-        name = f"round-trip-probe-{b}"
-        s = await driver.spawn(SWorker(model, [r_worker], SWorkerConfig(max_batch=b, pipeline=False)), name)
+        name = f"round-trip-probe-{p}-{b}"
+        s = await driver.spawn(SWorker(model, r_workers, SWorkerConfig(max_batch=p * b, pipeline=False)), name)
         try:
-            await s.ask(Synthetic([context] * b, steps + 1), timeout=300.0)
+            await s.ask(Synthetic([context] * (p * b), steps + 1), timeout=300.0)
             deadline = time.monotonic() + 120.0
             while len((trace := await s.ask(GetTrace())).step_s) < steps + 1 or (await s.ask(GetLoad())).running:
                 if time.monotonic() > deadline:
@@ -285,8 +299,8 @@ async def step_round_trip(driver, model, r_worker: str, rows: list[int], t_of_b:
         finally:
             await driver.stop_actor(name)
         step = float(np.median(trace.step_s[1:]))
-        attention = r_per_token * float(np.mean(trace.tokens[1:]))
-        out[b] = max(0.0, (step - interpolate(t_of_b, b) - attention) / model.config.n_layers)
+        attention = r_per_token * float(np.mean(trace.tokens[1:])) / p
+        out[b] = max(0.0, (step - interpolate(t_of_b, p * b) - attention) / model.config.n_layers)
     return out
 
 

@@ -345,8 +345,10 @@ class SWorker(Actor):
             return
         self._dead.add(worker)
         self.capacity[worker] = 0
-        _log().warning("R-worker lost; re-placing its sequences", worker=self.r_urls[worker], reason=reason,
-                       sequences=sum(r.worker == worker for r in self._live.values()))
+        # an orderly stop (the cluster shutting down) is not a fault worth a warning
+        (_log().info if reason == "node stopped" else _log().warning)(
+            "R-worker lost; re-placing its sequences", worker=self.r_urls[worker], reason=reason,
+            sequences=sum(r.worker == worker for r in self._live.values()))
 
     async def _recover(self) -> None:
         """Re-place every sequence of a lost R-worker on a survivor with room, re-prefilling its KV (prompt and

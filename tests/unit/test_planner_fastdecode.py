@@ -71,12 +71,15 @@ def test_step_is_the_largest_bound_with_communication_and_shared_cores():
 
 def test_sizing_with_communication_and_few_cores_takes_fewer_workers_than_the_formula():
     classic = size(CURVE, r_per_token=2e-6, seq_len=1024)
-    few = size(CURVE, 2e-6, 1024, round_trip=TRIP, n_layers=30, cores=2)
+    few = size(CURVE, 2e-6, 1024, round_trip={1: TRIP}, n_layers=30, cores=2)
     # near-free communication on dedicated cores: back to about the formula's P
-    ideal = size(CURVE, 2e-6, 1024, round_trip={8: 1e-6, 128: 2e-6}, n_layers=30, cores=64)
+    ideal = size(CURVE, 2e-6, 1024, round_trip={1: {8: 1e-6, 128: 2e-6}}, n_layers=30, cores=64)
     assert few.batch == classic.batch == ideal.batch == 256
     assert few.workers < ideal.workers and ideal.workers >= classic.workers - 1
     assert few.predicted_step > ideal.predicted_step > 0
     assert "C(8)=0.70 ms" in few.explain() and "all work / cores" in few.explain()
+    # a slower round trip measured with 2 R-workers (processes competing for cores) prices P >= 2 with it
+    dearer = size(CURVE, 2e-6, 1024, round_trip={1: TRIP, 2: {8: 0.005, 128: 0.01}}, n_layers=30, cores=2)
+    assert dearer.workers == 1 and "with 2 R-worker(s): C(8)=5.00 ms" in dearer.explain()
     with pytest.raises(ValueError, match="n_layers"):
-        size(CURVE, 2e-6, 1024, round_trip=TRIP)
+        size(CURVE, 2e-6, 1024, round_trip={1: TRIP})
