@@ -114,6 +114,14 @@ class Connection(ABC):
         `ValueError` if the frame exceeds the configured limits.
         """
 
+    def send_nowait(self, header: bytes) -> bool:
+        """Send a frame without buffers if the transport can take it right now: True; else False and
+        nothing was sent (then `send` waits, or raises what went wrong). Saves a coroutine on hot paths.
+
+        This default always says False.
+        """
+        return False
+
     @abstractmethod
     async def recv(self, allocate: Allocator | None = None) -> Frame:
         """Receive the next frame; buffers are received straight into `allocate`'s memory (or fresh memory).

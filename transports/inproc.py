@@ -110,6 +110,18 @@ class InprocConnection(Connection):
         pipe.queued_bytes += size
         pipe.wake()
 
+    def send_nowait(self, header: bytes) -> bool:
+        """Queue a control-only frame if the peer's queue has room (see `Connection`)."""
+        pipe = self._tx
+        size = len(header)
+        if (pipe.writer_closed or pipe.reader_closed or size > self._config.max_header_bytes
+                or size > self._config.max_frame_bytes or not pipe.has_room(size)):
+            return False
+        pipe.frames.append((bytes(header), [], size))
+        pipe.queued_bytes += size
+        pipe.wake()
+        return True
+
     async def recv(self, allocate: Allocator | None = None) -> Frame:
         """Take the next frame, waiting for one; frames queued before the peer closed are still delivered.
 

@@ -183,6 +183,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             self.fail(exc)
             return
         if frame is not None:
+            frame = Frame(*frame)
             if waiting:
                 waiter.set_result(frame)
             else:  # only a frame whose recv was cancelled mid-body completes without a waiter
@@ -203,13 +204,15 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             if frame is None:
                 break
             try:
-                held = on_frame(frame.header, frame.buffers)
+                held = on_frame(*frame)
             except Exception as exc:
                 self.handler_failed(exc)
                 return
             if held is not None:
                 self.hold = hold = asyncio.ensure_future(held)
                 hold.add_done_callback(self._released)
+            elif self.rpos == self.wpos:  # at a frame boundary with nothing buffered: done for now
+                break
         if self.hold is None:
             if self.ended is not None:
                 self.end_push()
@@ -239,8 +242,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             on_end, self.on_end, self.on_frame = self.on_end, None, None
             on_end(self.ended)
 
-    def parse(self, may_allocate: bool) -> Frame | None:
-        """Advance the current frame with the bytes in scratch; returns it once complete.
+    def parse(self, may_allocate: bool) -> tuple[bytes, list[memoryview]] | None:
+        """Advance the current frame with the bytes in scratch; returns (header, buffers) once complete.
 
         Stops before allocating unless `may_allocate` (a recv is waiting) and whenever more bytes
         are needed. Raises `ChannelBroken` for malformed frames, `ValueError` from `allocate`.
@@ -254,7 +257,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             if (count == 0 and magic == MAGIC and version == VERSION and avail >= PREFIX.size + header_len
                     and header_len <= self.header_max):  # fast path: a whole control-only frame
                 self.rpos = rpos + PREFIX.size + header_len
-                return Frame(bytes(self.scratch[rpos + PREFIX.size:self.rpos]), [])
+                return bytes(self.scratch[rpos + PREFIX.size:self.rpos]), []
             self.header_len, self.count = decode_prefix(self.scratch[self.rpos:self.rpos + PREFIX.size], self.config)
             self.rpos += PREFIX.size
             self.stage = _SIZES
@@ -284,7 +287,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         if not self._fill():
             return None
         self.stage = _PREFIX
-        frame = Frame(self.header, self.dests)
+        frame = self.header, self.dests
         self.dests, self.header = [], b""
         return frame
 
@@ -386,6 +389,14 @@ class TcpConnection(Connection):
         if p.write_paused:
             await self._drained()
 
+    def send_nowait(self, header: bytes) -> bool:
+        """Write a small control-only frame at once if nothing holds writing back (see `Connection`)."""
+        p = self._p
+        if p.ended is not None or p.write_paused or len(header) > p.join_max or len(header) > p.header_max:
+            return False
+        p.transport.write(PREFIX.pack(MAGIC, VERSION, 0, len(header), 0) + header)
+        return True
+
     async def _drained(self) -> None:
         fut = asyncio.get_running_loop().create_future()
         self._p.drain_waiters.append(fut)
@@ -424,7 +435,7 @@ class TcpConnection(Connection):
                 p.allocate = None
                 if p.reading_paused:
                     p.resume()
-                return frame
+                return Frame(*frame)
             if p.ended is not None:
                 raise p.ended
             p.waiter = waiter = p.loop.create_future()

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from aiollm.actors.actor import Actor
-from aiollm.actors.inline import Resume, first_step
+from aiollm.actors.inline import Resume, first_step, in_task
 from aiollm.actors.mailbox import Mailbox, MailboxClosed
 from aiollm.actors.messages import STREAM, Message, Terminated
 from aiollm.actors.reply import LocalReply, LocalSink, Reply, Sink, wait_reply
@@ -92,7 +92,7 @@ class ActorCell:
         """
         task = self._task
         if (task is None or self._resume is not None or not self.mailbox.parked()
-                or (reply is not None and reply.kind == STREAM) or asyncio.current_task(self._loop) is not None):
+                or (reply is not None and reply.kind == STREAM) or in_task(self._loop)):
             return False
         coro = self._handle(msg, reply)
         try:

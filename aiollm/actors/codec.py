@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from aiollm.actors import messages
 from aiollm.actors.messages import (
     PROTOCOL_VERSION,
     AnyEnvelope,
@@ -141,6 +142,7 @@ class Codec:
         self._rx: Sequence[memoryview] = ()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._envelope_decoder = msgspec.msgpack.Decoder(AnyEnvelope)
+        self._decode_envelope = self._envelope_decoder.decode
         self._handshake_decoder = msgspec.msgpack.Decoder(HandshakeEnvelope)
         self._body_decoder: msgspec.msgpack.Decoder | None = None
         self._registry_generation = -1
@@ -149,11 +151,9 @@ class Codec:
 
     def encode(self, envelope: Envelope) -> tuple[bytes, Sequence[memoryview]]:
         """The header bytes and the out-of-band buffers of one envelope (its body included)."""
-        try:
-            header = self._encoder.encode(envelope)
-            return header, self._out or ()
-        finally:
-            self._out = None
+        self._out = None  # (reset here, not in a finally: one block less on every frame)
+        header = self._encoder.encode(envelope)
+        return header, self._out or ()
 
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
@@ -180,6 +180,12 @@ class Codec:
 
     def decode_envelope(self, header: bytes | memoryview) -> AnyEnvelope:
         """The envelope of a frame; `ProtocolError` for garbage, an unknown kind or another version."""
+        try:  # the fast path, inline: a well-formed envelope of our version
+            env = self._decode_envelope(header)
+            if env.v == PROTOCOL_VERSION:
+                return env
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
         return _decode_versioned(self._envelope_decoder, header, "frame header")
 
     def decode_handshake(self, header: bytes | memoryview) -> Any:
@@ -191,7 +197,7 @@ class Codec:
         self._rx = buffers
         try:
             decoder = self._body_decoder
-            if decoder is None or self._registry_generation != registry_generation():
+            if decoder is None or self._registry_generation != messages._generation:
                 decoder = self._rebuild_decoder()
             return decoder.decode(raw)
         except ProtocolError:

@@ -22,6 +22,8 @@ from typing import Any
 # only private names used, and only here.
 _enter_task = asyncio.tasks._enter_task
 _leave_task = asyncio.tasks._leave_task
+# event loop -> its running task; `in_task(loop)` is `asyncio.current_task(loop) is not None` minus a call.
+in_task = asyncio.tasks._current_tasks.__contains__
 
 
 def first_step(loop: asyncio.AbstractEventLoop, task: asyncio.Task, context: contextvars.Context,

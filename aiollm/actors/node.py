@@ -207,7 +207,8 @@ class Node:
             await (await self.peer(ref.node_url)).tell(ref.name, msg)
 
     def ask(self, ref: ActorRef, msg: Message, timeout: float | None) -> Awaitable[Message | None]:
-        _check(msg)
+        if not isinstance(msg, Message):
+            _check(msg)
         peer = self._peers.get(ref.node_url)
         if peer is not None and not peer.closed:  # the hot path: a connected peer, no extra coroutine
             return peer.ask(ref.name, msg, timeout)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiollm.actors.messages import (
@@ -93,9 +93,21 @@ class Peer:
 
     # --- sending -------------------------------------------------------------------------
 
+    def post(self, env: Envelope) -> tuple[bytes, Sequence[memoryview]] | None:
+        """Encode and send at once if the transport can take the frame now (None); else the encoded
+        frame, for `send_frame`. The fast path of every ask and reply: no coroutine. Raises what `encode` raises.
+        """
+        header, buffers = frame = self._codec.encode(env)
+        if not buffers and len(header) <= self.max_frame and not self.closed and self.conn.send_nowait(header):
+            return None
+        return frame
+
     async def send(self, env: Envelope) -> None:
         """Encode and send one frame; `ProtocolError` if over the peer's limit, `NodeUnreachable` if gone."""
-        header, buffers = self._codec.encode(env)
+        await self.send_frame(*self._codec.encode(env))
+
+    async def send_frame(self, header: bytes, buffers: Sequence[memoryview]) -> None:
+        """Send an encoded frame; `ProtocolError` if over the peer's limit, `NodeUnreachable` if gone."""
         size = len(header) + (sum(b.nbytes for b in buffers) if buffers else 0)
         if size > self.max_frame:
             raise ProtocolError(f"frame of {size} bytes exceeds the peer's max_frame_bytes={self.max_frame}")
@@ -128,7 +140,9 @@ class Peer:
         self._pending[rid] = fut
         timer = None if timeout is None else self._loop.call_later(timeout, expire, fut, timeout)
         try:
-            await self.send(Request(V, rid, ASK, name, 0, msg))
+            frame = self.post(Request(V, rid, ASK, name, 0, msg))
+            if frame is not None:
+                await self.send_frame(*frame)
             return await fut
         except (asyncio.CancelledError, TimeoutError):
             self._abandon(rid)
@@ -359,9 +373,12 @@ class _RemoteReply(ReplySlot):
         self.rid = rid
 
     async def ok(self, value: Message | None) -> None:
-        self.peer.inflight_done(self.rid)
+        peer = self.peer
+        peer._inflight.pop(self.rid, None)
         try:
-            await self.peer.send(Reply(V, self.rid, value))
+            frame = peer.post(Reply(V, self.rid, value))
+            if frame is not None:
+                await peer.send_frame(*frame)
         except (TypeError, ValueError, ProtocolError) as exc:  # the value could not be sent
             _log().error("reply not sendable", peer=self.peer.url, error=str(exc))
             await self.peer.send_quiet(_failure(self.rid, RemoteError(type(exc).__name__, str(exc))))
