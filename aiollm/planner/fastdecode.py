@@ -101,8 +101,9 @@ def predict_step(t_of_b: dict[int, float], r_per_token: float, round_trip: dict[
     # the round trip's CPU is split between the S-worker (encode q/k/v, decode o) and the R-worker (the reverse)
     s_worker = s_part + communication / 2
     r_worker = attention / workers + n_layers * groups * trip / 2
-    # a mini-batch waits for its own S-part (all layers), a round trip per layer, and its share of attention
-    chain = interpolate(t_of_b, half) + n_layers * trip + attention / (groups * workers)
+    # a mini-batch waits for its own S-part (all layers), a round trip per layer, and its share of attention,
+    # which its R-workers run side by side only as far as there are cores for them
+    chain = interpolate(t_of_b, half) + n_layers * trip + attention / (groups * min(workers, cores))
     all_over_cores = (s_part + attention + communication) / min(cores, workers + 1)
     step = max(s_worker, r_worker, chain, all_over_cores)
     return StepPrediction(step, s_worker, r_worker, chain, all_over_cores, communication, trip)

@@ -65,6 +65,9 @@ def test_step_is_the_largest_bound_with_communication_and_shared_cores():
     # without the pipeline the step is one chain: the S-part, a round trip per layer, and all the attention / P
     serial = predict_step(CURVE, 2e-6, TRIP, 30, 256, 131072, 2, False, cores=16)
     assert serial.chain == pytest.approx(CURVE[256] + 30 * interpolate(TRIP, 128) + attention / 2)
+    # ...and on one core the two R-workers' attention cannot run side by side
+    one_core = predict_step(CURVE, 2e-6, TRIP, 30, 256, 131072, 2, False, cores=1)
+    assert one_core.chain == pytest.approx(CURVE[256] + 30 * interpolate(TRIP, 128) + attention)
     with pytest.raises(ValueError):
         predict_step(CURVE, 2e-6, {}, 30, 256, 1, 2, True, 2)
 
