@@ -254,8 +254,10 @@ class _FrameProtocol(asyncio.BufferedProtocol):
                 return None
             rpos = self.rpos
             magic, version, _, header_len, count = PREFIX.unpack_from(self.scratch, rpos)
-            if (count == 0 and magic == MAGIC and version == VERSION and avail >= PREFIX.size + header_len
-                    and header_len <= self.header_max):  # fast path: a whole control-only frame
+            if (count == 0 and may_allocate and magic == MAGIC and version == VERSION
+                    and avail >= PREFIX.size + header_len and header_len <= self.header_max):
+                # fast path: a whole control-only frame (only for a waiting receiver: a frame completed
+                # without one would be parked in `ready`, and a second such frame would overwrite it)
                 self.rpos = rpos + PREFIX.size + header_len
                 return bytes(self.scratch[rpos + PREFIX.size:self.rpos]), []
             self.header_len, self.count = decode_prefix(self.scratch[self.rpos:self.rpos + PREFIX.size], self.config)
@@ -323,7 +325,9 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             self.transport.abort()
 
     def resume(self) -> None:
-        if self.reading_paused and self.ended is None:
+        """Read again, unless the scratch buffer is still full (the kernel would get an empty buffer)."""
+        if (self.reading_paused and self.ended is None
+                and (self.direct is not None or self.wpos - self.rpos < len(self.scratch))):
             self.reading_paused = False
             self.transport.resume_reading()
 

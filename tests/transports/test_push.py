@@ -122,3 +122,18 @@ async def test_deliver_receives_into_allocated_memory(pair):
     assert np.shares_memory(np.frombuffer(got.views[0][0], np.uint8), pool)
     assert np.array_equal(pool[:MiB], pattern(MiB, 3))
     assert got.frames[1] == (b"ctl", [])
+
+
+async def test_send_nowait_takes_whole_frames_or_nothing(pair):
+    p = await pair(server_config=CLOG_CONFIG)
+    taken = 0
+    while taken < 2000 and p.client.send_nowait(taken.to_bytes(4, "little") + bytes(60_000)):
+        taken += 1
+    assert taken < 2000, "send_nowait kept taking frames although nobody reads"
+    for i in range(taken):  # each frame taken arrives whole, in order
+        frame = await within(p.server.recv())
+        assert int.from_bytes(frame.header[:4], "little") == i and len(frame.header) == 60_004
+    await within(p.client.send(b"after"))  # what send_nowait refused, send delivers
+    assert (await within(p.server.recv())).header == b"after"
+    await p.client.close()
+    assert not p.client.send_nowait(b"closed")
