@@ -2,7 +2,9 @@
 
 Rows: raw blocking sockets with `recv_into` (the practical limit), aiollm's tcp transport (received
 into preallocated memory through `allocate`, and into fresh arrays), aiollm's ucx transport where
-its binding is installed, pyzmq, Ray (where installed) and the actor-level ask (bench.transport_ask).
+its binding is installed, pyzmq, Ray (where installed), the actor-level ask (bench.transport_ask) and, to
+show where an ask's microseconds go, the uvloop floor (an 8-byte echo from protocol callbacks, one task
+wake-up) and the ask's CPU time per process and in one process.
 Round trips are reported unpinned and with both processes pinned to one CPU: on these VMs a wake-up
 across vCPUs dominates a small round trip. Throughput is one-way, best of `repeats` runs.
 Run it as `flock /tmp/aiollm-bench.lock python -m bench transport [--quick] [--json PATH]`.
@@ -147,7 +149,7 @@ def _ucx_perftest(tls: str, quick: bool) -> dict:
 def _add_ask(figures: dict, rows: list, raw: dict, iterations: int) -> None:
     """The actor-level ask round trip, measured by the actor runtime's own bench module."""
     try:
-        from bench.transport_ask import measure_ask_rtt
+        from bench.transport_ask import measure_ask_breakdown, measure_ask_rtt
     except ModuleNotFoundError as exc:
         if exc.name != "bench.transport_ask":
             raise
@@ -161,3 +163,23 @@ def _add_ask(figures: dict, rows: list, raw: dict, iterations: int) -> None:
     figures["ask_rtt_p99_us"] = unpinned["p99_us"]
     figures["ask_rtt_pinned_us"] = pinned["p50_us"]
     figures["ratio_ask_rtt_vs_raw"] = unpinned["p50_us"] / raw["rtt_p50_us"]
+    # Where the microseconds go: the least an awaited request costs on uvloop (no framing, no actors),
+    # each process's CPU time per ask, and the ask's code measured alone (both nodes in one process).
+    plan = [["rtt", iterations]]
+    floor, floor_pinned = _measure("uvloop_floor", plan, False)[0], _measure("uvloop_floor", plan, True)[0]
+    rows.append({"transport": "uvloop floor", "rtt_p50_us": floor["p50_us"], "rtt_p99_us": floor["p99_us"],
+                 "rtt_pinned_p50_us": floor_pinned["p50_us"]})
+    breakdown = measure_ask_breakdown(iterations)
+    figures.update({
+        "uvloop_floor_rtt_p50_us": floor["p50_us"], "uvloop_floor_rtt_pinned_us": floor_pinned["p50_us"],
+        "ask_client_cpu_us": unpinned["client_cpu_us"], "ask_server_cpu_us": unpinned["server_cpu_us"],
+        "ask_pinned_client_cpu_us": pinned["client_cpu_us"], "ask_pinned_server_cpu_us": pinned["server_cpu_us"],
+        "ask_one_process_us": breakdown["one_process_us"], "ask_codec_us": breakdown["codec_us"],
+        "ratio_uvloop_floor_vs_raw": floor["p50_us"] / raw["rtt_p50_us"],
+    })
+    print(f"ask breakdown: raw socket RTT {raw['rtt_p50_us']:.1f} us; uvloop floor (echo from the receive "
+          f"callback, one task wake-up) {floor['p50_us']:.1f} us ({floor['p50_us'] / raw['rtt_p50_us']:.1f}x raw); "
+          f"ask {unpinned['p50_us']:.1f} us, CPU per ask {unpinned['client_cpu_us']:.0f} us asking + "
+          f"{unpinned['server_cpu_us']:.0f} us answering (pinned: {pinned['client_cpu_us']:.0f} + "
+          f"{pinned['server_cpu_us']:.0f}); the same ask in one process {breakdown['one_process_us']:.1f} us "
+          f"(codec {breakdown['codec_us']:.1f} us of it)")

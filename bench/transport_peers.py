@@ -1,4 +1,5 @@
-"""Both ends of each transport measured by `bench.transport`: raw sockets, our tcp/ucx, ucxx alone, pyzmq.
+"""Both ends of each transport measured by `bench.transport`: raw sockets, our tcp/ucx, ucxx alone, pyzmq,
+and the floor of an awaited request on uvloop (protocol callbacks only, one task wake-up per round trip).
 
 `serve(kind, plan, ready)` runs in a child process and `client(kind, plan, address)` in the bench;
 both walk the same plan, so no control messages are needed:
@@ -299,11 +300,78 @@ def client_zmq(plan: list, address: str) -> list:
     return results
 
 
+# -- the floor of any awaited request on asyncio: uvloop protocols, no framing, no actors ------------
+
+class _Echo(asyncio.Protocol):
+    """Server: writes back whatever arrives, from the receive callback (no task)."""
+
+    def __init__(self, done: asyncio.Future) -> None:
+        self.done = done
+
+    def connection_made(self, transport) -> None:
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(data)
+
+    def connection_lost(self, exc) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+class _Asker(asyncio.Protocol):
+    """Client: each round trip writes 8 bytes and awaits a future the receive callback sets (one task wake-up)."""
+
+    def connection_made(self, transport) -> None:
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport = transport
+        self.waiter: asyncio.Future | None = None
+        self.got = 0
+
+    def data_received(self, data: bytes) -> None:
+        self.got += len(data)
+        if self.got >= 8:
+            self.got -= 8
+            self.waiter.set_result(None)
+
+
+async def _serve_floor(plan: list, ready) -> None:
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    server = await loop.create_server(lambda: _Echo(done), "127.0.0.1", 0)
+    ready(f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    await done
+    server.close()
+
+
+async def _client_floor(plan: list, address: str) -> list:
+    loop = asyncio.get_running_loop()
+    host, port = address.removeprefix("tcp://").split(":")
+    transport, asker = await loop.create_connection(_Asker, host, int(port))
+    results = []
+    clock = time.perf_counter_ns
+    for step in plan:  # round trips only
+        times = np.empty(step[1], np.int64)
+        for i in range(WARMUP + step[1]):
+            start = clock()
+            asker.waiter = loop.create_future()
+            transport.write(b"12345678")
+            await asker.waiter
+            if i >= WARMUP:
+                times[i - WARMUP] = clock() - start
+        results.append(_rtt_stats(times))
+    transport.close()
+    return results
+
+
 def serve(kind: str, plan: list, ready) -> None:
-    """Run the server side of `kind` (raw, tcp, zmq, ucxx_raw, ucx or ucx[option=value,...])."""
+    """Run the server side of `kind` (raw, tcp, zmq, ucxx_raw, uvloop_floor, ucx or ucx[option=value,...])."""
     base = kind.partition("[")[0]
     if base in ("tcp", "ucx"):
         _run(_serve_aiollm(f"{base}://127.0.0.1:0", plan, ready, _options(kind)))
+    elif base == "uvloop_floor":
+        _run(_serve_floor(plan, ready))
     else:
         {"raw": serve_raw, "zmq": serve_zmq, "ucxx_raw": serve_ucxx_raw}[base](plan, ready)
 
@@ -313,6 +381,8 @@ def client(kind: str, plan: list, address: str) -> list:
     base = kind.partition("[")[0]
     if base in ("tcp", "ucx"):
         return _run(_client_aiollm(plan, address, _options(kind)))
+    if base == "uvloop_floor":
+        return _run(_client_floor(plan, address))
     return {"raw": client_raw, "zmq": client_zmq, "ucxx_raw": client_ucxx_raw}[base](plan, address)
 
 
