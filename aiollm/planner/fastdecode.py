@@ -235,6 +235,9 @@ def measure_r(model_name: str, seq_len: int, batch: int = 16, repeats: int = 3) 
     per_seq = -(-(seq_len + 1) // block)
     pool = KVPool(KVConfig(n_layers=c.n_layers, n_blocks=batch * per_seq, n_kv_heads=c.n_kv_heads,
                            head_dim=c.head_dim, block_size=block, dtype="fp16"))
+    for arr in (pool.k, pool.v, pool.k_scale, pool.v_scale):  # touch the memory: untouched pages all map the
+        if arr is not None:                                    # one shared zero page and read far too fast
+            arr.fill(1)
     tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
     lens = np.full(batch, seq_len, dtype=np.int32)
     q = np.random.default_rng(0).standard_normal((batch, c.n_heads, c.head_dim)).astype(np.float32)
