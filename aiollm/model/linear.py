@@ -23,3 +23,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return F.linear(x, weight)
+
+
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ weight.T (a new tensor): on CPU the add is a oneDNN post-op of the GEMM, so the
+    residual stream costs no extra pass (in fp32 bit-identical to adding afterwards)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, None, "add")
+    return F.linear(x, weight).add_(residual)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from aiollm.model.attention import prefill_attention
 from aiollm.model.config import ModelConfig
-from aiollm.model.linear import linear
+from aiollm.model.linear import linear, linear_add
 from aiollm.model.rope import RotaryTable, apply_rotary
 from aiollm.model.tokenizer import Tokenizer
 from aiollm.model.weights import LlamaWeights
@@ -75,11 +75,13 @@ class LlamaModel:
     def post_attention(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection + residual, RMSNorm, SiLU-gated MLP + residual. attn_out [n, n_heads, d] (any float)."""
         w = self.weights.layers[layer]
-        attn = attn_out.reshape(h.shape[0], self.config.q_size).to(self.dtype)
-        h = h + linear(attn, w.o)
+        attn = attn_out.reshape(h.shape[0], self.config.q_size)
+        if attn.dtype != self.dtype:
+            attn = attn.to(self.dtype)
+        h = linear_add(attn, w.o, h)
         gate_up = linear(rms_norm(h, w.mlp_norm, self.config.rms_eps), w.gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return h.add_(linear(F.silu(gate) * up, w.down))
+        return linear_add(F.silu(gate).mul_(up), w.down, h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm and output projection: fp32 logits [n, vocab]."""

@@ -29,7 +29,12 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 class RotaryTable:
-    """cos/sin for every position up to `max_positions`, in the compute dtype."""
+    """cos and sign-folded sin for every position up to `max_positions`, in the compute dtype.
+
+    `sin` holds [-sin, +sin] over the two halves of a head, so `apply_rotary` needs only a roll of x
+    instead of rotate_half's slice, negate and concatenate (negation is exact: the products are
+    bit-identical to transformers').
+    """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu",
                  max_positions: int | None = None) -> None:
@@ -38,20 +43,22 @@ class RotaryTable:
         freqs = torch.arange(n, dtype=torch.float32)[:, None] * inv[None, :]  # == transformers' outer matmul
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        sin = emb.sin()
+        sin[:, :inv.shape[0]].neg_()
+        self.sin = sin.to(device=device, dtype=dtype)
 
     def __len__(self) -> int:
         return self.cos.shape[0]
 
     def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [n, 1, head_dim] for a 1-D tensor of positions, ready to broadcast over heads."""
+        """(cos, signed sin) [n, 1, head_dim] for a 1-D tensor of positions, ready to broadcast over heads."""
         if positions.numel() and int(positions.max()) >= len(self):
             raise ValueError(f"positions: {int(positions.max())} is beyond the model context of {len(self)}")
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [n, heads, head_dim] rotated: x*cos + rotate_half(x)*sin (HF's half-split convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x [n, heads, head_dim] rotated: x*cos + rotate_half(x)*sin (HF's half-split convention), with `sin` the
+    table's sign-folded sin: rotate_half(x)*sin == roll(x, half)*signed_sin, element for element."""
+    rotated = x.roll(x.shape[-1] // 2, -1).mul_(sin)
+    return torch.mul(x, cos).add_(rotated)
