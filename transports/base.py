@@ -24,7 +24,7 @@ Buffer = bytes | bytearray | memoryview
 
 # Called by `recv` once the header and the buffer sizes are known, before the payload is read, for
 # frames with at least one buffer: returns one writable buffer per size (e.g. slots of a KV pool) so
-# the payload lands there directly.
+# the payload lands there directly, or None to let the transport choose (as without `allocate`).
 Allocator = Callable[[bytes, list[int]], list[memoryview]]
 
 

@@ -74,17 +74,25 @@ def decode_sizes(data: Buffer, count: int, header_len: int, config: TransportCon
     return sizes
 
 
-def allocate_buffers(allocate: Allocator | None, header: bytes, sizes: list[int]) -> list[memoryview]:
-    """Destinations for a frame's buffers: the caller's (checked) or fresh uint8 arrays.
+def fresh_buffers(sizes: Sequence[int]) -> list[memoryview]:
+    """New uninitialised uint8 arrays, one per size: where a frame's buffers land when nobody chose."""
+    return [memoryview(np.empty(size, dtype=np.uint8)) for size in sizes]
+
+
+def allocate_buffers(allocate: Allocator | None, header: bytes, sizes: list[int]) -> list[memoryview] | None:
+    """Destinations for a frame's buffers chosen by `allocate` (checked); None when it leaves the choice
+    to the transport (no `allocate`, or it returned None): fresh memory, or whatever costs no copy.
 
     Raises `ValueError` when `allocate` returns the wrong number of buffers, a read-only one,
     or one whose size differs from the frame's.
     """
     if allocate is None:
-        return [memoryview(np.empty(size, dtype=np.uint8)) for size in sizes]
+        return None
     if not sizes:  # nothing to place: allocate is only asked about frames that carry buffers
         return []
     given = allocate(header, list(sizes))
+    if given is None:
+        return None
     if len(given) != len(sizes):
         raise ValueError(f"allocate returned {len(given)} buffers for a frame with {len(sizes)}")
     views = []

@@ -145,9 +145,9 @@ class InprocConnection(Connection):
         except ChannelBroken:
             await self.close()
             raise
-        if allocate is None:
-            return Frame(head, views)
         dests = allocate_buffers(allocate, head, sizes)
+        if dests is None:  # nobody chose: the sender's memory, no copy
+            return Frame(head, views)
         for dest, src in zip(dests, views):
             dest[:] = src
         return Frame(head, dests)

@@ -21,6 +21,14 @@ fraction of that for large payloads. So:
 
 One `recv` runs at a time (others wait their turn). If a `recv` is cancelled after its `allocate`
 was called, the frame keeps landing in that memory and is returned by the next `recv`.
+
+Push mode (`deliver`, what nodes use): the same parser hands each complete frame to the receiver's
+callback from `buffer_updated`, i.e. inside uvloop's read callback, so a reply reaches its asker's
+future and a request its actor without a task wake-up in between. A receiver that returns an
+awaitable holds the next frames back: they stay in the scratch buffer, reading pauses once it is
+full, and TCP flow control stalls the sender, as with a receiver that does not call `recv`.
+`send_nowait` writes a small control-only frame at once when nothing holds writing back (no
+coroutine: the fast path of asks and replies).
 """
 from __future__ import annotations
 
@@ -54,6 +62,7 @@ from aiollm.transports.framing import (
     decode_prefix,
     decode_sizes,
     encode_prefix,
+    fresh_buffers,
     options_for,
 )
 
@@ -284,7 +293,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         if self.stage == _ALLOC:
             if not may_allocate:
                 return None
-            self.dests, self.idx, self.pos = allocate_buffers(self.allocate, self.header, self.sizes), 0, 0
+            dests = allocate_buffers(self.allocate, self.header, self.sizes)
+            self.dests, self.idx, self.pos = fresh_buffers(self.sizes) if dests is None else dests, 0, 0
             self.stage = _BODY
         if not self._fill():
             return None

@@ -59,6 +59,7 @@ from aiollm.transports.framing import (
     decode_prefix,
     decode_sizes,
     encode_prefix,
+    fresh_buffers,
     options_for,
 )
 from aiollm.transports.ucx_worker import DEFAULT_OPTIONS, Array, Engine, engine_for, ucx_api
@@ -223,6 +224,8 @@ class UcxConnection(Connection):
                 except ValueError as exc:
                     self._break(ChannelBroken(f"receive failed: {exc}"))
                     raise
+                if dests is None:
+                    dests = fresh_buffers(sizes)
                 futures = [self._post_recv(d) for d in dests if d.nbytes]
                 self._partial = (header, dests, asyncio.gather(*futures))
             header, dests, done = self._partial
@@ -241,13 +244,13 @@ class UcxConnection(Connection):
         for size in sizes:
             offsets.append(offsets[-1] + size)
         views = [payload[a:b] for a, b in zip(offsets, offsets[1:])]
-        if allocate is None:
-            return views
         try:
             dests = allocate_buffers(allocate, header, sizes)
         except ValueError as exc:
             self._break(ChannelBroken(f"receive failed: {exc}"))
             raise
+        if dests is None:
+            return views
         for dest, view in zip(dests, views):
             dest[:] = view
         return dests

@@ -32,7 +32,7 @@ from aiollm.errors import (
     NodeUnreachable,
 )
 from aiollm.log import get_logger
-from aiollm.transports.base import Connection, Listener, TransportConfig
+from aiollm.transports.base import Buffer, Connection, Listener, TransportConfig
 from aiollm.transports.base import connect as transport_connect
 from aiollm.transports.base import listen as transport_listen
 
@@ -206,19 +206,21 @@ class Node:
         else:
             await (await self.peer(ref.node_url)).tell(ref.name, msg)
 
-    def ask(self, ref: ActorRef, msg: Message, timeout: float | None) -> Awaitable[Message | None]:
+    def ask(self, ref: ActorRef, msg: Message, timeout: float | None,
+            into: Sequence[Buffer] | None = None) -> Awaitable[Message | None]:
         if not isinstance(msg, Message):
             _check(msg)
         peer = self._peers.get(ref.node_url)
         if peer is not None and not peer.closed:  # the hot path: a connected peer, no extra coroutine
-            return peer.ask(ref.name, msg, timeout)
-        return self._ask(ref, msg, timeout)
+            return peer.ask(ref.name, msg, timeout, into)
+        return self._ask(ref, msg, timeout, into)
 
-    async def _ask(self, ref: ActorRef, msg: Message, timeout: float | None) -> Message | None:
+    async def _ask(self, ref: ActorRef, msg: Message, timeout: float | None,
+                   into: Sequence[Buffer] | None) -> Message | None:
         if ref.node_url in self._local_urls:
             return await self._local(ref).ask_local(msg, timeout)
         peer = await self.peer(ref.node_url)
-        return await peer.ask(ref.name, msg, timeout)
+        return await peer.ask(ref.name, msg, timeout, into)
 
     def stream(self, ref: ActorRef, msg: Message, window: int | None) -> AsyncIterator[Message]:
         _check(msg)

@@ -49,7 +49,8 @@ from aiollm.errors import (
     RemoteError,
 )
 from aiollm.log import get_logger
-from aiollm.transports.base import Connection
+from aiollm.transports.base import Buffer, Connection
+from aiollm.transports.framing import byte_view
 
 if TYPE_CHECKING:
     from aiollm.actors.cell import ActorCell
@@ -77,6 +78,8 @@ class Peer:
         self._ids = itertools.count(1)
         # Our asks waiting for a reply, by request id.
         self._pending: dict[int, asyncio.Future] = {}
+        # Where the tensors of our asks' replies should land (ask's `into`), by request id.
+        self._into: dict[int, list[memoryview]] = {}
         # Our streams receiving items, by request id.
         self._streams: dict[int, StreamReceiver] = {}
         # The peer's asks and streams being served here, by its request id.
@@ -89,7 +92,7 @@ class Peer:
         # Resolved once the connection is lost (the node's accept handler waits on it).
         self.finished = self._loop.create_future()
         self._heartbeat = self._loop.create_task(self._beat(), name=f"peer-heartbeat:{url}")
-        conn.deliver(self._on_frame, self._on_end)  # last: frames read ahead are handed over at once
+        conn.deliver(self._on_frame, self._on_end, self._allocate)  # last: frames read ahead go at once
 
     # --- sending -------------------------------------------------------------------------
 
@@ -134,8 +137,11 @@ class Peer:
     async def tell(self, name: str, msg: Message) -> None:
         await self.send(Request(V, 0, TELL, name, 0, msg))
 
-    async def ask(self, name: str, msg: Message, timeout: float | None) -> Message | None:
+    async def ask(self, name: str, msg: Message, timeout: float | None,
+                  into: Sequence[Buffer] | None = None) -> Message | None:
         rid = next(self._ids)
+        if into is not None:
+            self._into[rid] = _destinations(into)
         fut = self._loop.create_future()
         self._pending[rid] = fut
         timer = None if timeout is None else self._loop.call_later(timeout, expire, fut, timeout)
@@ -149,6 +155,8 @@ class Peer:
             raise
         finally:
             self._pending.pop(rid, None)
+            if into is not None:
+                self._into.pop(rid, None)
             if timer is not None:
                 timer.cancel()
 
@@ -200,6 +208,20 @@ class Peer:
             self._on_item(env, buffers)
         else:
             self._on_control(env)
+        return None
+
+    def _allocate(self, header: bytes, sizes: list[int]) -> list[memoryview] | None:
+        """Where a frame's tensors land (called by the transport before they arrive): the memory an
+        ask passed as `into` for its reply, when the sizes match; None lets the transport choose."""
+        if not self._into:
+            return None
+        try:
+            env = self._codec.decode_envelope(header)
+        except ProtocolError:
+            return None  # reported when the frame is handed over
+        into = self._into.get(env.id) if env.__class__ is Reply else None
+        if into is not None and [view.nbytes for view in into] == sizes:
+            return into
         return None
 
     def _on_end(self, error: Exception) -> None:
@@ -417,6 +439,14 @@ class _RemoteSink(Sink):
     async def fail(self, error: AiollmError) -> None:
         self.peer.inflight_done(self.rid)
         await self.peer.send_quiet(_failure(self.rid, error))
+
+
+def _destinations(into: Sequence[Buffer]) -> list[memoryview]:
+    """Flat byte views of an ask's `into` buffers; `ValueError` for read-only or non-contiguous ones."""
+    views = [byte_view(buf) for buf in into]
+    if any(view.readonly for view in views):
+        raise ValueError("ask(into=...) needs writable buffers")
+    return views
 
 
 def _failure(rid: int, error: AiollmError) -> Failure:

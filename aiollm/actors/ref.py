@@ -7,10 +7,10 @@ message fields: they travel as their URL and are re-bound to the receiving node.
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TYPE_CHECKING
 
-from aiollm.transports.base import parse_address
+from aiollm.transports.base import Buffer, parse_address
 
 if TYPE_CHECKING:
     from aiollm.actors.messages import Message
@@ -42,8 +42,15 @@ class ActorRef:
         """
         await self._router.tell(self, msg)
 
-    def ask(self, msg: Message, timeout: float | None = None) -> Awaitable[Message | None]:
+    def ask(self, msg: Message, timeout: float | None = None,
+            into: Sequence[Buffer] | None = None) -> Awaitable[Message | None]:
         """Send and wait for the handler's return value.
+
+        `into`: writable, contiguous buffers (e.g. numpy arrays) for the reply's tensors, in the order
+        they appear in it. When a remote actor's reply carries tensors of exactly these byte sizes,
+        they are received straight into this memory (the reply's arrays view it); otherwise they land
+        in fresh memory. Ignored for an actor in this process (its reply is passed as-is). If the
+        ask times out or is cancelled, a reply already arriving may still be written there.
 
         Raises `TimeoutError` (asyncio.TimeoutError) after `timeout` s, `ActorDied`, `NodeUnreachable`,
         `RemoteError` (the handler raised: type, message, traceback text), `ProtocolError` (the
@@ -51,7 +58,7 @@ class ActorRef:
         or timing out cancels the remote handler. (A plain method returning the router's coroutine:
         one frame less on the hottest path.)
         """
-        return self._router.ask(self, msg, timeout)
+        return self._router.ask(self, msg, timeout, into)
 
     def stream(self, msg: Message, window: int | None = None) -> AsyncIterator[Message]:
         """Iterate the items yielded by the target's async-generator handler for `msg`.
