@@ -13,7 +13,7 @@ import torch
 
 from aiollm.kv.blocks import BlockAllocator, BlockTable
 from aiollm.kv.pool import KVConfig, KVPool
-from aiollm.model.attention import step_decode_attention
+from aiollm.model.decode import decode_logits
 from aiollm.model.llama import LlamaModel
 from aiollm.model.sampling import SamplingParams, new_generator, sample
 
@@ -96,23 +96,12 @@ class ColocatedEngine:
 
     def _decode_step(self, all_seqs: list[_Sequence], active: list[int], table: BlockTable) -> None:
         """Feed each active sequence's last sampled token through every layer and sample the next one."""
-        model = self.model
         seqs = [all_seqs[i] for i in active]
         positions = [table.length(i) for i in active]  # the fed token's position = tokens already cached
         slots = table.append_batch(active, [1] * len(active))  # numpy: the kernel wrapper's native kind
-        tables = table.block_tables(active)
-        seq_lens = table.seq_lens(active)
-        step = self.pool.prepare_decode(slots, tables, seq_lens)  # checked once, not per layer
-        rope = model.rope(positions)
-        h = model.embed([s.output[-1] for s in seqs])
-        c = model.config
-        out_dtype = model.dtype if model.dtype in (torch.float32, torch.bfloat16) else torch.float32
-        out = torch.empty((len(seqs), c.n_heads, c.head_dim), dtype=out_dtype)  # every layer's attention output
-        for layer in range(c.n_layers):
-            q, k, v = model.pre_attention(layer, h, positions, rope)
-            attn = step_decode_attention(step, layer, q, k, v, out, self.n_threads)
-            h = model.post_attention(layer, h, attn)
-        self._append(seqs, model.logits(h))
+        logits = decode_logits(self.model, self.pool, [s.output[-1] for s in seqs], positions, slots,
+                               table.block_tables(active), table.seq_lens(active), self.n_threads)
+        self._append(seqs, logits)
 
     def _append(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         """Sample each sequence's next token and decide whether it stops."""

@@ -1,4 +1,5 @@
-"""`load(name_or_path)`: a LlamaModel from a bundled name, a .gguf file or an HF directory."""
+"""`load(name_or_path)`: a LlamaModel from a bundled name, a .gguf file or an HF directory;
+`load_tokenizer(name_or_path)`: its tokenizer and config alone, without reading the weights."""
 import importlib.metadata
 import time
 from pathlib import Path
@@ -6,6 +7,7 @@ from pathlib import Path
 import torch
 
 from aiollm.log import get_logger
+from aiollm.model.config import ModelConfig
 from aiollm.model.gguf_file import GGUFFile
 from aiollm.model.hf_dir import HFDirectory
 from aiollm.model.llama import LlamaModel
@@ -44,6 +46,21 @@ def resolve(name_or_path: str | Path) -> Path:
     return path
 
 
+def _open(path: Path) -> tuple[GGUFFile | HFDirectory, Tokenizer]:
+    """The tensor source and tokenizer of a .gguf file or an HF directory (no weights read yet)."""
+    if path.is_dir():
+        source = HFDirectory(path)
+        return source, Tokenizer.from_hf_dir(path, source.config.eos_ids)
+    source = GGUFFile(path)
+    return source, Tokenizer.from_gguf_fields(source.field, source.path, source.config.eos_ids)
+
+
+def load_tokenizer(name_or_path: str | Path) -> tuple[Tokenizer, ModelConfig]:
+    """Tokenizer and config of a model without dequantising its weights (an HTTP frontend needs no weights)."""
+    source, tokenizer = _open(resolve(name_or_path))
+    return tokenizer, source.config
+
+
 def load(name_or_path: str | Path, dtype: torch.dtype | str = torch.float32,
          device: str | torch.device = "cpu") -> LlamaModel:
     """Load a Llama-family model with its tokenizer: "smollm2", a .gguf file, or an HF directory.
@@ -57,12 +74,7 @@ def load(name_or_path: str | Path, dtype: torch.dtype | str = torch.float32,
         dtype = DTYPES[dtype]
     path = resolve(name_or_path)
     started = time.perf_counter()
-    if path.is_dir():
-        source = HFDirectory(path)
-        tokenizer = Tokenizer.from_hf_dir(path, source.config.eos_ids)
-    else:
-        source = GGUFFile(path)
-        tokenizer = Tokenizer.from_gguf_fields(source.field, source.path, source.config.eos_ids)
+    source, tokenizer = _open(path)
     weights = assemble(source.config, source, dtype, device)
     get_logger("model.loader").info("model loaded", path=str(path), name=source.config.name, layers=source.config.n_layers,
              params=source.config.n_params, dtype=str(dtype).removeprefix("torch."), device=str(device),

@@ -15,7 +15,7 @@ import torch
 
 from aiollm.kv.blocks import BlockAllocator
 from aiollm.kv.pool import KVConfig, KVPool
-from aiollm.model.attention import paged_decode_attention
+from aiollm.model.decode import decode_logits
 from aiollm.model.llama import LlamaModel
 from aiollm.model.sampling import SamplingParams, new_generator, sample
 from aiollm.workers.backend import FINISH_LENGTH, FINISH_STOP
@@ -132,11 +132,7 @@ def decode_step(model: LlamaModel, cache: PagedCache, seqs: list[Sequence], n_th
     width = max(len(s.blocks) for s in seqs)
     tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], dtype=torch.int32)
     seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
+    logits = decode_logits(model, cache.pool, [s.output[-1] for s in seqs], positions, slots, tables, seq_lens,
+                           n_threads)
     with torch.inference_mode():
-        rope = model.rope(positions)
-        h = model.embed([s.output[-1] for s in seqs])
-        for layer in range(model.config.n_layers):
-            q, k, v = model.pre_attention(layer, h, positions, rope)
-            attn = paged_decode_attention(cache.pool, layer, q, k, v, slots, tables, seq_lens, n_threads)
-            h = model.post_attention(layer, h, attn)
-        return sample_next(seqs, model.logits(h))
+        return sample_next(seqs, logits)

@@ -11,26 +11,12 @@ from pathlib import Path
 
 import torch
 
-from aiollm.model.config import ModelConfig
-from aiollm.model.loader import resolve
-from aiollm.model.tokenizer import Tokenizer
+from aiollm.model.loader import load_tokenizer  # noqa: F401  (re-exported: the frontend role and bench serve import it here)
 
 
 def served_name(model: str) -> str:
     """The id clients pass as `model`: the bundled name, or the file/directory stem."""
     return model if "/" not in model and not model.endswith(".gguf") else Path(model).stem
-
-
-def load_tokenizer(model: str) -> tuple[Tokenizer, ModelConfig]:
-    """Tokenizer and config of a model without dequantising its weights (the frontend needs no weights)."""
-    path = resolve(model)
-    if path.is_dir():
-        from aiollm.model.hf_dir import HFDirectory
-        source = HFDirectory(path)
-        return Tokenizer.from_hf_dir(path, source.config.eos_ids), source.config
-    from aiollm.model.gguf_file import GGUFFile
-    source = GGUFFile(path)
-    return Tokenizer.from_gguf_fields(source.field, source.path, source.config.eos_ids), source.config
 
 
 def actor_arg(parser, default: str) -> None:

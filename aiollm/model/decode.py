@@ -1,0 +1,35 @@
+"""One decode step of the colocated forward over a paged KV pool: the single implementation behind the
+colocated engine (`aiollm.model.engine`) and the serving runner (`aiollm.workers.runner`).
+
+Each sequence feeds one token; every layer runs its S-part (`pre_attention`, `post_attention`) and its
+R-part (write the new K/V, attend with the native kernel). The step's index arrays are checked once
+(`KVPool.prepare_decode`), RoPE is gathered once, and one attention output buffer serves all layers.
+"""
+from collections.abc import Sequence
+
+import torch
+
+from aiollm.kv.pool import KVPool
+from aiollm.model.attention import step_decode_attention
+from aiollm.model.llama import LlamaModel
+
+
+def decode_logits(model: LlamaModel, pool: KVPool, token_ids: Sequence[int], positions: Sequence[int],
+                  slot_mapping, block_tables, seq_lens, n_threads: int | None = None) -> torch.Tensor:
+    """fp32 logits [n_seqs, vocab] of one decode step.
+
+    token_ids: the token each sequence feeds; positions: its position (= tokens already cached);
+    slot_mapping int [n_seqs] (where its K/V goes), block_tables int32 [n_seqs, max_blocks], seq_lens int32
+    [n_seqs] including the fed token (numpy arrays or torch CPU tensors); n_threads: attention threads.
+    """
+    c = model.config
+    step = pool.prepare_decode(slot_mapping, block_tables, seq_lens)
+    with torch.inference_mode():
+        rope = model.rope(positions)
+        h = model.embed(token_ids)
+        out_dtype = model.dtype if model.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        out = torch.empty((len(token_ids), c.n_heads, c.head_dim), dtype=out_dtype)  # every layer's output
+        for layer in range(c.n_layers):
+            q, k, v = model.pre_attention(layer, h, positions, rope)
+            h = model.post_attention(layer, h, step_decode_attention(step, layer, q, k, v, out, n_threads))
+        return model.logits(h)
