@@ -16,8 +16,8 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from aiollm.actors.actor import Actor
-from aiollm.actors.cell import ActorCell
 from aiollm.actors.auth import PeerInfo, handshake
+from aiollm.actors.cell import ActorCell
 from aiollm.actors.codec import Codec
 from aiollm.actors.messages import PROTOCOL_VERSION, Message, Unwatch, Watch
 from aiollm.actors.peer import Peer

@@ -6,7 +6,14 @@ import pytest
 
 from aiollm.errors import ChannelBroken, ClosedError, NodeUnreachable
 from tests.transports.conftest import STEP
-from tests.transports.test_conformance import CLOG_BOUND, CLOG_CONFIG, MiB, pattern, wait_until_stalled, within
+from tests.transports.test_conformance import (
+    CLOG_BOUND,
+    CLOG_CONFIG,
+    MiB,
+    pattern,
+    wait_until_stalled,
+    within,
+)
 
 
 class Collector:

@@ -73,7 +73,7 @@ async def test_not_inline_while_busy_or_from_a_task() -> None:
         assert not cell.run_now(Ping(1), LocalReply(asyncio.get_running_loop().create_future()))  # inside a task
         ran, slow, _ = await inline(cell, Sleep(0.2))
         assert ran
-        ran, fut, _ = await inline(cell, Ping(2))
+        ran, _fut, _ = await inline(cell, Ping(2))
         assert not ran  # the actor is still in Sleep: the caller queues instead
         assert await asyncio.wait_for(slow, 2) is None
 
