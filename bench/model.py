@@ -4,7 +4,14 @@ T(B) is one decode step's S-part over all layers for a batch of B tokens (embedd
 norms, projections and MLP, final norm and logits; attention left out): the curve the FastDecode
 planner sizes the S-worker batch with. Decode compares the colocated engine (paged KV pool, native
 attention) with transformers' `generate` on the same GGUF, same batch, same dtype, same prompts
-(equal lengths, so transformers needs no padding), 128 new tokens each, prefill included in both.
+(equal lengths, so transformers needs no padding), 128 new tokens each, prefill included in both, in the
+same process with the same torch threads.
+
+Beside each decode row, the limit: `gemm_floor_tokens_per_s` is the batch divided by the time of the
+step's 121 matrix products alone (every layer's QKV, O, gate/up and down, plus the lm_head, back to back,
+nothing else), and `ceiling_ratio` that floor over transformers' tokens/s: the ratio a step with free
+norms, RoPE, attention, sampling and Python would reach. `weight_read_ms` is the weights' bytes over the
+read bandwidth measured here (the floor of any step at small batch).
 """
 import copy
 import os
@@ -12,8 +19,10 @@ import time
 
 import torch
 
+from aiollm.kv.attention import read_sum
 from aiollm.model import load
 from aiollm.model.engine import ColocatedEngine
+from aiollm.model.linear import linear
 from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
 from bench.report import table
@@ -45,6 +54,30 @@ def s_part_step(model, h: torch.Tensor, rope) -> torch.Tensor:
         q, _, _ = model.pre_attention(layer, h, None, rope)
         h = model.post_attention(layer, h, q)
     return model.logits(h)
+
+
+def gemm_floor(model, b: int) -> float:
+    """Seconds of one step's matrix products alone at batch b (best of a few), inputs of the right shapes."""
+    c = model.config
+    x, x_ffn = torch.randn(b, c.hidden, dtype=model.dtype), torch.randn(b, c.ffn, dtype=model.dtype)
+
+    def products() -> None:
+        for w in model.weights.layers:
+            for inputs, weight in ((x, w.qkv), (x, w.o), (x, w.gate_up), (x_ffn, w.down)):
+                linear(inputs, weight)
+        linear(x, model.weights.lm_head)
+
+    with torch.inference_mode():
+        products()
+        return min(_timed(products, 0.0, 1) for _ in range(3))
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of one streaming read of 512 MiB with the native kernel's threads (best of 3)."""
+    buf = torch.ones(128 * 2 ** 20).numpy()
+    read_sum(buf)
+    best = min(_timed(lambda: read_sum(buf), 0.0, 1) for _ in range(3))
+    return buf.nbytes / best
 
 
 def t_of_b(model, batches: list[int], min_seconds: float) -> list[dict]:
@@ -81,7 +114,8 @@ def decode(model, hf, batches: list[int], new_tokens: int, prompt: list[int]) ->
         started = time.perf_counter()
         engine.generate([prompt] * b, params)
         ours = time.perf_counter() - started
-        row = {"batch": b, "new_tokens": new_tokens, "tokens_per_s": b * new_tokens / ours}
+        row = {"batch": b, "new_tokens": new_tokens, "tokens_per_s": b * new_tokens / ours,
+               "gemm_floor_tokens_per_s": b / gemm_floor(model, b)}
         if hf is not None:
             ids = torch.tensor([prompt] * b)
             kwargs = dict(do_sample=False, pad_token_id=model.config.eos_ids[0])
@@ -91,7 +125,8 @@ def decode(model, hf, batches: list[int], new_tokens: int, prompt: list[int]) ->
                 hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                             min_new_tokens=new_tokens, **kwargs)
             theirs = time.perf_counter() - started
-            row.update(transformers_tokens_per_s=b * new_tokens / theirs, ratio=theirs / ours)
+            row.update(transformers_tokens_per_s=b * new_tokens / theirs, ratio=theirs / ours,
+                       ceiling_ratio=row["gemm_floor_tokens_per_s"] * theirs / (b * new_tokens))
         rows.append(row)
     return rows
 
@@ -120,6 +155,8 @@ def run(args) -> dict:
                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
     hf_cache: dict = {}
     ratios = []
+    bandwidth = read_bandwidth()
+    figures["read_bandwidth_gb_s"] = bandwidth / 1e9
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
         model = load("smollm2", dtype=dtype)
@@ -129,13 +166,17 @@ def run(args) -> dict:
         curve = t_of_b(model, batches_t, 0.2 if quick else 0.5)
         pre = prefill(model, hf, lengths)
         dec = decode(model, hf, decode_batches, new_tokens, prompt)
+        weight_bytes = model.config.n_params * torch.finfo(dtype).bits // 8
+        figures[f"weight_read_ms_{name}"] = 1e3 * weight_bytes / bandwidth
         key = "t_of_b" if name == "fp32" else f"t_of_b_{name}"
         figures[key] = [{"batch": r["batch"], "seconds": r["seconds"]} for r in curve]
         figures[f"prefill_{name}"] = pre
         figures[f"decode_{name}"] = dec
         print(f"\n-- {name}: S-part step time T(B) (all layers + logits, no attention)\n{table(curve)}")
         print(f"\n-- {name}: prefill, one prompt\n{table(pre)}")
-        print(f"\n-- {name}: colocated decode, {new_tokens} new tokens, prompt {len(prompt)} tokens\n{table(dec)}")
+        print(f"\n-- {name}: colocated decode, {new_tokens} new tokens, prompt {len(prompt)} tokens "
+              f"(weights {weight_bytes / 2 ** 20:.0f} MiB: {figures[f'weight_read_ms_{name}']:.1f} ms a step at "
+              f"{bandwidth / 1e9:.1f} GB/s)\n{table(dec)}")
         if hf is not None:
             ratio = min(r["ratio"] for r in dec if r["batch"] >= 8)
             figures[f"ratio_decode_vs_transformers_{name}"] = ratio
