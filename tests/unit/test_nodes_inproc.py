@@ -37,8 +37,15 @@ class PairActor(Actor):
         return Pair(msg.q * 2, np.asarray(msg.scale + 1), msg.reply_to)
 
 
-async def test_remote_ask_tell_stream_with_tensors_and_refs() -> None:
-    async with started() as a, started() as b:
+# The remote paths over both kinds of connection: inproc (frames via a receive task) and tcp (frames
+# pushed from the read callback; requests for idle actors handled inline there).
+LISTEN = {"inproc": (), "tcp": ("tcp://127.0.0.1:0",)}
+over_both = pytest.mark.parametrize("listen", list(LISTEN.values()), ids=list(LISTEN))
+
+
+@over_both
+async def test_remote_ask_tell_stream_with_tensors_and_refs(listen) -> None:
+    async with started(listen) as a, started(listen) as b:
         await b.spawn(EchoActor, "echo")
         await b.spawn(PairActor, "pair")
         echo = a.ref(f"{b.url}/echo")
@@ -55,8 +62,9 @@ async def test_remote_ask_tell_stream_with_tensors_and_refs() -> None:
         assert (await echo.ask(GetStats())).handled == 3
 
 
-async def test_one_connection_per_peer_reused_both_ways() -> None:
-    async with started() as a, started() as b:
+@over_both
+async def test_one_connection_per_peer_reused_both_ways(listen) -> None:
+    async with started(listen) as a, started(listen) as b:
         await a.spawn(EchoActor, "echo")
         await b.spawn(EchoActor, "echo")
         for _ in range(3):
@@ -65,8 +73,9 @@ async def test_one_connection_per_peer_reused_both_ways() -> None:
         assert len(a._all_peers) == 1 and len(b._all_peers) == 1
 
 
-async def test_remote_errors_and_missing_actor() -> None:
-    async with started() as a, started() as b:
+@over_both
+async def test_remote_errors_and_missing_actor(listen) -> None:
+    async with started(listen) as a, started(listen) as b:
         await b.spawn(EchoActor, "echo")
         with pytest.raises(RemoteError) as info:
             await a.ref(f"{b.url}/echo").ask(Fail("remote boom"))
@@ -79,8 +88,9 @@ async def test_remote_errors_and_missing_actor() -> None:
             await a.ref("inproc://no-such-node/echo").ask(Ping(1))
 
 
-async def test_cancellation_propagates_to_the_remote_handler() -> None:
-    async with started() as a, started() as b:
+@over_both
+async def test_cancellation_propagates_to_the_remote_handler(listen) -> None:
+    async with started(listen) as a, started(listen) as b:
         echo = EchoActor()
         await b.spawn(echo, "echo")
         ref = a.ref(f"{b.url}/echo")
@@ -103,8 +113,9 @@ async def test_cancellation_propagates_to_the_remote_handler() -> None:
         assert await ref.ask(Ping(2)) == Pong(2)
 
 
-async def test_slow_remote_consumer_bounds_the_producer() -> None:
-    async with started() as a, started() as b:
+@over_both
+async def test_slow_remote_consumer_bounds_the_producer(listen) -> None:
+    async with started(listen) as a, started(listen) as b:
         echo = EchoActor()
         await b.spawn(echo, "echo")
         window, consumed = 4, 0
@@ -119,14 +130,16 @@ async def test_slow_remote_consumer_bounds_the_producer() -> None:
         await wait_until(lambda: echo.cancelled == 1)
 
 
-async def test_remote_full_mailbox_stops_reading_the_connection() -> None:
-    async with started() as a, started(mailbox_size=2) as b:
+@over_both
+async def test_remote_full_mailbox_stops_reading_the_connection(listen) -> None:
+    async with started(listen) as a, started(listen, mailbox_size=2) as b:
         gate = Gate()
         await b.spawn(gate, "gate")
         ref = a.ref(f"{b.url}/gate")
         sends = asyncio.ensure_future(asyncio.gather(*(ref.tell(Hold(n)) for n in range(200))))
         await asyncio.sleep(0.1)
-        assert not sends.done()  # the link backed up to the sender (bounded queues only)
+        if not listen:  # inproc: the link backed up to the sender (over tcp the kernel's buffers take 200
+            assert not sends.done()  # small tells; the transport suite shows a held tcp link stalling the sender)
         assert len(b.actors["gate"].mailbox) <= 2
         gate.gate.set()
         await asyncio.wait_for(sends, 5)
