@@ -224,9 +224,11 @@ class DecodeStep:
     contiguous copies (a caller changing its arrays later cannot make C read out of bounds) and the
     layers' C descriptors; per layer only q, k, v and out are checked. Build it with
     `KVPool.prepare_decode`; all layers share one geometry (n_blocks, block_size, heads, head_dim).
+    `owner` is whatever holds the cache arrays the descriptors point into: the step keeps it alive,
+    so a step outliving its pool cannot make C read freed memory.
     """
 
-    def __init__(self, layers: list, slot_mapping, block_tables, seq_lens) -> None:
+    def __init__(self, layers: list, slot_mapping, block_tables, seq_lens, *, owner) -> None:
         g = layers[0]
         slots = describe(slot_mapping, "slot_mapping")
         check_dtype(slots, "slot_mapping", ("int64", "int32"))
@@ -250,6 +252,7 @@ class DecodeStep:
         self._lens = np.array(sl.numpy(), dtype=np.int32, order="C", copy=True)
         _check_tables(self._tables, self._lens, g.block_size, g.n_blocks)
         self._layers = layers
+        self._owner = owner
         self.n_seqs = n_seqs
         self._slots_ptr = ffi.cast("int64_t *", self._slots.ctypes.data)
         self._tables_ptr = ffi.cast("int32_t *", self._tables.ctypes.data)

@@ -117,7 +117,7 @@ class KVPool:
         """Check one decode step's index arrays once; the returned step's `write`/`attend` serve every layer."""
         if self._descs is None:
             self._descs = [attention._layer(**self._layer(layer)) for layer in range(self.config.n_layers)]
-        return attention.DecodeStep(self._descs, slot_mapping, block_tables, seq_lens)
+        return attention.DecodeStep(self._descs, slot_mapping, block_tables, seq_lens, owner=self)
 
     def _block_index(self, block_ids) -> slice | np.ndarray:
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)

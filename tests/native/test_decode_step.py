@@ -1,5 +1,7 @@
 """KVPool.prepare_decode: one step's index arrays checked once, then every layer's write/attend equals the
 per-call path and still rejects bad per-layer arguments before C runs."""
+import gc
+
 import numpy as np
 import pytest
 
@@ -45,6 +47,21 @@ def test_keeps_its_own_copies(pool):
     q = np.ones((2, H * G, D), np.float32)
     step.write(0, np.ones((2, H, D), np.float32), np.ones((2, H, D), np.float32))
     step.attend(0, q, np.empty_like(q))
+
+
+def test_outlives_its_pool():
+    """A step whose pool is dropped still attends over that pool's memory (it keeps the pool alive)."""
+    pool = KVPool(KVConfig(n_layers=L, n_blocks=8, n_kv_heads=H, head_dim=D, block_size=BS, dtype="fp32"))
+    pool.v[:] = 2.0
+    step = pool.prepare_decode(*_step_args())
+    shape = pool.v.shape
+    del pool
+    gc.collect()
+    reuse = [np.full(shape, np.nan, np.float32) for _ in range(4)]  # would land in freed pool memory
+    q = np.ones((2, H * G, D), np.float32)
+    out = step.attend(0, q, np.empty_like(q))
+    np.testing.assert_array_equal(out, np.full_like(q, 2.0))
+    assert np.isnan(reuse[0]).all()
 
 
 @pytest.mark.parametrize("change,match", [
