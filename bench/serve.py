@@ -245,7 +245,8 @@ def _why_not(raw: list[dict], goodput: dict[str, float], ttft_slo: float, tpot_s
 
 
 def run(args: argparse.Namespace) -> dict:
-    from aiollm.workers.roles.common import load_tokenizer, served_name
+    from aiollm.model.loader import load_tokenizer
+    from aiollm.workers.roles.common import served_name
 
     ttft_slo, given_tpot = _slos(args.goodput)
     rates = sorted(float(r) for r in args.request_rate.split(","))

@@ -1,4 +1,4 @@
-"""What the serving roles share: model and tokenizer loading, and the flags every model-holding role takes.
+"""What the serving roles share: model loading, the served model name, and the flags every model-holding role takes.
 
 The roles themselves are the sibling modules `prefill`, `decode`, `controller`, `frontend`; each has
 `add_arguments(parser)` and `async start(node, args) -> {actor name: url}`, as `aiollm.node`'s role
@@ -10,8 +10,6 @@ import argparse
 from pathlib import Path
 
 import torch
-
-from aiollm.model.loader import load_tokenizer  # noqa: F401  (re-exported: the frontend role and bench serve import it here)
 
 
 def served_name(model: str) -> str:

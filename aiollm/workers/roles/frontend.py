@@ -5,10 +5,11 @@ import argparse
 import asyncio
 
 from aiollm.actors.node import Node
+from aiollm.model.loader import load_tokenizer
 from aiollm.workers.backend import ModelInfo
 from aiollm.workers.cluster_client import ClusterClient
 from aiollm.workers.frontend import Frontend, FrontendConfig, start_server
-from aiollm.workers.roles.common import actor_arg, load_tokenizer, served_name
+from aiollm.workers.roles.common import actor_arg, served_name
 
 # running HTTP server tasks (held so they are not garbage-collected)
 _servers: set[asyncio.Task] = set()
