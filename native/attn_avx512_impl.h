@@ -33,6 +33,7 @@ T512 INLINE __m512 exp512(__m512 x) {
 }
 
 #define PF_DIST 2 /* tiles ahead in the item's order (heads inner, blocks outer); the block table gives the address */
+#define PF_DIST_I8 4 /* int8 tiles are half the bytes: twice as many ahead keeps as many bytes in flight */
 
 /* Software prefetch spread over the score loop: each iteration that consumes `bytes` of this K tile asks for
  * the same share of the K and V tiles PF_DIST ahead, so one chunk's loop covers both next tiles. Asking for a
@@ -189,15 +190,19 @@ T512 INLINE void vaccum_vnni(const char *vt, int64_t row0, int D, const float *p
     }
 }
 
-static inline void unpermute_acc(float *acc, int rows, int D) {
-    float tmp[64];
+/* A 4 x 4 transpose of 128-bit lanes per 64-float slab: output vector L, lane z = input vector z, lane L. */
+T512 INLINE void unpermute_acc(float *acc, int rows, int D) {
     for (int r = 0; r < rows; r++)
         for (int dz = 0; dz < D / 64; dz++) {
             float *slab = acc + r * D + dz * 64;
-            for (int z = 0; z < 4; z++)
-                for (int L = 0; L < 4; L++)
-                    for (int i = 0; i < 4; i++) tmp[L * 16 + z * 4 + i] = slab[z * 16 + L * 4 + i];
-            memcpy(slab, tmp, sizeof(tmp));
+            const __m512 a0 = _mm512_load_ps(slab), a1 = _mm512_load_ps(slab + 16);
+            const __m512 a2 = _mm512_load_ps(slab + 32), a3 = _mm512_load_ps(slab + 48);
+            const __m512 t0 = _mm512_shuffle_f32x4(a0, a1, 0x44), t1 = _mm512_shuffle_f32x4(a0, a1, 0xee);
+            const __m512 t2 = _mm512_shuffle_f32x4(a2, a3, 0x44), t3 = _mm512_shuffle_f32x4(a2, a3, 0xee);
+            _mm512_store_ps(slab, _mm512_shuffle_f32x4(t0, t2, 0x88));
+            _mm512_store_ps(slab + 16, _mm512_shuffle_f32x4(t0, t2, 0xdd));
+            _mm512_store_ps(slab + 32, _mm512_shuffle_f32x4(t1, t3, 0x88));
+            _mm512_store_ps(slab + 48, _mm512_shuffle_f32x4(t1, t3, 0xdd));
         }
 }
 #endif
@@ -349,7 +354,7 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
             const char *kt = (const char *)kv->k + tile, *vt = (const char *)kv->v + tile;
             const float *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
             const float *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
-            const int32_t tn = blk * NH + h + PF_DIST, nblk = tn / NH, nh = h0 + tn % NH;
+            const int32_t tn = blk * NH + h + (dt == AIOLLM_DT_I8 ? PF_DIST_I8 : PF_DIST), nblk = tn / NH, nh = h0 + tn % NH;
             const char *pk = NULL, *pv = NULL; /* the tiles PF_DIST ahead in this item's order (heads inner) */
             if (nblk < n_used) {
                 const int64_t next = kv_tile(kv, table[nblk], nh) * es;
