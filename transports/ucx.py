@@ -219,11 +219,7 @@ class UcxConnection(Connection):
                 header, sizes, payload = self._frames.popleft()
                 if payload is not None:
                     return self._consume(header, self._unpack_inline(allocate, header, sizes, payload))
-                try:
-                    dests = allocate_buffers(allocate, header, sizes)
-                except ValueError as exc:
-                    self._break(ChannelBroken(f"receive failed: {exc}"))
-                    raise
+                dests = self._allocate(allocate, header, sizes)
                 if dests is None:
                     dests = fresh_buffers(sizes)
                 futures = [self._post_recv(d) for d in dests if d.nbytes]
@@ -237,6 +233,14 @@ class UcxConnection(Connection):
             self._partial = None
             return self._consume(header, dests)
 
+    def _allocate(self, allocate: Allocator | None, header: bytes, sizes: list[int]) -> list[memoryview] | None:
+        """`allocate`'s destination buffers (None: the transport chooses); a bad answer breaks the channel."""
+        try:
+            return allocate_buffers(allocate, header, sizes)
+        except ValueError as exc:
+            self._break(ChannelBroken(f"receive failed: {exc}"))
+            raise
+
     def _unpack_inline(self, allocate: Allocator | None, header: bytes, sizes: list[int],
                        payload: memoryview) -> list[memoryview]:
         """An inline frame's buffers: views of the received message, or copies into `allocate`'s memory."""
@@ -244,11 +248,7 @@ class UcxConnection(Connection):
         for size in sizes:
             offsets.append(offsets[-1] + size)
         views = [payload[a:b] for a, b in zip(offsets, offsets[1:])]
-        try:
-            dests = allocate_buffers(allocate, header, sizes)
-        except ValueError as exc:
-            self._break(ChannelBroken(f"receive failed: {exc}"))
-            raise
+        dests = self._allocate(allocate, header, sizes)
         if dests is None:
             return views
         for dest, view in zip(dests, views):
