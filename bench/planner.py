@@ -35,8 +35,8 @@ AE_SLOS = {"opt-66b": (0.4, 0.1)}
 # The DistServe simulator README example and the range the issue reports for it.
 DISTSERVE_EXAMPLE = {"config": "tp_prefill=2, pp=1, tp_decode=1", "per_gpu": (1.41, 1.88), "readme": 1.56,
                      "vllm_tp4": (1.25, 1.41)}
-# The sim-vs-real check's own bench serve runs (commands in the README's Planner section).
-DEFAULT_SERVE_RESULTS = Path("bench/results/serve_sim_check.json")
+# The sim-vs-real check's own bench serve runs, one file per rate (commands in the README's Planner section).
+SERVE_RESULTS_GLOB = "bench/results/sim_check_*.json"
 DEFAULT_CALIBRATION = Path("bench/results/serve_calibration.json")
 
 
@@ -45,8 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--workers", type=int, default=2, help="processes for the placement search")
     parser.add_argument("--plot", type=Path, default=Path("bench/results/planner_attainment.png"))
-    parser.add_argument("--serve-results", type=Path, default=DEFAULT_SERVE_RESULTS,
-                        help="JSON from a real bench serve run (format: see read_serve_results)")
+    parser.add_argument("--serve-results", type=Path, nargs="+", default=None,
+                        help="JSON files from real bench serve runs, e.g. one per rate (format: see "
+                             f"bench/sim_vs_real.py:read_serve_results; default: {SERVE_RESULTS_GLOB})")
+    parser.add_argument("--sim-plot", type=Path, default=Path("bench/results/sim_vs_real.png"),
+                        help="simulated vs real attainment per rate")
     parser.add_argument("--serve-calibration", type=Path, default=DEFAULT_CALIBRATION,
                         help="JSON from an idle bench serve run, for the fixed per-request overheads")
     parser.add_argument("--skip-paper", action="store_true", help="skip the OPT-13B/66B/175B 4x8 setting")
@@ -56,15 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    serve = args.serve_results or sorted(Path().glob(SERVE_RESULTS_GLOB))
     if args.sim_vs_real_only:
         kept = json.loads(args.json.read_text()) if args.json and args.json.is_file() else {}
         return {**{k: v for k, v in kept.items() if not k.startswith("sim_vs_real")},
-                **sim_vs_real(args.serve_results, args.serve_calibration)}
+                **sim_vs_real(serve, args.serve_calibration, args.sim_plot)}
     figures: dict = {}
     figures.update(distserve_example(args))
     figures.update(search_speed_and_paper(args))
     figures.update(plot_attainment(args))
-    figures.update(sim_vs_real(args.serve_results, args.serve_calibration))
+    figures.update(sim_vs_real(serve, args.serve_calibration, args.sim_plot))
     return figures
 
 

@@ -25,9 +25,15 @@ def steps_between(records: list[dict], start: float, end: float, prompt_lens: li
     """The records that started in [start, end) as compact lists, and each request's hop delays."""
     mine = [r for r in records if start <= r["start"] < end]
     prefill = [r for r in mine if r["kind"] == "prefill"]
+    decode = [r for r in mine if r["kind"] == "decode"]
     out = {"prefill": [[sum(r["lengths"]), sum(x * x for x in r["lengths"]), r["end"] - r["start"]] for r in prefill],
-           "decode": [[r["batch"], r["context"], r["end"] - r["start"]] for r in mine if r["kind"] == "decode"],
-           "pull": [[r["tokens"], r["end"] - r["start"]] for r in mine if r["kind"] == "pull"]}
+           "decode": [[r["batch"], r["context"], r["end"] - r["start"]] for r in decode],
+           "pull": [[r["tokens"], r["end"] - r["start"]] for r in mine if r["kind"] == "pull"],
+           # when each decode step, prefill batch and pull ran, seconds after `start` (the clock the sends are
+           # on): which decode step's token a client saw first, and how the machine's speed varied
+           "decode_at": [[r["start"] - start, r["end"] - start] for r in decode],
+           "prefill_at": [[r["start"] - start, r["end"] - start] for r in prefill],
+           "pull_at": [[r["start"] - start, r["end"] - start, r["tokens"]] for r in mine if r["kind"] == "pull"]}
     # (length, receipt time, batch end) of every prefilled request, to match the client's requests against
     received = [(length, recv, r["end"]) for r in prefill for length, recv in zip(r["lengths"], r["recv"])]
     hop_in, hop_out, held = [], [], []

@@ -13,9 +13,10 @@ Modelled: prefill pipelining over pp stages (a batch holds stage 1 for T/pp and 
 decode instance with pp stages as pp lanes that each keep one batch in flight, with 1/pp of the KV;
 the prefill side holding each request's KV until its decode lane admits it and the pull completes
 (transfer time = a fixed set-up + prompt KV bytes / link bandwidth); colocated (vLLM-like) instances
-that stop decoding while they run a prefill batch (prefill first); optional fixed per-request overheads
-of a real deployment. Not modelled: pipeline bubbles, activation transfer between stages, preemption
-(admission reserves prompt + output, so none is needed), CPU shared with processes outside the instances.
+that stop decoding while they run a prefill batch (prefill first); optional per-request overheads of a
+real deployment; optionally the controller's limit on requests sent ahead to a prefill instance. Not
+modelled: pipeline bubbles, activation transfer between stages, preemption (admission reserves prompt +
+output, so none is needed), CPU shared with processes outside the instances.
 """
 from __future__ import annotations
 
@@ -82,16 +83,40 @@ class SimConfig:
     # Instead of the one `request_overhead`: request i's own, overheads[i % len] (a deployment's measured
     # spread of it, e.g. drawn from a real run; a constant would hide the tail that decides attainment).
     request_overheads: tuple[float, ...] = ()
+    # Request i's first token reaches its client delays[i % len] after the token was made (the way out),
+    # capped at its last token; TPOT is then counted from that first visible token, as a client measures it.
+    first_token_delays: tuple[float, ...] = ()
+    # Per request (one entry each, or empty for all 0): which token is the first the client sees, 0 = the
+    # prefill's, k = the k-th decode step's (a detokeniser holds tokens that are no text yet: a special
+    # token, part of a multi-byte character; a property of the request's output, like its length).
+    first_visible_steps: tuple[int, ...] = ()
+    # How much slower than its latency model each kind of instance runs over time: the factor for time t is
+    # slowdown[int(t / slowdown_period) % len] (a shared machine's slow and fast spells, e.g. measured on a
+    # real run; the model's times are the average, so the factors average ~1). Empty: always 1.
+    prefill_slowdown: tuple[float, ...] = ()
+    decode_slowdown: tuple[float, ...] = ()
+    slowdown_period: float = 0.5
+    # The controller sends a prefill instance at most this many requests whose first token has not come
+    # back (aiollm.workers.controller's prefill_queue_limit) and keeps the rest in its own FCFS queue; this
+    # caps a prefill batch at that many prompts however short they are. 0 = no limit (DistServe's simulator).
+    prefill_queue_limit: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"SimConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.n_prefill <= 0 or self.n_decode <= 0:
             raise ValueError("SimConfig: n_prefill and n_decode must be > 0")
-        if self.link_bandwidth <= 0 or self.block_size <= 0 or self.max_batch_tokens < 0 or self.max_running < 0:
-            raise ValueError("SimConfig: link_bandwidth, block_size must be > 0; max_batch_tokens, max_running >= 0")
-        if self.request_overhead < 0 or self.pull_overhead < 0 or any(x < 0 for x in self.request_overheads):
-            raise ValueError("SimConfig: request_overhead(s) and pull_overhead must be >= 0")
+        if self.link_bandwidth <= 0 or self.block_size <= 0 or min(self.max_batch_tokens, self.max_running,
+                                                                     self.prefill_queue_limit) < 0:
+            raise ValueError("SimConfig: link_bandwidth, block_size must be > 0; max_batch_tokens, max_running, "
+                             "prefill_queue_limit >= 0")
+        if self.request_overhead < 0 or self.pull_overhead < 0 or min((*self.request_overheads,
+                                                                        *self.first_token_delays), default=0) < 0:
+            raise ValueError("SimConfig: request_overhead(s), first_token_delays and pull_overhead must be >= 0")
+        if min(self.first_visible_steps, default=0) < 0:
+            raise ValueError("SimConfig: first_visible_steps must be >= 0")
+        if min((*self.prefill_slowdown, *self.decode_slowdown), default=1) <= 0 or self.slowdown_period <= 0:
+            raise ValueError("SimConfig: prefill_slowdown, decode_slowdown and slowdown_period must be > 0")
 
 
 @dataclass
@@ -173,7 +198,7 @@ class _PrefillServer:
         batch = [self.queue.popleft() for _ in lengths]
         total = sum(lengths)
         self.kv_free -= total
-        duration = self.stack.prefill_time(total, sum(x * x for x in lengths))
+        duration = self.stack.prefill_time(total, sum(x * x for x in lengths)) * self.sim.slowdown("prefill")
         self.busy = True
         clock = self.sim.clock
         clock.at(clock.now + duration / self.pp, self._stage_free)
@@ -199,6 +224,7 @@ class _DecodeLane:
         self.admission = DecodeAdmission(max(1, kv_tokens // block), block, sim.config.max_running or 10 ** 9)
         self.capacity = kv_tokens
         self.running: list[tuple[int, int]] = []  # heap of (finish step, request)
+        self.marks: list[tuple[int, int]] = []  # heap of (step, request) whose token is its first visible one
         self.pending: list[tuple[float, int]] = []  # heap of (KV ready time, request)
         self.to_prefill: deque[int] = deque()  # colocated: admitted, not yet prefilled
         self.source: dict[int, _PrefillServer | None] = {}
@@ -224,8 +250,11 @@ class _DecodeLane:
 
     # --- step timing --------------------------------------------------------------------------
     def _step_terms(self) -> tuple[float, float]:
+        """(first step, growth per step) from the anchor on, at the speed of the anchor's slowdown period (a
+        planned boundary never crosses into the next period, see `_plan_next`)."""
         d, e, f = self.stack.decode_coeffs(self.batch)
-        return d + e * self.batch + f * self.ctx, f * self.batch
+        factor = self.sim.slowdown("decode", self.anchor)
+        return (d + e * self.batch + f * self.ctx) * factor, f * self.batch * factor
 
     def _elapsed(self, k: int) -> float:
         base, growth = self._step_terms()
@@ -277,6 +306,8 @@ class _DecodeLane:
             self.ctx += self.batch * k
         self.anchor = now
         self.next_k = -1
+        while self.marks and self.marks[0][0] <= self.steps:
+            self.sim.visible[heapq.heappop(self.marks)[1]] = now
         self._finish_done(now)
         self._admit(now)
         self._join_ready(now)
@@ -321,6 +352,8 @@ class _DecodeLane:
             sim.decode_done(r, self)
             return
         heapq.heappush(self.running, (self.steps + remaining, r))
+        if sim.visible_steps is not None and sim.visible_steps[r] > 0:
+            heapq.heappush(self.marks, (self.steps + min(int(sim.visible_steps[r]), remaining), r))
         self.batch += 1
         self.ctx += int(sim.prompt[r]) + 1
 
@@ -329,7 +362,7 @@ class _DecodeLane:
         n = take_batch(islice((prompt[r] for r in self.to_prefill), 4096), self.sim.max_batch_tokens)
         batch = [self.to_prefill.popleft() for _ in range(n)]
         lengths = [int(prompt[r]) for r in batch]
-        duration = self.stack.prefill_time(sum(lengths), sum(x * x for x in lengths))
+        duration = self.stack.prefill_time(sum(lengths), sum(x * x for x in lengths)) * self.sim.slowdown("prefill")
         self.in_prefill = True
         self.version += 1
         self.sim.clock.at(now + duration, self._prefill_end, batch)
@@ -351,9 +384,12 @@ class _DecodeLane:
                 self.anchor = self.pending[0][0]
                 self._schedule(0)
             return
-        k = self.running[0][0] - self.steps
+        k = min(self.running[0][0], self.marks[0][0] if self.marks else math.inf) - self.steps
         if self.pending:
             k = min(k, self._steps_until(self.pending[0][0] - self.anchor))
+        edge = self.sim.next_slowdown_edge(self.anchor)
+        if edge < math.inf:  # a boundary at the first step end in the next period picks up its speed
+            k = min(k, self._steps_until(edge - self.anchor))
         self._schedule(max(k, 1))
 
 
@@ -368,9 +404,14 @@ class _Simulation:
         n = len(workload)
         self.first_token = np.full(n, np.inf)
         self.finish = np.full(n, np.inf)
+        self.visible = np.full(n, np.inf)  # when a request's first visible decode token was made
+        self.visible_steps = np.asarray(config.first_visible_steps) if config.first_visible_steps else None
+        if self.visible_steps is not None and len(self.visible_steps) != n:
+            raise ValueError(f"SimConfig.first_visible_steps has {len(self.visible_steps)} entries for {n} requests")
         spec = config.decode if config.mode == "colocated" else config.prefill
         self.max_batch_tokens = config.max_batch_tokens or self.latency.compute_bound_length(spec.tp)
         self.dispatch = Dispatcher()
+        self.waiting: deque[int] = deque()  # the controller's queue (with a prefill_queue_limit)
         self.prefill_servers: dict[str, _PrefillServer] = {}
         self.lanes: dict[str, _DecodeLane] = {}
         if config.mode in ("disaggregated", "prefill-only"):
@@ -395,7 +436,29 @@ class _Simulation:
             overhead = spread[r % len(spread)] if spread else self.config.request_overhead
             self.clock.at(float(t) + overhead, self.arrive, r)
         self.clock.run()
+        if self.visible_steps is not None:
+            held = (self.visible_steps > 0) & (self.output > 1)
+            self.first_token = np.where(held, np.minimum(self.visible, self.finish), self.first_token)
+        delays = self.config.first_token_delays
+        if delays:
+            way_out = np.resize(np.asarray(delays, dtype=np.float64), len(self.first_token))
+            self.first_token = np.minimum(self.first_token + way_out, self.finish)
         return SimResult(self.arrival, self.first_token, self.finish, self.output)
+
+    def slowdown(self, kind: str, time: float | None = None) -> float:
+        """The factor on `kind`'s step times at `time` (default: now)."""
+        series = self.config.prefill_slowdown if kind == "prefill" else self.config.decode_slowdown
+        if not series:
+            return 1.0
+        t = self.clock.now if time is None else time
+        return series[int(t // self.config.slowdown_period) % len(series)]
+
+    def next_slowdown_edge(self, time: float) -> float:
+        """Where the decode slowdown period holding `time` ends (inf without a decode slowdown)."""
+        if not self.config.decode_slowdown:
+            return math.inf
+        period = self.config.slowdown_period
+        return (math.floor(time / period) + 1) * period
 
     def transfer_time(self, r: int) -> float:
         if self.config.mode != "disaggregated":
@@ -409,13 +472,23 @@ class _Simulation:
     def arrive(self, r: int) -> None:
         mode = self.config.mode
         if mode in ("disaggregated", "prefill-only"):
-            name = self.dispatch.choose_prefill()
-            self.dispatch.assign_prefill(name, int(self.prompt[r]))
-            self.prefill_servers[name].submit(r)
+            self.waiting.append(r)
+            self._dispatch()
             return
         if mode == "decode-only":
             self.first_token[r] = self.clock.now
         self._to_lane(r, None)
+
+    def _dispatch(self) -> None:
+        """The controller's FCFS queue heads to the shortest prefill queue while it is under the limit."""
+        limit = self.config.prefill_queue_limit
+        while self.waiting:
+            name = self.dispatch.choose_prefill()
+            if limit and self.dispatch.prefill[name].queued >= limit:
+                return
+            r = self.waiting.popleft()
+            self.dispatch.assign_prefill(name, int(self.prompt[r]))
+            self.prefill_servers[name].submit(r)
 
     def prefill_done(self, r: int, server: _PrefillServer) -> None:
         self.first_token[r] = self.clock.now
@@ -423,8 +496,9 @@ class _Simulation:
         if self.config.mode == "prefill-only":
             self.finish[r] = self.clock.now
             server.release(int(self.prompt[r]))
-            return
-        self._to_lane(r, server)
+        else:
+            self._to_lane(r, server)
+        self._dispatch()
 
     def _to_lane(self, r: int, source: _PrefillServer | None) -> None:
         need = int(self.prompt[r] + self.output[r])

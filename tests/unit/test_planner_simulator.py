@@ -116,3 +116,43 @@ def test_per_request_overheads_shift_each_arrival():
     assert result.ttft == pytest.approx([0.15, 0.6])  # each request's own overhead before its 0.1 s prefill
     with pytest.raises(ValueError, match="request_overhead"):
         SimConfig(**base, request_overheads=(-1.0,))
+
+
+def test_controller_queue_limit_caps_prefill_batches():
+    # Six 10-token prompts at t=0, 1 ms/token, L_m 1000. Without a limit: r0 alone (0-0.01), then r1-r5 in one
+    # batch (0.01-0.06). With the controller's limit of 4 sent ahead: r4 and r5 wait at the controller, so the
+    # second batch is r1-r3 (0.01-0.04); r0's first token frees a slot for r4, which misses that batch and runs
+    # alone (0.04-0.05); r5 follows r1's first token (0.05-0.06).
+    w = workload([10] * 6, [2] * 6, [0.0] * 6)
+    free = simulate(config("disaggregated"), w, 1.0)
+    assert free.ttft == pytest.approx([0.01] + [0.06] * 5)
+    held = simulate(replace(config("disaggregated"), prefill_queue_limit=4), w, 1.0)
+    assert held.ttft == pytest.approx([0.01, 0.04, 0.04, 0.04, 0.05, 0.06])
+    with pytest.raises(ValueError, match="prefill_queue_limit"):
+        replace(config("disaggregated"), prefill_queue_limit=-1)
+
+
+def test_first_visible_token_and_delivery_delay():
+    # r0's first token is text: seen 5 ms after its prefill (0.1 s) ends. r1's first token is no text yet (a
+    # detokeniser holds it): its client sees the first decode step's token, made at 0.21 (r1 prefills 0.1-0.2,
+    # joins r0's batch at a step boundary), 5 ms later; TPOT counts from there, over its 10 later tokens.
+    w = workload([100, 100], [11, 11], [0.0, 0.0])
+    res = simulate(replace(config("disaggregated"), first_visible_steps=(0, 1), first_token_delays=(0.005,)), w, 1.0)
+    assert res.ttft == pytest.approx([0.105, 0.215])
+    assert res.finish == pytest.approx([0.2, 0.3])
+    assert res.tpot == pytest.approx([0.0095, 0.0085])
+    with pytest.raises(ValueError, match="entries for 2 requests"):
+        simulate(replace(config("disaggregated"), first_visible_steps=(1,)), w, 1.0)
+
+
+def test_slowdown_periods_scale_step_times():
+    # 10 decode steps of 10 ms, twice as slow in every second 50 ms period. r0 prefills 0-0.01, then steps end
+    # at 0.02..0.05 (4), at 0.07, 0.09, 0.11 (the step crossing 0.1 still slow), then 0.12..0.14 (3): done 0.14.
+    cfg = replace(config("disaggregated"), decode_slowdown=(1.0, 2.0), slowdown_period=0.05)
+    res = simulate(cfg, workload([10], [11], [0.0]), 1.0)
+    assert res.finish == pytest.approx([0.14])
+    assert res.tpot == pytest.approx([0.013])
+    slow_prefill = simulate(replace(config("disaggregated"), prefill_slowdown=(3.0,)), workload([10], [2], [0.0]), 1.0)
+    assert slow_prefill.ttft == pytest.approx([0.03])
+    with pytest.raises(ValueError, match="slowdown"):
+        replace(cfg, decode_slowdown=(0.0,))
