@@ -96,4 +96,16 @@ double aiollm_read_sum(const void *buf, int64_t nbytes, int32_t n_threads);
 /* Threads the pool has started so far (it grows on demand up to AIOLLM_MAX_THREADS - 1 workers + caller). */
 int aiollm_pool_size(void);
 
+/* ---- skinny GEMM: y[m, n] = x[m, k] . W[n, k]^T (+ residual[m, n]), W packed once (native/gemm*.c) ----
+ * dtype AIOLLM_DT_F32 (fp32 math, AVX-512F + FMA) or AIOLLM_DT_BF16 (bf16 x, W, residual and y; fp32
+ * accumulation with AVX512_BF16; y rounded once to bf16). x, residual, y: row-major, rows ld* elements apart.
+ * aiollm_gemm_supported(dtype): whether this CPU runs it (else the caller keeps another path).
+ * aiollm_gemm_packed_bytes: size of the packed form (-1 for bad arguments); aiollm_gemm_pack fills it
+ * (packed 64-byte aligned) from W [n, k] with rows ldw elements apart. */
+int aiollm_gemm_supported(int32_t dtype);
+int64_t aiollm_gemm_packed_bytes(int32_t n, int32_t k, int32_t dtype);
+int aiollm_gemm_pack(const void *w, int64_t ldw, int32_t n, int32_t k, int32_t dtype, void *packed);
+int aiollm_gemm(const void *x, int64_t ldx, int32_t m, const void *packed, int32_t n, int32_t k, int32_t dtype,
+                const void *residual, int64_t ldr, void *y, int64_t ldy, int32_t n_threads);
+
 #endif

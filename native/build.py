@@ -10,7 +10,8 @@ from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 HEADER = HERE / "aiollm_native.h"
-SOURCES = ["cpu.c", "dispatch.c", "threadpool.c", "kv_write.c", "attn_ref.c", "attn_avx2.c", "attn_avx512.c", "attn_avx512_vnni.c"]
+SOURCES = ["cpu.c", "dispatch.c", "threadpool.c", "kv_write.c", "attn_ref.c", "attn_avx2.c", "attn_avx512.c", "attn_avx512_vnni.c",
+           "gemm.c", "gemm_avx512.c"]
 
 
 def _cdef_text() -> str:

@@ -1,33 +1,47 @@
-"""The S-part's matrix products: on CPU, oneDNN with each weight packed once at load time.
+"""The S-part's matrix products: each weight packed once at load time for the fastest kernel on its device.
 
-`F.linear` goes to MKL's sgemm, which re-packs the weight matrix on every call; at decode batch
-sizes (a few to a few hundred rows) that copy costs as much as the product. oneDNN with a weight
-packed once into its blocked layout skips it. Measured here for all 30 layers of SmolLM2 plus the
-lm_head at batch 8: fp32 53 -> 39 ms, bf16 23 -> 17 ms; at batch 64 bf16 34 -> 25 ms. Elsewhere
-(CUDA, a torch without oneDNN) weights stay dense and `F.linear` is used.
+On a CPU with AVX-512 (fp32) or AVX512_BF16 (bf16) the weight becomes an aiollm.model.gemm.PackedWeight
+and products run on the native skinny GEMM, which streams the weights at close to the machine's read
+bandwidth at small batch and reuses them from L2 across the rows of larger ones. oneDNN's packed GEMMs
+(the path before it, kept as the fallback) read SmolLM2's weights at ~15 GB/s at batch 8 and reached
+140-200 GFLOPS at batch 32-64 here; `F.linear` (MKL sgemm) re-packs the weight on every call and is
+slower still. Elsewhere (CUDA, no oneDNN) weights stay dense and `F.linear` is used.
 """
 import torch
 import torch.nn.functional as F
 
+from aiollm.model import gemm
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight [out, in] in the fastest layout for `linear` on its device (a oneDNN tensor on CPU)."""
+Weight = torch.Tensor | gemm.PackedWeight
+
+
+def pack(weight: torch.Tensor) -> Weight:
+    """The weight [out, in] in the fastest layout for `linear` on its device: a PackedWeight for the native
+    kernel, else a oneDNN tensor on CPU, else the tensor itself. All three have `.shape`, `.dtype` and
+    `.to_dense()` (a plain tensor's is itself)."""
+    if weight.device.type == "cpu" and gemm.supported(weight.dtype):
+        return gemm.PackedWeight(weight)
     if weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and \
             weight.dtype in (torch.float32, torch.bfloat16):
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     return weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """x [n, in] @ weight.T for a weight from `pack`."""
+    if isinstance(weight, gemm.PackedWeight):
+        return gemm.gemm(x, weight)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return F.linear(x, weight)
 
 
-def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + x @ weight.T (a new tensor): on CPU the add is a oneDNN post-op of the GEMM, so the
-    residual stream costs no extra pass (in fp32 bit-identical to adding afterwards)."""
+def linear_add(x: torch.Tensor, weight: Weight, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ weight.T (a new tensor). With the native kernel or oneDNN the add happens as the
+    product is stored, so the residual stream costs no extra pass (in fp32 bit-identical to adding
+    afterwards; in bf16 rounded once instead of twice)."""
+    if isinstance(weight, gemm.PackedWeight):
+        return gemm.gemm(x, weight, residual)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, None, "add")
     return F.linear(x, weight).add_(residual)
