@@ -96,6 +96,28 @@ double aiollm_read_sum(const void *buf, int64_t nbytes, int32_t n_threads);
 /* Threads the pool has started so far (it grows on demand up to AIOLLM_MAX_THREADS - 1 workers + caller). */
 int aiollm_pool_size(void);
 
+/* ---- the decode step's small ops (native/fused_ops.c): one call each on the calling thread, no allocation ----
+ * dtype / out dtypes: AIOLLM_DT_F32 or AIOLLM_DT_BF16 (fp32 math, a bf16 result rounded once). Rows are
+ * *_stride elements apart, each row's elements contiguous. The variant follows aiollm_isa() (AVX-512 or
+ * portable C).
+ * aiollm_rms_norm: out = weight * (x * 1/sqrt(mean(x^2) + eps)) per row of dim elements; out may alias x.
+ * aiollm_rope_qk: one row of qkv per token holds n_q_heads q heads then n_kv_heads k heads (then anything,
+ *   e.g. v); rotates q into q_out (q_out_dtype) and k in place with the half-split rotation
+ *   x * cos + roll(x, head_dim / 2) * sin, cos and sign-folded sin [n_positions, head_dim] of dtype;
+ *   AIOLLM_ERR_ARG if a position lies outside [0, n_positions). q_out may be qkv itself (same dtype).
+ * aiollm_silu_mul: out[:, i] = silu(gate_up[:, i]) * gate_up[:, dim + i], i < dim.
+ * aiollm_argmax_rows: out[r] = index of the first maximum of fp32 row r (of the first NaN if any), rows
+ *   spread over n_threads threads of the pool. */
+int aiollm_rms_norm(const void *x, int64_t x_stride, const void *weight, void *out, int64_t out_stride,
+                    int64_t n_rows, int32_t dim, float eps, int32_t dtype);
+int aiollm_rope_qk(void *qkv, int64_t row_stride, int64_t n_rows, int32_t n_q_heads, int32_t n_kv_heads,
+                   int32_t head_dim, const int64_t *positions, const void *cos, const void *sin,
+                   int64_t n_positions, void *q_out, int64_t q_out_stride, int32_t q_out_dtype, int32_t dtype);
+int aiollm_silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t out_stride, int64_t n_rows,
+                    int32_t dim, int32_t dtype);
+int aiollm_argmax_rows(const float *x, int64_t row_stride, int64_t n_rows, int32_t n_cols, int64_t *out,
+                       int32_t n_threads);
+
 /* ---- skinny GEMM: y[m, n] = x[m, k] . W[n, k]^T (+ residual[m, n]), W packed once (native/gemm*.c) ----
  * dtype AIOLLM_DT_F32 (fp32 math, AVX-512F + FMA) or AIOLLM_DT_BF16 (bf16 x, W, residual and y; fp32
  * accumulation with AVX512_BF16; y rounded once to bf16). x, residual, y: row-major, rows ld* elements apart.
