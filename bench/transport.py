@@ -1,28 +1,29 @@
 """Transport round trips and throughput between two processes on 127.0.0.1, against raw sockets.
 
-Rows: raw blocking sockets with `recv_into` (the practical limit), aiollm's tcp transport (received
-into preallocated memory through `allocate`, and into fresh arrays), aiollm's ucx transport where
-its binding is installed, pyzmq, Ray (where installed), the actor-level ask (bench.transport_ask) and, to
-show where an ask's microseconds go, the uvloop floor (an 8-byte echo from protocol callbacks, one task
-wake-up) and the ask's CPU time per process and in one process.
-Round trips are reported unpinned and with both processes pinned to one CPU: on these VMs a wake-up
-across vCPUs dominates a small round trip. Throughput is one-way, best of `repeats` runs.
+First table, one run per transport: raw blocking sockets with `recv_into` (the practical limit),
+aiollm's tcp transport driven in push mode as nodes drive it (`Connection.deliver`; received into
+preallocated memory through `allocate`, and into fresh arrays), aiollm's ucx transport where its
+binding is installed, pyzmq, Ray (where installed). Throughput is one-way, best of `repeats` runs.
+
+Second table, the actor-level ask against its limits (bench.transport_ask): raw sockets, the uvloop
+floor (an 8-byte echo from protocol callbacks, one task wake-up), our tcp transport's push echo and
+the ask, alternated in several rounds within one run (medians reported, so a drifting machine hits
+all alike), with the CPU time per round trip of each process; the row-to-row differences are what
+each layer costs. Round trips are reported unpinned and with the processes pinned to one CPU: on
+these VMs a wake-up across vCPUs is a large part of a small round trip.
 Run it as `flock /tmp/aiollm-bench.lock python -m bench transport [--quick] [--json PATH]`.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from bench import transport_peers
 from bench.report import table
 
-ROOT = Path(__file__).resolve().parents[1]
 MiB = 1024 * 1024
 # (label, size in bytes, messages per run in the full and the quick setting)
 SIZES = [("64KiB", 64 * 1024, 4096, 1024), ("1MiB", MiB, 256, 64), ("64MiB", 64 * MiB, 8, 3)]
@@ -34,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a few seconds per row)")
     parser.add_argument("--iterations", type=int, help="round trips per RTT measurement (default 5000, quick 1000)")
     parser.add_argument("--repeats", type=int, help="throughput runs per size, best kept (default 3, quick 2)")
+    parser.add_argument("--rounds", type=int,
+                        help="interleaved rounds of raw/floor/push/ask round trips (default 7, quick 3)")
 
 
 def _plan(rtt_iterations: int, repeats: int, quick: bool, fresh: bool, with_throughput: bool) -> list:
@@ -49,21 +52,10 @@ def _measure(kind: str, plan: list, pinned: bool) -> list:
     original = os.sched_getaffinity(0)
     if pinned:
         os.sched_setaffinity(0, {min(original)})  # the child inherits it
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.transport_peers", kind, json.dumps(plan)],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, **UCX_ENV},
-    )
     try:
-        address = proc.stdout.readline().strip()
-        if not address:
-            raise RuntimeError(f"{kind} peer failed to start (exit code {proc.wait()})")
-        results = transport_peers.client(kind, plan, address)
-        proc.wait(timeout=30)
-        return results
+        with transport_peers.peer_process(kind, plan, UCX_ENV) as (_proc, address):
+            return transport_peers.client(kind, plan, address)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
         os.sched_setaffinity(0, original)
 
 
@@ -116,8 +108,9 @@ def run(args: argparse.Namespace) -> dict:
             ucxx = by_name["ucxx_raw_polling"][f"GBps_{label}"]
             figures[f"ratio_ucxx_raw_vs_tcp_{label}"] = ucxx / by_name["tcp"][f"GBps_{label}"]
             figures[f"ratio_ucx_vs_ucxx_raw_{label}"] = by_name["ucx"][f"GBps_{label}"] / ucxx
-    _add_ask(figures, rows, by_name["raw"], iterations)
+    rtt_rows = _add_ask(figures, quick, args.rounds)
     print(table(rows))
+    print(table(rtt_rows))
     return figures
 
 
@@ -146,40 +139,62 @@ def _ucx_perftest(tls: str, quick: bool) -> dict:
     return row
 
 
-def _add_ask(figures: dict, rows: list, raw: dict, iterations: int) -> None:
-    """The actor-level ask round trip, measured by the actor runtime's own bench module."""
+def _add_ask(figures: dict, quick: bool, rounds: int | None) -> list[dict]:
+    """The actor-level ask beside raw sockets, measured interleaved by the actor runtime's bench module.
+
+    Returns the table rows: per kind of round trip (raw, uvloop floor, tcp push echo, ask) the
+    median over rounds of p50 and p99, unpinned and pinned, and the CPU time per round trip of
+    each process; the differences between rows are what each layer adds.
+    """
     try:
-        from bench.transport_ask import measure_ask_breakdown, measure_ask_rtt
+        from bench.transport_ask import (
+            KINDS,
+            measure_ask_breakdown,
+            measure_interleaved,
+        )
     except ModuleNotFoundError as exc:
         if exc.name != "bench.transport_ask":
             raise
         print("ask: bench.transport_ask not present")
-        return
-    unpinned = measure_ask_rtt(pinned=False, iterations=iterations)
-    pinned = measure_ask_rtt(pinned=True, iterations=iterations)
-    rows.append({"transport": "actor ask (tcp)", "rtt_p50_us": unpinned["p50_us"], "rtt_p99_us": unpinned["p99_us"],
-                 "rtt_pinned_p50_us": pinned["p50_us"]})
-    figures["ask_rtt_p50_us"] = unpinned["p50_us"]
-    figures["ask_rtt_p99_us"] = unpinned["p99_us"]
-    figures["ask_rtt_pinned_us"] = pinned["p50_us"]
-    figures["ratio_ask_rtt_vs_raw"] = unpinned["p50_us"] / raw["rtt_p50_us"]
-    # Where the microseconds go: the least an awaited request costs on uvloop (no framing, no actors),
-    # each process's CPU time per ask, and the ask's code measured alone (both nodes in one process).
-    plan = [["rtt", iterations]]
-    floor, floor_pinned = _measure("uvloop_floor", plan, False)[0], _measure("uvloop_floor", plan, True)[0]
-    rows.append({"transport": "uvloop floor", "rtt_p50_us": floor["p50_us"], "rtt_p99_us": floor["p99_us"],
-                 "rtt_pinned_p50_us": floor_pinned["p50_us"]})
-    breakdown = measure_ask_breakdown(iterations)
+        return []
+    rounds = rounds or (3 if quick else 7)
+    iterations = 1000 if quick else 2000
+    unpinned = measure_interleaved(False, rounds, iterations)
+    pinned = measure_interleaved(True, rounds, iterations)
+    raw, raw_pinned = unpinned["raw"]["p50_us"], pinned["raw"]["p50_us"]
+    rows = []
+    for kind in KINDS:
+        u, p = unpinned[kind], pinned[kind]
+        rows.append({"round trip": kind, "p50_us": u["p50_us"], "p99_us": u["p99_us"], "x_raw": u["p50_us"] / raw,
+                     "cpu_us_client": u["client_cpu_us"], "cpu_us_server": u["server_cpu_us"],
+                     "pinned_p50_us": p["p50_us"], "pinned_x_raw": p["p50_us"] / raw_pinned,
+                     "pinned_cpu_us_client": p["client_cpu_us"], "pinned_cpu_us_server": p["server_cpu_us"]})
+        figures[f"interleaved_{kind}_rtt_p50_us"] = u["p50_us"]
+        figures[f"interleaved_{kind}_rtt_pinned_us"] = p["p50_us"]
+    ask, ask_pinned = unpinned["ask"], pinned["ask"]
     figures.update({
-        "uvloop_floor_rtt_p50_us": floor["p50_us"], "uvloop_floor_rtt_pinned_us": floor_pinned["p50_us"],
-        "ask_client_cpu_us": unpinned["client_cpu_us"], "ask_server_cpu_us": unpinned["server_cpu_us"],
-        "ask_pinned_client_cpu_us": pinned["client_cpu_us"], "ask_pinned_server_cpu_us": pinned["server_cpu_us"],
-        "ask_one_process_us": breakdown["one_process_us"], "ask_codec_us": breakdown["codec_us"],
-        "ratio_uvloop_floor_vs_raw": floor["p50_us"] / raw["rtt_p50_us"],
+        "rtt_rounds": rounds, "rtt_round_iterations": iterations,
+        "ask_rtt_p50_us": ask["p50_us"], "ask_rtt_p99_us": ask["p99_us"], "ask_rtt_pinned_us": ask_pinned["p50_us"],
+        "ask_client_cpu_us": ask["client_cpu_us"], "ask_server_cpu_us": ask["server_cpu_us"],
+        "ask_pinned_client_cpu_us": ask_pinned["client_cpu_us"], "ask_pinned_server_cpu_us": ask_pinned["server_cpu_us"],
+        "uvloop_floor_rtt_p50_us": unpinned["uvloop_floor"]["p50_us"],
+        "uvloop_floor_rtt_pinned_us": pinned["uvloop_floor"]["p50_us"],
+        "ratio_ask_rtt_vs_raw": ask["p50_us"] / raw,
+        "ratio_ask_rtt_vs_raw_pinned": ask_pinned["p50_us"] / raw_pinned,
+        "ratio_uvloop_floor_vs_raw": unpinned["uvloop_floor"]["p50_us"] / raw,
+        "ratio_tcp_push_vs_raw": unpinned["tcp_push"]["p50_us"] / raw,
+        "ask_vs_raw_per_round": unpinned["ask_vs_raw_per_round"],
+        "ask_vs_raw_per_round_pinned": pinned["ask_vs_raw_per_round"],
     })
-    print(f"ask breakdown: raw socket RTT {raw['rtt_p50_us']:.1f} us; uvloop floor (echo from the receive "
-          f"callback, one task wake-up) {floor['p50_us']:.1f} us ({floor['p50_us'] / raw['rtt_p50_us']:.1f}x raw); "
-          f"ask {unpinned['p50_us']:.1f} us, CPU per ask {unpinned['client_cpu_us']:.0f} us asking + "
-          f"{unpinned['server_cpu_us']:.0f} us answering (pinned: {pinned['client_cpu_us']:.0f} + "
-          f"{pinned['server_cpu_us']:.0f}); the same ask in one process {breakdown['one_process_us']:.1f} us "
-          f"(codec {breakdown['codec_us']:.1f} us of it)")
+    breakdown = measure_ask_breakdown(iterations)
+    figures.update({"ask_one_process_us": breakdown["one_process_us"], "ask_codec_us": breakdown["codec_us"]})
+    floor, push = unpinned["uvloop_floor"]["p50_us"], unpinned["tcp_push"]["p50_us"]
+    print(f"ask round trip, unpinned, medians of {rounds} interleaved rounds: {ask['p50_us']:.1f} us = raw socket "
+          f"{raw:.1f} + event loop {floor - raw:+.1f} (uvloop floor: echo from the receive callback, one task "
+          f"wake-up) + framing {push - floor:+.1f} (tcp push echo) + actor runtime {ask['p50_us'] - push:+.1f}; "
+          f"{ask['p50_us'] / raw:.2f}x raw (per round: {unpinned['ask_vs_raw_per_round']}); the floor alone is "
+          f"{floor / raw:.2f}x raw. CPU per ask {ask['client_cpu_us']:.1f} us asking + {ask['server_cpu_us']:.1f} us "
+          f"answering (floor {unpinned['uvloop_floor']['client_cpu_us']:.1f} + "
+          f"{unpinned['uvloop_floor']['server_cpu_us']:.1f}); the same ask in one process "
+          f"{breakdown['one_process_us']:.1f} us (codec {breakdown['codec_us']:.1f} us of it)")
+    return rows

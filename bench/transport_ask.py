@@ -1,16 +1,18 @@
 """Ask round-trip latency of the actor runtime: this process asks an `echo` node process over TCP on 127.0.0.1.
 
-Used by `bench.transport` (which puts it beside the raw-socket round trip); also runnable alone:
-`flock /tmp/aiollm-bench.lock python -m bench.transport_ask --iterations 5000`.
+Used by `bench.transport`; also runnable alone:
+`flock /tmp/aiollm-bench.lock python -m bench.transport_ask --rounds 5 --iterations 2000`.
 What is timed is the whole ask path: encode, send, the peer's receive callback, the handler (run
 inline when the actor is idle), the reply frame, decode and the asker's future — a small message
-(`Ping`) each way. `measure_ask_breakdown` says where those microseconds go: the CPU time each
-process spends per round trip, the same ask with both nodes in one process (its code's cost with
-warm caches and no sleeping), and the codec's share.
+(`Ping`) each way. `measure_interleaved` puts it beside raw sockets, the uvloop floor and our tcp
+transport's push echo, alternated round by round in one run, with the CPU time each process spends
+per round trip; `measure_ask_breakdown` adds the same ask with both nodes in one process (its code's
+cost with warm caches and no sleeping) and the codec's share.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -23,65 +25,114 @@ from aiollm.actors.echo import EchoActor, Ping, Pong
 from aiollm.actors.messages import ASK, PROTOCOL_VERSION, Reply, Request
 from aiollm.actors.node import Node, NodeConfig
 from aiollm.graph import Graph
+from bench import transport_peers
 
-# Asks before timing starts (connection set-up, caches, allocator).
-WARMUP = 500
+# Untimed round trips at the start of every round (as transport_peers does for every kind).
+WARMUP = transport_peers.WARMUP
 
 
-def measure_ask_rtt(pinned: bool, iterations: int) -> dict:
-    """p50/p99/mean ask round trip in microseconds between two OS processes over tcp.
+# The round trips alternated by `measure_interleaved`, in their first round's order: raw blocking sockets
+# (the limit), the uvloop floor (8-byte echo from protocol callbacks), our tcp transport in push mode
+# (framing, no actors), and the actor ask.
+KINDS = ("raw", "uvloop_floor", "tcp_push", "ask")
 
-    `pinned`: this process and the node process both run on one CPU (this process's affinity is
-    set with os.sched_setaffinity before the node is started, which inherits it; restored after).
+
+def measure_interleaved(pinned: bool, rounds: int, iterations: int) -> dict:
+    """Round trips of every kind in KINDS, alternated in `rounds` rounds (the order rotates each round).
+
+    Every kind runs between this process and a server process on 127.0.0.1 with TCP_NODELAY on both
+    ends; the server processes and the echo node are started once and stay up, so a drift of the
+    machine (another tenant, CPU frequency) hits every kind alike. Per kind: the median over rounds of
+    each round's p50 and p99, and the CPU time (user + system, from /proc/PID/schedstat, in ns) that
+    this process and the server process spent per round trip. `pinned`: every process on one CPU.
     Runs its own event loop (uvloop), so call it from synchronous code.
     """
-    if iterations <= 0:
-        raise ValueError(f"iterations must be > 0, got {iterations}")
+    if rounds <= 0 or iterations <= 0:
+        raise ValueError(f"rounds and iterations must be > 0, got {rounds} and {iterations}")
     original = os.sched_getaffinity(0)
     if pinned:
-        os.sched_setaffinity(0, {min(original)})
+        os.sched_setaffinity(0, {min(original)})  # inherited by every server process started below
+    plan = [["rtt", iterations]] * rounds
     try:
-        times_ns, cpu_s = uvloop.run(_measure(iterations))
+        with contextlib.ExitStack() as stack:
+            servers = {kind: stack.enter_context(transport_peers.peer_process(kind, plan))
+                       for kind in ("raw", "uvloop_floor", "tcp")}
+            per_round = uvloop.run(_interleaved(servers, rounds, iterations))
     finally:
         os.sched_setaffinity(0, original)
-    times_us = times_ns / 1e3
-    return {
-        "p50_us": float(np.percentile(times_us, 50)),
-        "p99_us": float(np.percentile(times_us, 99)),
-        "mean_us": float(times_us.mean()),
-        # CPU time (user + system) per round trip of the asking and of the answering process.
-        "client_cpu_us": cpu_s[0] / iterations * 1e6,
-        "server_cpu_us": cpu_s[1] / iterations * 1e6,
-        "iterations": iterations,
-        "pinned": pinned,
-    }
+    figures: dict = {"pinned": pinned, "rounds": rounds, "iterations": iterations}
+    for kind in KINDS:
+        runs = per_round[kind]
+        figures[kind] = {key: float(np.median([run[key] for run in runs])) for key in runs[0]}
+        figures[kind]["round_p50_us"] = [round(run["p50_us"], 2) for run in runs]
+    figures["ask_vs_raw_per_round"] = [round(a["p50_us"] / r["p50_us"], 2)
+                                       for a, r in zip(per_round["ask"], per_round["raw"])]
+    return figures
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (from /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def _measure(iterations: int) -> tuple[np.ndarray, tuple[float, float]]:
+async def _interleaved(servers: dict, rounds: int, iterations: int) -> dict[str, list[dict]]:
     async with Graph() as graph:
         node = await graph.start_node("echo", process=True)
         echo = graph.ref(node.actors["echo"])
-        for seq in range(WARMUP):
-            await echo.ask(Ping(seq))
-        times = np.empty(iterations, dtype=np.int64)
-        clock = time.perf_counter_ns
-        pids = (os.getpid(), node.process.pid)
-        cpu = [_cpu_seconds(pid) for pid in pids]
-        for seq in range(iterations):
-            start = clock()
-            pong = await echo.ask(Ping(seq))
-            times[seq] = clock() - start
-        cpu = [_cpu_seconds(pid) - before for pid, before in zip(pids, cpu)]
-        if pong != Pong(iterations - 1):
-            raise RuntimeError(f"echo answered {pong!r}")
-        return times, (cpu[0], cpu[1])
+        sock = transport_peers.connect_raw(servers["raw"][1])
+        floor = await transport_peers.FloorClient.connect(servers["uvloop_floor"][1])
+        push = await transport_peers.PushClient.connect(servers["tcp"][1], {})
+
+        async def raw_round() -> np.ndarray:
+            return transport_peers.raw_round(sock, iterations)  # blocking; nothing else needs the loop meanwhile
+
+        runners = {
+            "raw": (raw_round, servers["raw"][0].pid),
+            "uvloop_floor": (lambda: floor.rtt_round(iterations), servers["uvloop_floor"][0].pid),
+            "tcp_push": (lambda: push.rtt_round(iterations), servers["tcp"][0].pid),
+            "ask": (lambda: _ask_round(echo, iterations), node.process.pid),
+        }
+        results: dict[str, list[dict]] = {kind: [] for kind in KINDS}
+        me = os.getpid()
+        for r in range(rounds):
+            for kind in KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]:
+                run, pid = runners[kind]
+                cpu = _cpu_ns(me), _cpu_ns(pid)
+                times_us = await run() / 1e3
+                trips = WARMUP + iterations  # every round starts with WARMUP untimed round trips
+                results[kind].append({
+                    "p50_us": float(np.percentile(times_us, 50)),
+                    "p99_us": float(np.percentile(times_us, 99)),
+                    "client_cpu_us": (_cpu_ns(me) - cpu[0]) / trips / 1e3,
+                    "server_cpu_us": (_cpu_ns(pid) - cpu[1]) / trips / 1e3,
+                })
+        sock.close()
+        floor.transport.close()
+        await push.conn.close()
+        return results
+
+
+async def _ask_round(echo, iterations: int) -> np.ndarray:
+    """WARMUP untimed asks, then `iterations` timed ones (ns), a small message (`Ping`) each way."""
+    ask = echo.ask
+    for seq in range(WARMUP):
+        await ask(Ping(seq))
+    times = np.empty(iterations, dtype=np.int64)
+    clock = time.perf_counter_ns
+    for seq in range(iterations):
+        start = clock()
+        pong = await ask(Ping(seq))
+        times[seq] = clock() - start
+    if pong != Pong(iterations - 1):
+        raise RuntimeError(f"echo answered {pong!r}")
+    return times
+
+
+def _cpu_ns(pid: int) -> int:
+    """CPU time (user + system) of every thread of a process so far, in ns (/proc/PID/task/*/schedstat)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:  # a thread that just ended
+            pass
+    return total
 
 
 def measure_ask_breakdown(iterations: int) -> dict:
@@ -133,10 +184,12 @@ def _codec_cost(iterations: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.transport_ask", description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=5000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument("--pinned", action="store_true", help="only the pinned run")
     args = parser.parse_args()
-    for pinned in (False, True):
-        print(json.dumps(measure_ask_rtt(pinned, args.iterations)))
+    for pinned in (True,) if args.pinned else (False, True):
+        print(json.dumps(measure_interleaved(pinned, args.rounds, args.iterations)))
     print(json.dumps(measure_ask_breakdown(args.iterations)))
 
 

@@ -9,20 +9,53 @@ both walk the same plan, so no control messages are needed:
   each into one preallocated buffer (`fresh=True`: into new memory per message, where the kind
   allows it) and answers a 1-byte ack; the client's time from first send to ack.
 
+Our transports (tcp, ucx) are driven as nodes drive them: in push mode (`Connection.deliver`, frames
+handed over from the receive callback), answering with `send_nowait` where the transport takes the
+frame at once. The clients of the round-trip kinds also run plan steps one at a time on one
+connection (`connect_raw`/`raw_round`, `FloorClient`, `PushClient`), so `bench.transport_ask` can
+alternate them with asks in one run.
+
 Child entry point: `python -m bench.transport_peers KIND PLAN_JSON`; it prints its address.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import socket
+import subprocess
 import sys
 import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 
 # Round trips before timing starts (connection set-up, caches, allocator).
 WARMUP = 200
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def peer_process(kind: str, plan: list, env: dict | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+    """Run `serve(kind, plan)` in a child process (inheriting this process's CPU affinity): (process, address).
+
+    Waits for the child to finish its plan on leaving; kills it if it is still there after that.
+    """
+    proc = subprocess.Popen([sys.executable, "-m", "bench.transport_peers", kind, json.dumps(plan)],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    try:
+        address = proc.stdout.readline().strip()
+        if not address:
+            raise RuntimeError(f"{kind} peer failed to start (exit code {proc.wait()})")
+        yield proc, address
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _rtt_stats(times_ns: np.ndarray) -> dict:
@@ -60,22 +93,35 @@ def serve_raw(plan: list, ready) -> None:
             sock.sendall(b"k")
 
 
-def client_raw(plan: list, address: str) -> list:
+def connect_raw(address: str) -> socket.socket:
+    """A blocking client socket to `serve_raw`, with TCP_NODELAY like every other kind."""
     host, port = address.removeprefix("tcp://").split(":")
     sock = socket.create_connection((host, int(port)))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    small, ack = memoryview(bytearray(8)), memoryview(bytearray(1))
+    return sock
+
+
+def raw_round(sock: socket.socket, iterations: int) -> np.ndarray:
+    """One `rtt` step against `serve_raw`: WARMUP untimed, then `iterations` timed 8-byte round trips (ns)."""
+    small = memoryview(bytearray(8))
+    times = np.empty(iterations, np.int64)
+    clock = time.perf_counter_ns
+    for i in range(WARMUP + iterations):
+        start = clock()
+        sock.sendall(small)
+        _recv_exact(sock, small)
+        if i >= WARMUP:
+            times[i - WARMUP] = clock() - start
+    return times
+
+
+def client_raw(plan: list, address: str) -> list:
+    sock = connect_raw(address)
+    ack = memoryview(bytearray(1))
     results = []
     for step in plan:
         if step[0] == "rtt":
-            times = np.empty(step[1], np.int64)
-            for i in range(WARMUP + step[1]):
-                start = time.perf_counter_ns()
-                sock.sendall(small)
-                _recv_exact(sock, small)
-                if i >= WARMUP:
-                    times[i - WARMUP] = time.perf_counter_ns() - start
-            results.append(_rtt_stats(times))
+            results.append(_rtt_stats(raw_round(sock, step[1])))
         else:
             _, size, count, _fresh = step
             payload = memoryview(np.ones(size, np.uint8))
@@ -97,59 +143,103 @@ def _config(options: dict):
 
 
 async def _serve_aiollm(url: str, plan: list, ready, options: dict) -> None:
-    from aiollm.errors import AiollmError
+    """Push mode (`Connection.deliver`), as nodes receive: echo from the receive callback, count payloads."""
     from aiollm.transports import listen
 
+    loop = asyncio.get_running_loop()
     accepted: asyncio.Queue = asyncio.Queue()
     listener = await listen(url, accepted.put, _config(options))
     ready(listener.address)
     conn = await accepted.get()
+    # One entry per frame the client will send: (answer to send or None, where its payload lands or None).
+    frames: deque = deque()
     for step in plan:
         if step[0] == "rtt":
-            for _ in range(WARMUP + step[1]):
-                frame = await conn.recv()
-                await conn.send(frame.header)
+            frames.extend([(_ECHO, None)] * (WARMUP + step[1]))
         else:
             _, size, count, fresh = step
-            dest = [memoryview(np.empty(size, np.uint8))]
-            allocate = None if fresh else (lambda header, sizes: dest)
-            for _ in range(count):
-                await conn.recv(allocate)
-            await conn.send(b"k")
-    try:
-        await conn.recv()  # the client closes when done
-    except AiollmError:
-        pass
+            dest = None if fresh else [memoryview(np.empty(size, np.uint8))]
+            frames.extend([(None, dest)] * (count - 1) + [(b"k", dest)])
+    ended = loop.create_future()
+
+    def on_frame(header: bytes, buffers: list) -> object:
+        answer = frames.popleft()[0]
+        if answer is _ECHO:
+            answer = header
+        if answer is not None and not conn.send_nowait(answer):
+            return conn.send(answer)  # held: later frames wait until it is written
+        return None
+
+    def on_end(error: Exception) -> None:  # the client closes when done
+        ended.set_result(None)
+
+    conn.deliver(on_frame, on_end, lambda header, sizes: frames[0][1])
+    await ended
     await conn.close()
     await listener.close()
 
 
-async def _client_aiollm(plan: list, address: str, options: dict) -> list:
-    from aiollm.transports import connect
+# Marks a frame to be echoed back (its header is the answer).
+_ECHO = object()
 
-    conn = await connect(address, _config(options))
-    small = b"12345678"
+
+class PushClient:
+    """Client of `_serve_aiollm` in push mode, like a node's asking side: send (at once when the transport
+    can take the frame), then await a future that the receive callback settles."""
+
+    @classmethod
+    async def connect(cls, address: str, options: dict) -> PushClient:
+        from aiollm.transports import connect
+
+        self = cls()
+        self.loop = asyncio.get_running_loop()
+        self.waiter = None
+        self.conn = await connect(address, _config(options))
+        self.conn.deliver(self._on_frame, self._on_end)
+        return self
+
+    def _on_frame(self, header: bytes, buffers: list) -> None:
+        self.waiter.set_result(None)
+
+    def _on_end(self, error: Exception) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(error)
+
+    async def rtt_round(self, iterations: int) -> np.ndarray:
+        """One `rtt` step: WARMUP untimed, then `iterations` timed 8-byte round trips (ns)."""
+        conn, loop, small = self.conn, self.loop, b"12345678"
+        times = np.empty(iterations, np.int64)
+        clock = time.perf_counter_ns
+        for i in range(WARMUP + iterations):
+            start = clock()
+            self.waiter = waiter = loop.create_future()
+            if not conn.send_nowait(small):
+                await conn.send(small)
+            await waiter
+            if i >= WARMUP:
+                times[i - WARMUP] = clock() - start
+        return times
+
+    async def tput_round(self, size: int, count: int) -> float:
+        """One `tput` step: seconds from the first send to the server's ack."""
+        payload = [np.ones(size, np.uint8)]
+        self.waiter = waiter = self.loop.create_future()
+        start = time.perf_counter()
+        for _ in range(count):
+            await self.conn.send(b"", payload)
+        await waiter
+        return time.perf_counter() - start
+
+
+async def _client_aiollm(plan: list, address: str, options: dict) -> list:
+    client = await PushClient.connect(address, options)
     results = []
-    clock = time.perf_counter_ns
     for step in plan:
         if step[0] == "rtt":
-            times = np.empty(step[1], np.int64)
-            for i in range(WARMUP + step[1]):
-                start = clock()
-                await conn.send(small)
-                await conn.recv()
-                if i >= WARMUP:
-                    times[i - WARMUP] = clock() - start
-            results.append(_rtt_stats(times))
+            results.append(_rtt_stats(await client.rtt_round(step[1])))
         else:
-            _, size, count, _fresh = step
-            payload = [np.ones(size, np.uint8)]
-            start = time.perf_counter()
-            for _ in range(count):
-                await conn.send(b"", payload)
-            await conn.recv()
-            results.append({"seconds": time.perf_counter() - start})
-    await conn.close()
+            results.append({"seconds": await client.tput_round(step[1], step[2])})
+    await client.conn.close()
     return results
 
 
@@ -345,23 +435,36 @@ async def _serve_floor(plan: list, ready) -> None:
     server.close()
 
 
-async def _client_floor(plan: list, address: str) -> list:
-    loop = asyncio.get_running_loop()
-    host, port = address.removeprefix("tcp://").split(":")
-    transport, asker = await loop.create_connection(_Asker, host, int(port))
-    results = []
-    clock = time.perf_counter_ns
-    for step in plan:  # round trips only
-        times = np.empty(step[1], np.int64)
-        for i in range(WARMUP + step[1]):
+class FloorClient:
+    """Client of `_serve_floor`: each round trip writes 8 bytes and awaits the `_Asker`'s future."""
+
+    @classmethod
+    async def connect(cls, address: str) -> FloorClient:
+        self = cls()
+        self.loop = asyncio.get_running_loop()
+        host, port = address.removeprefix("tcp://").split(":")
+        self.transport, self.asker = await self.loop.create_connection(_Asker, host, int(port))
+        return self
+
+    async def rtt_round(self, iterations: int) -> np.ndarray:
+        """One `rtt` step: WARMUP untimed, then `iterations` timed round trips (ns)."""
+        loop, transport, asker = self.loop, self.transport, self.asker
+        times = np.empty(iterations, np.int64)
+        clock = time.perf_counter_ns
+        for i in range(WARMUP + iterations):
             start = clock()
             asker.waiter = loop.create_future()
             transport.write(b"12345678")
             await asker.waiter
             if i >= WARMUP:
                 times[i - WARMUP] = clock() - start
-        results.append(_rtt_stats(times))
-    transport.close()
+        return times
+
+
+async def _client_floor(plan: list, address: str) -> list:
+    client = await FloorClient.connect(address)
+    results = [_rtt_stats(await client.rtt_round(step[1])) for step in plan]  # round trips only
+    client.transport.close()
     return results
 
 

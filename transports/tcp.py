@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 from aiollm.errors import ChannelBroken, ClosedError, NodeUnreachable
 from aiollm.log import get_logger
@@ -78,6 +79,14 @@ DEFAULT_OPTIONS: dict[str, int | str] = {
     "tcp.join_max_bytes": 64 * 1024,
 }
 
+# The prefix read as two u64 words: magic, version and the reserved field (_CONTROL_WORD), then the header
+# length plus the buffer count times 2**32 — the header length itself when the frame has no buffers.
+_PREFIX_WORDS = struct.Struct("<QQ")
+_CONTROL_WORD = MAGIC | VERSION << 32
+# `send_nowait` takes headers shorter than this; their prefixes are made once, here.
+_SMALL_HEADER = 1024
+_CONTROL_PREFIXES = tuple(PREFIX.pack(MAGIC, VERSION, 0, n, 0) for n in range(_SMALL_HEADER))
+
 # Receive stages of one frame.
 _PREFIX, _SIZES, _HEADER, _ALLOC, _BODY = range(5)
 # Seconds `close` waits for the socket to be released before giving up on it.
@@ -93,7 +102,9 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.direct_min = int(opts["tcp.direct_min_bytes"])
         self.join_max = int(opts["tcp.join_max_bytes"])
         # Largest header a control-only frame may carry (both limits apply to it).
-        self.header_max = min(config.max_header_bytes, config.max_frame_bytes)
+        self.header_max = min(config.max_header_bytes, config.max_frame_bytes, 2**32 - 1)
+        # Largest header `send_nowait` writes (a control-only frame small enough to be joined).
+        self.nowait_max = min(self.header_max, self.join_max)
         scratch = max(int(opts["tcp.scratch_bytes"]), PREFIX.size + 8 * config.max_buffers)
         self.scratch = memoryview(bytearray(scratch))
         self.rpos = self.wpos = 0
@@ -126,6 +137,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.write = transport.write  # type: ignore[attr-defined]
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -134,11 +146,12 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             self.on_connected(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self.rpos == self.wpos and self.direct is None:  # the usual case: everything parsed
+            self.rpos = self.wpos = 0
+            return self.scratch  # (the whole view: no slice to make)
         if self.direct is not None:
             return self.direct[self.pos:]
-        if self.rpos == self.wpos:
-            self.rpos = self.wpos = 0
-        elif self.wpos == len(self.scratch):
+        if self.wpos == len(self.scratch):
             n = self.wpos - self.rpos
             self.scratch[:n] = self.scratch[self.rpos:self.wpos]
             self.rpos, self.wpos = 0, n
@@ -152,12 +165,40 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             self.direct = None
             self.idx += 1
             self.pos = 0
-        else:
-            self.wpos += nbytes
-        if self.on_frame is not None:
-            self.push()
-        else:
+            if self.on_frame is not None:
+                self.push()
+            else:
+                self._progress()
+            return
+        self.wpos = wpos = self.wpos + nbytes
+        on_frame = self.on_frame
+        if on_frame is None:
             self._progress()
+            return
+        if self.hold is None and self.stage == _PREFIX:
+            # Push mode's fast path, inline (the hottest code of every ask): whole control-only
+            # frames, each handed over right here; anything else goes on in `push`.
+            scratch, rpos = self.scratch, self.rpos
+            while wpos - rpos >= PREFIX.size:
+                word, header_len = _PREFIX_WORDS.unpack_from(scratch, rpos)  # (a buffer count makes it huge)
+                end = rpos + PREFIX.size + header_len
+                if word != _CONTROL_WORD or header_len > self.header_max or end > wpos:
+                    break
+                self.rpos = end
+                try:
+                    held = on_frame(bytes(scratch[rpos + PREFIX.size:end]), [])
+                except Exception as exc:
+                    self.handler_failed(exc)
+                    return
+                if held is not None:
+                    self.hold_back(held)
+                    break
+                if end == wpos and self.ended is None:
+                    return  # all parsed, nothing held: done
+                if self.ended is not None:
+                    break
+                rpos = end
+        self.push()
 
     def eof_received(self) -> bool:
         return False  # close our side too; connection_lost follows
@@ -218,8 +259,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
                 self.handler_failed(exc)
                 return
             if held is not None:
-                self.hold = hold = asyncio.ensure_future(held)
-                hold.add_done_callback(self._released)
+                self.hold_back(held)
             elif self.rpos == self.wpos:  # at a frame boundary with nothing buffered: done for now
                 break
         if self.hold is None:
@@ -230,6 +270,11 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         elif self.direct is None and self.wpos - self.rpos == len(self.scratch) and not self.reading_paused:
             self.reading_paused = True
             self.transport.pause_reading()
+
+    def hold_back(self, held: Awaitable[object]) -> None:
+        """The receiver returned an awaitable: deliver nothing more until it completes."""
+        self.hold = hold = asyncio.ensure_future(held)
+        hold.add_done_callback(self._released)
 
     def _released(self, hold: asyncio.Future) -> None:
         """The receiver let go of the frame it held back: go on with the next ones."""
@@ -404,11 +449,16 @@ class TcpConnection(Connection):
             await self._drained()
 
     def send_nowait(self, header: bytes) -> bool:
-        """Write a small control-only frame at once if nothing holds writing back (see `Connection`)."""
+        """Write a small control-only frame at once if nothing holds writing back (see `Connection`).
+
+        One `transport.write` of one bytes object: uvloop sends it with one syscall and, as bytes
+        are immutable, keeps no copy if the kernel takes only part of it.
+        """
         p = self._p
-        if p.ended is not None or p.write_paused or len(header) > p.join_max or len(header) > p.header_max:
+        size = len(header)
+        if p.ended is not None or p.write_paused or size > p.nowait_max:
             return False
-        p.transport.write(PREFIX.pack(MAGIC, VERSION, 0, len(header), 0) + header)
+        p.write((_CONTROL_PREFIXES[size] if size < _SMALL_HEADER else PREFIX.pack(MAGIC, VERSION, 0, size, 0)) + header)
         return True
 
     async def _drained(self) -> None:
@@ -484,8 +534,7 @@ class TcpConnection(Connection):
                 p.handler_failed(exc)
                 return
             if held is not None:
-                p.hold = asyncio.ensure_future(held)
-                p.hold.add_done_callback(p._released)
+                p.hold_back(held)
                 return
         if isinstance(p.ended, (ClosedError, ChannelBroken)):
             p.end_push()

@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import traceback
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 from aiollm.actors.actor import Actor
-from aiollm.actors.inline import Resume, first_step, in_task
+from aiollm.actors.inline import Resume, enter_task, first_step, in_task, leave_task
 from aiollm.actors.mailbox import Mailbox, MailboxClosed
 from aiollm.actors.messages import STREAM, Message, Terminated
 from aiollm.actors.reply import LocalReply, LocalSink, Reply, Sink, wait_reply
@@ -88,23 +88,72 @@ class ActorCell:
         """Handle an ask or tell right away, from a transport callback, if the actor is idle; False: queue it.
 
         Idle means the loop task is parked on an empty mailbox, so order and one-at-a-time hold. The
-        handler runs as that task (`inline.first_step`); if it suspends, the loop task continues it.
+        handler runs as that task (`inline.py`): its first step here, with no coroutine of the
+        runtime around it, so a handler that does not suspend has been answered (`Reply.answer`)
+        before this returns. One that suspends is wrapped in `_complete` and continued by the loop task.
         """
         task = self._task
+        loop = self._loop
         if (task is None or self._resume is not None or not self.mailbox.parked()
-                or (reply is not None and reply.kind == STREAM) or in_task(self._loop)):
+                or (reply is not None and reply.kind == STREAM) or in_task(loop)):
             return False
-        coro = self._handle(msg, reply)
-        try:
-            done, waiting_on = first_step(self._loop, task, self._context, coro)
-        except (Exception, asyncio.CancelledError) as exc:  # _handle lets only runtime bugs through
-            _log().error("actor loop crashed", actor=self.name, exc_info=exc)
-            self._loop.create_task(self.actor.node.stop_actor(self.name, 0.0, "crashed"))
+        entry = self.handlers.get(msg.__class__)
+        if entry is None or entry[1] or (reply is not None and reply.cancelled):
+            self._continue(self._handle(msg, reply))  # rejected (or skipped) the usual way
             return True
+        coro = entry[0](self.actor, msg)
+        enter_task(loop, task)
+        try:
+            waiting_on = self._context.run(coro.send, None)
+        except StopIteration as stop:
+            leave_task(loop, task)
+            result = stop.value
+            if reply is None:
+                return True
+            if result is not None and not isinstance(result, Message):
+                self._continue(reply.fail(_bad_result(msg, result)))
+                return True
+            rest = reply.answer(result)
+            if rest is not None:
+                self._continue(rest)
+            return True
+        except BaseException as exc:
+            leave_task(loop, task)
+            self._raised_inline(msg, reply, exc)
+            return True
+        leave_task(loop, task)
+        if reply is not None:
+            reply.pending(self)
+        self._continue(self._complete(msg, reply, Resume(coro, waiting_on)))
+        return True
+
+    def _continue(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` as the loop task from a callback: its first step now, the rest queued for the loop task."""
+        try:
+            done, waiting_on = first_step(self._loop, self._task, self._context, coro)
+        except (Exception, asyncio.CancelledError) as exc:  # what the runtime runs here lets only its bugs through
+            self._crashed(exc)
+            return
         if not done:
             self._resume = resume = Resume(coro, waiting_on)
             self.mailbox.put_system(resume)
-        return True
+
+    def _raised_inline(self, msg: Message, reply: Reply | None, exc: BaseException) -> None:
+        """A handler run inline raised in its first step: as `_complete` would, but from a callback."""
+        if isinstance(exc, Exception):
+            _log().error("handler raised", actor=self.name, message=type(msg).__name__, exc_info=exc)
+            if reply is not None:
+                self._continue(reply.fail(_remote_error(exc)))
+        elif isinstance(exc, asyncio.CancelledError):  # not asked for (nothing could cancel it yet): the loop would end
+            if reply is not None:
+                self._continue(reply.fail(ActorDied(f"actor {self.name!r} stopped while handling {type(msg).__name__}")))
+            self._crashed(exc)
+        else:
+            raise exc
+
+    def _crashed(self, exc: BaseException) -> None:
+        _log().error("actor loop crashed", actor=self.name, exc_info=exc)
+        self._loop.create_task(self.actor.node.stop_actor(self.name, 0.0, "crashed"))
 
     def stream_local(self, msg: Message, window: int) -> AsyncIterator[Message]:
         rx = StreamReceiver(window)
@@ -196,9 +245,13 @@ class ActorCell:
             self._sinks.add(reply)
             await self._step(reply)
             return
+        await self._complete(msg, reply, entry[0](self.actor, msg))
+
+    async def _complete(self, msg: Message, reply: Reply | None, handling: Awaitable[Any]) -> None:
+        """Await an ask's or tell's handler (a fresh coroutine, or the `Resume` of one started inline) and answer."""
         self._current = reply
         try:
-            result = await entry[0](self.actor, msg)
+            result = await handling
         except asyncio.CancelledError:
             self._current = None
             if reply is None or not self._absorb_cancel(reply):
@@ -219,8 +272,7 @@ class ActorCell:
             reply.cancel_requested = False
             self._task.uncancel()
         if result is not None and not isinstance(result, Message):
-            await reply.fail(RemoteError("TypeError", f"handler for {type(msg).__name__} returned "
-                                         f"{type(result).__name__}; return a Message or None"))
+            await reply.fail(_bad_result(msg, result))
         else:
             await reply.ok(result)
 
@@ -301,6 +353,11 @@ class ActorCell:
         _log().warning("message rejected", actor=self.name, reason=text)
         if reply is not None:
             await reply.fail(ProtocolError(text))
+
+
+def _bad_result(msg: Message, result: object) -> RemoteError:
+    return RemoteError("TypeError", f"handler for {type(msg).__name__} returned {type(result).__name__}; "
+                       "return a Message or None")
 
 
 def _remote_error(exc: BaseException) -> RemoteError:

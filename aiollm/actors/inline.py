@@ -20,8 +20,8 @@ from typing import Any
 
 # asyncio's own bookkeeping of the running task (what Task.__step does around each step); the
 # only private names used, and only here.
-_enter_task = asyncio.tasks._enter_task
-_leave_task = asyncio.tasks._leave_task
+enter_task = asyncio.tasks._enter_task
+leave_task = asyncio.tasks._leave_task
 # event loop -> its running task; `in_task(loop)` is `asyncio.current_task(loop) is not None` minus a call.
 in_task = asyncio.tasks._current_tasks.__contains__
 
@@ -33,13 +33,13 @@ def first_step(loop: asyncio.AbstractEventLoop, task: asyncio.Task, context: con
     Call only from a callback (no task running) while `task` is suspended. Exceptions of `coro`
     propagate.
     """
-    _enter_task(loop, task)
+    enter_task(loop, task)
     try:
         return False, context.run(coro.send, None)
     except StopIteration:
         return True, None
     finally:
-        _leave_task(loop, task)
+        leave_task(loop, task)
 
 
 class Resume:

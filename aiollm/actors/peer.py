@@ -13,7 +13,6 @@ the actors watched over it.
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +74,8 @@ class Peer:
         self.closed = False
         self._codec = node.codec
         self._loop = asyncio.get_running_loop()
-        self._ids = itertools.count(1)
+        # The id of our last request (asks and streams count up from 1).
+        self._last_id = 0
         # Our asks waiting for a reply, by request id.
         self._pending: dict[int, asyncio.Future] = {}
         # Where the tensors of our asks' replies should land (ask's `into`), by request id.
@@ -139,29 +139,35 @@ class Peer:
 
     async def ask(self, name: str, msg: Message, timeout: float | None,
                   into: Sequence[Buffer] | None = None) -> Message | None:
-        rid = next(self._ids)
-        if into is not None:
-            self._into[rid] = _destinations(into)
+        # The hottest coroutine of the runtime: on success it costs an id, a future, one encode and
+        # one write; the reply's receive callback removes the future from `_pending`.
+        self._last_id = rid = self._last_id + 1
         fut = self._loop.create_future()
         self._pending[rid] = fut
-        timer = None if timeout is None else self._loop.call_later(timeout, expire, fut, timeout)
+        timer = None
         try:
-            frame = self.post(Request(V, rid, ASK, name, 0, msg))
-            if frame is not None:
-                await self.send_frame(*frame)
+            if into is not None:
+                self._into[rid] = _destinations(into)
+            if timeout is not None:
+                timer = self._loop.call_later(timeout, expire, fut, timeout)
+            header, buffers = self._codec.encode(Request(V, rid, ASK, name, 0, msg))
+            if buffers or self.closed or len(header) > self.max_frame or not self.conn.send_nowait(header):
+                await self.send_frame(header, buffers)
             return await fut
         except (asyncio.CancelledError, TimeoutError):
             self._abandon(rid)
             raise
-        finally:
+        except BaseException:
             self._pending.pop(rid, None)
-            if into is not None:
-                self._into.pop(rid, None)
+            raise
+        finally:
             if timer is not None:
                 timer.cancel()
+            if into is not None:
+                self._into.pop(rid, None)
 
     def stream(self, name: str, msg: Message, window: int) -> AsyncIterator[Message]:
-        rid = next(self._ids)
+        self._last_id = rid = self._last_id + 1
         rx = StreamReceiver(window)
         rx.grant = lambda n: None if self.closed else self.send(Credit(V, rid, n))
 
@@ -253,9 +259,10 @@ class Peer:
             reply = None
         else:
             reply = _RemoteReply(self, env.id) if env.kind == ASK else _RemoteSink(self, env.id, env.credits)
-            self._inflight[env.id] = (actor, reply)
-        if actor.run_now(msg, reply):
+        if actor.run_now(msg, reply):  # done, or registered through `Reply.pending` if it suspended
             return None
+        if reply is not None:  # queued: a Cancel must find it
+            self._inflight[env.id] = (actor, reply)
         item = (msg, reply)
         if actor.mailbox.put_nowait(item):
             return None
@@ -394,18 +401,29 @@ class _RemoteReply(ReplySlot):
         self.peer = peer
         self.rid = rid
 
-    async def ok(self, value: Message | None) -> None:
+    def answer(self, value: Message | None) -> Coroutine[Any, Any, None] | None:
         peer = self.peer
         peer._inflight.pop(self.rid, None)
         try:
             frame = peer.post(Reply(V, self.rid, value))
-            if frame is not None:
-                await peer.send_frame(*frame)
-        except (TypeError, ValueError, ProtocolError) as exc:  # the value could not be sent
-            _log().error("reply not sendable", peer=self.peer.url, error=str(exc))
-            await self.peer.send_quiet(_failure(self.rid, RemoteError(type(exc).__name__, str(exc))))
+        except (TypeError, ValueError, ProtocolError) as exc:  # the value could not be encoded
+            return self._unsendable(exc)
+        return None if frame is None else self._send(frame)
+
+    def pending(self, cell: ActorCell) -> None:
+        self.peer._inflight[self.rid] = (cell, self)
+
+    async def _send(self, frame: tuple[bytes, Sequence[memoryview]]) -> None:
+        try:
+            await self.peer.send_frame(*frame)
+        except (ValueError, ProtocolError) as exc:  # too large for the peer or the transport
+            await self._unsendable(exc)
         except NodeUnreachable:
             pass  # the asker's side already failed with NodeUnreachable
+
+    async def _unsendable(self, exc: Exception) -> None:
+        _log().error("reply not sendable", peer=self.peer.url, error=str(exc))
+        await self.peer.send_quiet(_failure(self.rid, RemoteError(type(exc).__name__, str(exc))))
 
     async def fail(self, error: AiollmError) -> None:
         self.peer.inflight_done(self.rid)

@@ -7,7 +7,7 @@ remote ones). Both carry the cancellation flags the loop checks.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiollm.actors.messages import ASK, STREAM, Message
@@ -19,7 +19,11 @@ if TYPE_CHECKING:
 
 
 class Reply:
-    """The answer slot of one ask."""
+    """The answer slot of one ask.
+
+    Subclasses implement `answer`, which is synchronous so that a handler run from a transport
+    callback can reply there (no coroutine when the answer goes out at once), and `fail`.
+    """
 
     __slots__ = ("cancelled", "cancel_requested")
     kind = ASK
@@ -30,11 +34,21 @@ class Reply:
         # The actor loop task was cancelled on behalf of this request (it must `uncancel`).
         self.cancel_requested = False
 
-    async def ok(self, value: Message | None) -> None:
+    def answer(self, value: Message | None) -> Awaitable[None] | None:
+        """Deliver the handler's return value now if possible (None), else return what finishes it (awaited
+        by the actor, so a slow link holds the actor back). Never raises: an unsendable value fails the ask."""
         raise NotImplementedError
+
+    async def ok(self, value: Message | None) -> None:
+        rest = self.answer(value)
+        if rest is not None:
+            await rest
 
     async def fail(self, error: AiollmError) -> None:
         raise NotImplementedError
+
+    def pending(self, cell: ActorCell) -> None:
+        """The handler was started inline and suspended: from now on a cancellation must find it in `cell`."""
 
 
 class LocalReply(Reply):
@@ -46,7 +60,7 @@ class LocalReply(Reply):
         super().__init__()
         self.fut = fut
 
-    async def ok(self, value: Message | None) -> None:
+    def answer(self, value: Message | None) -> None:
         if not self.fut.done():
             self.fut.set_result(value)
 
