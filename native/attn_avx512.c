@@ -11,9 +11,9 @@
 
 void attn_item_i8_vnni(const attn_args *a, int32_t seq, int32_t h0, int32_t h1);
 
-T512 static void item_f32(const attn_args *a, int32_t s, int32_t h0, int32_t h1) { item(a, s, h0, h1, AIOLLM_DT_F32, 0); }
-T512 static void item_f16(const attn_args *a, int32_t s, int32_t h0, int32_t h1) { item(a, s, h0, h1, AIOLLM_DT_F16, 0); }
-T512 static void item_i8(const attn_args *a, int32_t s, int32_t h0, int32_t h1) { item(a, s, h0, h1, AIOLLM_DT_I8, 0); }
+ITEM_SPECIALISED(item_f32, AIOLLM_DT_F32, 0)
+ITEM_SPECIALISED(item_f16, AIOLLM_DT_F16, 0)
+ITEM_SPECIALISED(item_i8, AIOLLM_DT_I8, 0)
 
 void attn_item_avx512(const attn_args *a, int32_t seq, int32_t h0, int32_t h1) {
     switch (a->kv->dtype) {

@@ -32,6 +32,22 @@ T512 INLINE __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(y, fx);
 }
 
+/* exp for x <= 0 with ~1e-4 relative error: 2^(x log2 e) as 2^round * 2^frac, frac in [-0.5, 0.5] by a
+ * degree-3 polynomial (least-squares fit of the relative error). Used on the int8 dot-product path only, where
+ * the weights meet 8-bit V values and are themselves quantised to 8 bits per chunk (error 1/510 of the chunk's
+ * largest weight): the full exp512 there cost ~7 % of an item. */
+T512 INLINE __m512 exp512_fast(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 y = _mm512_set1_ps(5.502930e-2f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4225682e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9325304e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.99995135f));
+    return _mm512_scalef_ps(y, n);
+}
+
 #define PF_DIST 2 /* tiles ahead in the item's order (heads inner, blocks outer); the block table gives the address */
 #define PF_DIST_I8 4 /* int8 tiles are half the bytes: twice as many ahead keeps as many bytes in flight */
 
@@ -207,14 +223,15 @@ T512 INLINE void unpermute_acc(float *acc, int rows, int D) {
 }
 #endif
 
-/* One 16-token chunk of one kv head: scores, online-softmax update, V accumulation. m: running max per q head;
- * l: 16 lane partial sums of the softmax denominator per q head (l + g * 16). */
-T512 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, const float *vs, int c, int nv,
-                       int G, int D, int BS, const float *qs, float *acc, float *m, float *l,
-                       const int32_t *q4, const int32_t *corr, const float *qsc, const char *pk, const char *pv) {
+/* First half of one 16-token chunk of one kv head: scores and the online-softmax update; the weights go to
+ * pb (16 per q head) and the rescale factors to alpha, for chunk_values. m: running max per q head; l: 16 lane
+ * partial sums of the softmax denominator per q head (l + g * 16). */
+T512 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const float *vs, int c, int nv,
+                              int G, int D, int BS, const float *qs, float *m, float *l,
+                              const int32_t *q4, const int32_t *corr, const float *qsc, const char *pk, const char *pv,
+                              float *pb, float *alpha) {
     const __mmask16 mask = (__mmask16)(nv == 16 ? 0xffffu : (1u << nv) - 1u);
     (void)q4, (void)corr, (void)qsc; /* int8 dot-product inputs, used only WITH_VNNI */
-    float alpha[AIOLLM_MAX_GROUP], pb[AIOLLM_MAX_GROUP * 16] __attribute__((aligned(64)));
     for (int g0 = 0; g0 < G; g0 += 4) {
         const int gb = G - g0 < 4 ? G - g0 : 4;
         __m512 s[4];
@@ -253,7 +270,8 @@ T512 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, 
                 al = expf(mo - mn);
                 lv = _mm512_mul_ps(lv, _mm512_set1_ps(al));
             }
-            __m512 p = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mn))));
+            const __m512 xs = _mm512_sub_ps(sc, _mm512_set1_ps(mn));
+            __m512 p = _mm512_maskz_mov_ps(mask, q4 ? exp512_fast(xs) : exp512(xs));
             _mm512_store_ps(l + (g0 + g) * 16, _mm512_add_ps(lv, p));
             m[g0 + g] = mn;
             alpha[g0 + g] = al;
@@ -261,8 +279,14 @@ T512 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, 
             _mm512_store_ps(pb + (g0 + g) * 16, p);
         }
     }
+}
+
+/* Second half: V accumulation of the chunk with chunk_scores' weights pb and rescale factors alpha. */
+T512 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int D, const float *pb, const float *alpha,
+                              float *acc, int vnni) {
+    (void)vnni;
 #if WITH_VNNI
-    if (q4 && D % 64 == 0) {
+    if (vnni && D % 64 == 0) {
         for (int g0 = 0; g0 < G; g0 += 4) {
             const int gb = G - g0 < 4 ? G - g0 : 4;
             switch (gb) {
@@ -325,9 +349,9 @@ T512 INLINE void quantise_q(const float *qs, int rows, int D, int32_t *q4, int32
 /* Heads [h0, h1) of one sequence. Blocks outer, heads inner: the item walks each block's K region and V
  * region of its heads front to back (contiguous in the pool), so the hardware streams them; the next block
  * of each head is prefetched while the current one is processed. */
-T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, int dt, int vnni) {
+T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, int dt, int vnni, int Dc, int BSc) {
     const aiollm_kv_layer *kv = a->kv;
-    const int G = a->group, D = kv->head_dim, BS = kv->block_size, NH = h1 - h0, GD = G * D;
+    const int G = a->group, D = Dc ? Dc : kv->head_dim, BS = BSc ? BSc : kv->block_size, NH = h1 - h0, GD = G * D;
     const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1;
     const int32_t n = a->seq_lens[seq], n_used = (n + BS - 1) / BS;
     const int32_t *table = a->block_tables + (int64_t)seq * a->max_blocks;
@@ -336,7 +360,8 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
     float acc[AIOLLM_ITEM_FLOATS] __attribute__((aligned(64)));
     float m[AIOLLM_ITEM_FLOATS / 16], l[AIOLLM_ITEM_FLOATS] __attribute__((aligned(64))); /* l: 16 lane sums per row */
     int32_t q4[AIOLLM_ITEM_FLOATS / 4], corr[AIOLLM_ITEM_FLOATS / 16];
-    float qsc[AIOLLM_ITEM_FLOATS / 16];
+    float qsc[AIOLLM_ITEM_FLOATS / 16], alpha[AIOLLM_ITEM_FLOATS / 16];
+    float pb[AIOLLM_ITEM_FLOATS] __attribute__((aligned(64))); /* one chunk's softmax weights, 16 per q head */
 
     for (int r = 0; r < NH * G; r++) {
         m[r] = -INFINITY;
@@ -347,35 +372,38 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
         _mm512_store_ps(acc + i, _mm512_setzero_ps());
     }
     if (vnni) quantise_q(qs, NH * G, D, q4, corr, qsc);
+    /* Per chunk: the scores of every head of the item first, then every head's V accumulation. Each head's
+     * V work then waits on a softmax finished several heads earlier, and the out-of-order core overlaps the
+     * heads' dependency chains (score dot products -> max -> exp -> weights -> V) instead of running one at a time. */
     for (int32_t blk = 0; blk < n_used; blk++) {
         const int64_t block = table[blk];
-        for (int h = 0; h < NH; h++) {
-            const int64_t tile = kv_tile(kv, block, h0 + h) * es;
-            const char *kt = (const char *)kv->k + tile, *vt = (const char *)kv->v + tile;
-            const float *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
-            const float *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
-            const int32_t tn = blk * NH + h + (dt == AIOLLM_DT_I8 ? PF_DIST_I8 : PF_DIST), nblk = tn / NH, nh = h0 + tn % NH;
-            const char *pk = NULL, *pv = NULL; /* the tiles PF_DIST ahead in this item's order (heads inner) */
-            if (nblk < n_used) {
-                const int64_t next = kv_tile(kv, table[nblk], nh) * es;
-                pk = (const char *)kv->k + next, pv = (const char *)kv->v + next;
-                if (dt == AIOLLM_DT_I8) {
-                    _mm_prefetch((const char *)(kv->k_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(kv->v_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
+        for (int c = 0; c * 16 < BS; c++) {
+            const int nv = n - (blk * BS + c * 16);
+            if (nv <= 0) break;
+            const int w = nv > 16 ? 16 : nv;
+            for (int h = 0; h < NH; h++) {
+                const char *kt = (const char *)kv->k + kv_tile(kv, block, h0 + h) * es;
+                const float *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
+                const float *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
+                const char *pk = NULL, *pv = NULL; /* the tiles PF_DIST ahead in this item's order (heads inner) */
+                const int32_t tn = blk * NH + h + (dt == AIOLLM_DT_I8 ? PF_DIST_I8 : PF_DIST), nblk = tn / NH, nh = h0 + tn % NH;
+                if (c == 0 && nblk < n_used) { /* the first chunk's score loop covers the whole tile */
+                    const int64_t next = kv_tile(kv, table[nblk], nh) * es;
+                    pk = (const char *)kv->k + next, pv = (const char *)kv->v + next;
+                    if (dt == AIOLLM_DT_I8) {
+                        _mm_prefetch((const char *)(kv->k_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(kv->v_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
+                    }
                 }
-            }
-            for (int c = 0; c * 16 < BS; c++) {
-                int nv = n - (blk * BS + c * 16);
-                if (nv <= 0) break;
-                const int w = nv > 16 ? 16 : nv;
-                float *ah = acc + h * GD, *mh = m + h * G, *lh = l + h * G * 16;
-                const int32_t *q4h = vnni ? q4 + h * G * (D / 4) : NULL;
-                const int32_t *ch = corr + h * G;
+                float *mh = m + h * G, *lh = l + h * G * 16, *pbh = pb + h * G * 16, *alh = alpha + h * G;
+                const int32_t *q4h = vnni ? q4 + h * G * (D / 4) : NULL, *ch = corr + h * G;
                 const float *qh = qsc + h * G;
-                const char *pkc = c ? NULL : pk, *pvc = c ? NULL : pv; /* the first chunk covers the whole tile */
-                if (D == 64) chunk(dt, kt, vt, ks, vs, c, w, G, 64, BS, qs + h * GD, ah, mh, lh, q4h, ch, qh, pkc, pvc);
-                else if (D == 128) chunk(dt, kt, vt, ks, vs, c, w, G, 128, BS, qs + h * GD, ah, mh, lh, q4h, ch, qh, pkc, pvc);
-                else chunk(dt, kt, vt, ks, vs, c, w, G, D, BS, qs + h * GD, ah, mh, lh, q4h, ch, qh, pkc, pvc);
+                chunk_scores(dt, kt, ks, vs, c, w, G, D, BS, qs + h * GD, mh, lh, q4h, ch, qh, pk, pv, pbh, alh);
+            }
+            for (int h = 0; h < NH; h++) {
+                const char *vt = (const char *)kv->v + kv_tile(kv, block, h0 + h) * es;
+                const float *pbh = pb + h * G * 16, *alh = alpha + h * G;
+                chunk_values(dt, vt, c, w, G, D, pbh, alh, acc + h * GD, vnni);
             }
         }
     }
@@ -390,3 +418,13 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
     store_row_ref(a->out, ((int64_t)seq * a->n_q_heads + (int64_t)h0 * G) * D, acc, NH * GD, a->out_dtype);
 }
 
+
+/* The item specialised for the common shapes (head_dim 64 or 128, block_size 16): with both constant every
+ * loop inside has a fixed trip count and is unrolled; other shapes take the general body. */
+#define ITEM_SPECIALISED(name, dt, vnni)                                                        \
+    T512 static void name(const attn_args *a, int32_t s, int32_t h0, int32_t h1) {              \
+        const int D = a->kv->head_dim, BS = a->kv->block_size;                                  \
+        if (D == 64 && BS == 16) item(a, s, h0, h1, dt, vnni, 64, 16);                          \
+        else if (D == 128 && BS == 16) item(a, s, h0, h1, dt, vnni, 128, 16);                   \
+        else item(a, s, h0, h1, dt, vnni, 0, 0);                                                \
+    }

@@ -4,6 +4,6 @@
 #define WITH_VNNI 1
 #include "attn_avx512_impl.h"
 
-T512 void attn_item_i8_vnni(const attn_args *a, int32_t seq, int32_t h0, int32_t h1) {
-    item(a, seq, h0, h1, AIOLLM_DT_I8, 1);
-}
+ITEM_SPECIALISED(item_i8_vnni, AIOLLM_DT_I8, 1)
+
+T512 void attn_item_i8_vnni(const attn_args *a, int32_t seq, int32_t h0, int32_t h1) { item_i8_vnni(a, seq, h0, h1); }
