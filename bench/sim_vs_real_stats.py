@@ -19,18 +19,6 @@ BLOCKS = 10
 Z95 = 1.96
 
 
-def paired_noise(sim_ok: np.ndarray, real_ok: np.ndarray) -> dict:
-    """Per-request agreement over the same requests (`sim_ok`: pass probabilities in [0, 1], `real_ok`: pass/fail)
-    and the standard errors (points) of the attainment difference (paired: the s.d. of the per-request
-    differences over sqrt(n), McNemar's for 0/1) and of one attainment alone (binomial)."""
-    n = len(real_ok)
-    d = np.asarray(sim_ok, dtype=np.float64) - np.asarray(real_ok, dtype=np.float64)
-    paired = math.sqrt(max(0.0, float(np.mean(d * d) - np.mean(d) ** 2)) / n) * 100
-    p = float(np.mean(real_ok))
-    return {"disagree": round(float(np.sum(np.abs(d))), 1), "paired_se_points": paired,
-            "binomial_se_points": math.sqrt(p * (1 - p) / n) * 100}
-
-
 def batch_means_se(diffs: list[np.ndarray], blocks: int = BLOCKS) -> float:
     """S.e. (points) of the mean difference from block means: each array (one pass, arrival order) is cut into
     `blocks` consecutive blocks; the s.e. is the s.d. of all block means over sqrt(their count)."""
@@ -65,30 +53,49 @@ def request_errors(sim: np.ndarray, real: np.ndarray) -> dict:
 
 
 def plot(path: Path, rates: list[dict], title: str) -> None:
-    """Attainment vs rate: every real pass, the simulator's prediction for each pass (with its 95 % interval
-    around the real mean), and the SLO-alone curves of both."""
+    """Left: attainment vs rate — every real pass, the simulator's prediction for each, the means with the 95 %
+    interval of sim - real around the real mean, and the SLO-alone curves. Right: every pass as a point,
+    simulated against real attainment, with its 95 % interval, beside the diagonal and the +-2 point band."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6.6, 4.4))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11.5, 4.6), gridspec_kw={"width_ratios": [1.35, 1]})
     x = [r["rate"] for r in rates]
     for r in rates:
         ax.scatter([r["rate"]] * len(r["real_passes"]), r["real_passes"], color="tab:blue", marker="x", s=20, zorder=3)
         ax.scatter([r["rate"]] * len(r["sim_passes"]), r["sim_passes"], color="tab:orange", marker="+", s=30, zorder=3)
-    ax.plot(x, [r["real"] for r in rates], color="tab:blue", marker="o", label="real (mean of passes): both SLOs")
+    ax.plot(x, [r["real"] for r in rates], color="tab:blue", marker="o", label="real (x: each pass): both SLOs")
     ax.errorbar(x, [r["sim"] for r in rates], yerr=[[r["sim"] - r["real"] - r["ci95"][0] for r in rates],
                                                     [r["real"] + r["ci95"][1] - r["sim"] for r in rates]],
-                color="tab:orange", marker="s", capsize=4, label="simulated (same-run model), 95 % CI of sim - real")
+                color="tab:orange", marker="s", capsize=4, label="simulated (+: each pass), 95 % CI of sim - real")
     for key, style in (("ttft", ":"), ("tpot", "--")):
         ax.plot(x, [r[f"real_{key}"] for r in rates], linestyle=style, color="tab:blue", label=f"real: {key.upper()} only")
         ax.plot(x, [r[f"sim_{key}"] for r in rates], linestyle=style, color="tab:orange", label=f"sim: {key.upper()} only")
+    values = [v for r in rates for v in (*r["real_passes"], *r["sim_passes"])]
+    ax.set_ylim(max(-5.0, min(values) - 15), 102)
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("SLO attainment (%)")
     ax.set_title(title, fontsize=8)
-    ax.set_ylim(-5, 105)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower left")
+    reals = [v for r in rates for v in r["real_passes"]]
+    sims = [v for r in rates for v in r["sim_passes"]]
+    errs = [(s - (re + lo_hi[0]), re + lo_hi[1] - s) for r in rates  # the sim value's interval: real + CI of sim - real
+            for re, s, lo_hi in zip(r["real_passes"], r["sim_passes"], r["pass_ci95"])]
+    ax2.errorbar(reals, sims, yerr=np.array(errs).T.clip(min=0), fmt="o", color="tab:orange", capsize=3)
+    for r in rates:
+        for k, (re, s) in enumerate(zip(r["real_passes"], r["sim_passes"])):
+            ax2.annotate(f"{r['rate']:g}/s #{k + 1}", (re, s), fontsize=6, xytext=(3, -9), textcoords="offset points")
+    lo, hi = min(reals + sims) - 5, min(100.0, max(reals + sims) + 5)
+    ax2.plot([lo, hi], [lo, hi], color="grey", linewidth=1)
+    ax2.fill_between([lo, hi], [lo - 2, hi - 2], [lo + 2, hi + 2], color="grey", alpha=0.2, label="within 2 points")
+    ax2.set_xlim(lo, hi)
+    ax2.set_ylim(lo, hi)
+    ax2.set_xlabel("real attainment of the pass (%)")
+    ax2.set_ylabel("simulated (same-run model) (%), 95 % CI of sim - real")
+    ax2.set_title("each pass of the same trace", fontsize=8)
+    ax2.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

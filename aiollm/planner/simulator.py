@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 
 import numpy as np
@@ -127,6 +127,8 @@ class SimResult:
     first_token: np.ndarray
     finish: np.ndarray
     output: np.ndarray
+    # when each request's prefill ended (one batch's requests share it; decode-only: its arrival)
+    prefilled: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def ttft(self) -> np.ndarray:
@@ -436,6 +438,7 @@ class _Simulation:
             overhead = spread[r % len(spread)] if spread else self.config.request_overhead
             self.clock.at(float(t) + overhead, self.arrive, r)
         self.clock.run()
+        prefilled = self.first_token.copy()  # until here: the prefill's token, made at the batch's end
         if self.visible_steps is not None:
             held = (self.visible_steps > 0) & (self.output > 1)
             self.first_token = np.where(held, np.minimum(self.visible, self.finish), self.first_token)
@@ -443,7 +446,7 @@ class _Simulation:
         if delays:
             way_out = np.resize(np.asarray(delays, dtype=np.float64), len(self.first_token))
             self.first_token = np.minimum(self.first_token + way_out, self.finish)
-        return SimResult(self.arrival, self.first_token, self.finish, self.output)
+        return SimResult(self.arrival, self.first_token, self.finish, self.output, prefilled)
 
     def slowdown(self, kind: str, time: float | None = None) -> float:
         """The factor on `kind`'s step times at `time` (default: now)."""

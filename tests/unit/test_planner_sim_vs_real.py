@@ -118,16 +118,6 @@ def test_slowdowns_from_step_times():
     assert prefill == pytest.approx([2.0, 2.0, 2.0])
 
 
-def test_paired_noise_counts_disagreements():
-    real = np.array([True] * 50 + [False] * 50)
-    same = bp.paired_noise(real.copy(), real)
-    assert same["disagree"] == 0 and same["paired_se_points"] == 0.0 and same["binomial_se_points"] == pytest.approx(5.0)
-    sim = real.copy()
-    sim[:4] = False  # 4 requests only the real run counts: sim 4 points lower, s.e. sqrt(4 - 16/100)/100
-    got = bp.paired_noise(sim, real)
-    assert got["disagree"] == 4 and got["paired_se_points"] == pytest.approx(np.sqrt(4 - 0.16))
-
-
 def test_difference_interval_takes_the_larger_standard_error():
     # 200 requests per pass, two passes: sim 1 for all; real fails the first 20 of each pass (clustered in
     # time, so the batch-means s.e. over 20 blocks exceeds the per-request one)

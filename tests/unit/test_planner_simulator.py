@@ -128,6 +128,7 @@ def test_controller_queue_limit_caps_prefill_batches():
     assert free.ttft == pytest.approx([0.01] + [0.06] * 5)
     held = simulate(replace(config("disaggregated"), prefill_queue_limit=4), w, 1.0)
     assert held.ttft == pytest.approx([0.01, 0.04, 0.04, 0.04, 0.05, 0.06])
+    assert held.prefilled == pytest.approx(held.ttft)  # first tokens seen at once: the batches themselves
     with pytest.raises(ValueError, match="prefill_queue_limit"):
         replace(config("disaggregated"), prefill_queue_limit=-1)
 
@@ -139,6 +140,7 @@ def test_first_visible_token_and_delivery_delay():
     w = workload([100, 100], [11, 11], [0.0, 0.0])
     res = simulate(replace(config("disaggregated"), first_visible_steps=(0, 1), first_token_delays=(0.005,)), w, 1.0)
     assert res.ttft == pytest.approx([0.105, 0.215])
+    assert res.prefilled == pytest.approx([0.1, 0.2])
     assert res.finish == pytest.approx([0.2, 0.3])
     assert res.tpot == pytest.approx([0.0095, 0.0085])
     with pytest.raises(ValueError, match="entries for 2 requests"):
