@@ -274,7 +274,8 @@ def _pass_row(rate: float, k: int, s: dict, x: dict, run_: dict) -> dict:
            "sim %": 100 * s["ok"].mean(), "sim - real": d["diff"], "95% CI": _ci(d), "sim s.d. over shuffles": s["spread"]}
     for name in ("ttft", "tpot"):
         err = request_errors(s[name], x[name])
-        row.update({f"{name.upper()} bias ms": err["bias_ms"], "|err| p50": err["mae_ms"], "|err| p90": err["p90_abs_ms"],
+        row.update({f"{name.upper()} bias ms": err["bias_ms"], f"{name.upper()} |err| p50/p90 ms":
+                    f"{err['mae_ms']:.1f}/{err['p90_abs_ms']:.1f}",
                     f"{name.upper()} p90 sim/real ms": f"{_p90_ms(s[name + '_all'].ravel()):.0f}/{_p90_ms(x[name]):.0f}"})
     row["prefill batch sim/real"] = f"{s['batch']:.2f}/{x['batch']:.2f}"
     return row
