@@ -11,6 +11,7 @@
 #include "gemm_internal.h"
 
 static int gemm_level = 0; /* 0 none, 1 fp32 (AVX-512F), 2 fp32 + bf16 (AVX512_BF16) */
+static int gemm_amx = 0;   /* AMX-BF16 usable (CPU has it and Linux granted the tile state) */
 static pthread_once_t gemm_once = PTHREAD_ONCE_INIT;
 
 static void gemm_probe(void) {
@@ -19,6 +20,8 @@ static void gemm_probe(void) {
     if ((f & need) != need) return;
     gemm_level = 1;
     if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5))) gemm_level = 2; /* AVX512_BF16 */
+    const unsigned amx = (1u << 22) | (1u << 24); /* AMX-BF16, AMX-TILE */
+    if (gemm_level == 2 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & amx) == amx) gemm_amx = gemm_amx_enable();
 }
 
 int aiollm_gemm_supported(int32_t dtype) {
@@ -100,7 +103,9 @@ int aiollm_gemm(const void *x, int64_t ldx, int32_t m, const void *packed, int32
     const int64_t kp = packed_k(k, dtype), elem = dtype == AIOLLM_DT_F32 ? 4 : 2;
     gemm_job job = {
         .args = {x, ldx, packed, residual, ldr, y, ldy, m, n, k, (int32_t)kp, (n + GEMM_NB - 1) / GEMM_NB},
-        .block = dtype == AIOLLM_DT_F32 ? gemm_block_f32_avx512 : gemm_block_bf16_avx512,
+        .block = dtype == AIOLLM_DT_F32 ? gemm_block_f32_avx512
+                 : gemm_amx && k % 32 == 0 ? gemm_block_bf16_amx
+                                             : gemm_block_bf16_avx512,
         .panel_bytes = kp * GEMM_NB * elem,
     };
     job.block_bytes = job.panel_bytes * GEMM_NR;

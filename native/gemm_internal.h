@@ -37,5 +37,9 @@ void gemm_block_f32_avx512(const gemm_args *a, int64_t m0, int64_t m1, int32_t p
                            int64_t pf_lines);
 void gemm_block_bf16_avx512(const gemm_args *a, int64_t m0, int64_t m1, int32_t p0, int32_t np, const char *pf,
                             int64_t pf_lines);
+/* AMX (K % 32 == 0): 16-row tiles; gemm_amx_enable asks Linux for the tile state (1 if granted). */
+void gemm_block_bf16_amx(const gemm_args *a, int64_t m0, int64_t m1, int32_t p0, int32_t np, const char *pf,
+                         int64_t pf_lines);
+int gemm_amx_enable(void);
 
 #endif

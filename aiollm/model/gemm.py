@@ -13,6 +13,7 @@ import torch
 from aiollm._native import ffi, lib
 
 _DT = {torch.float32: lib.AIOLLM_DT_F32, torch.bfloat16: lib.AIOLLM_DT_BF16}
+_cast, _NULL = ffi.cast, ffi.NULL
 
 
 def supported(dtype: torch.dtype) -> bool:
@@ -70,7 +71,7 @@ class PackedWeight:
 
 
 def _ensure(status: int) -> None:
-    if status != lib.AIOLLM_OK:
+    if status:
         raise ValueError(f"native gemm refused the call (status {status})")
 
 
@@ -89,6 +90,14 @@ def _rows(t: torch.Tensor, name: str, dtype: torch.dtype, cols: int, rows: int |
         raise ValueError(f"{name}: rows must be unit-stride and not overlap, got strides {t.stride()}")
 
 
+def _fits(t, dtype: torch.dtype, rows: int | None, cols: int) -> bool:
+    """The common case of `_rows`, checked with as few tensor attribute reads as possible (this runs 121
+    times per decode step)."""
+    shape, stride = t.shape, t.stride()
+    return (t.dtype is dtype and len(shape) == 2 and shape[1] == cols and (rows is None or shape[0] == rows)
+            and (stride[1] == 1 or cols == 1) and (stride[0] >= cols or shape[0] <= 1) and not t.is_cuda)
+
+
 def gemm(x: torch.Tensor, weight: PackedWeight, residual: torch.Tensor | None = None,
          n_threads: int | None = None) -> torch.Tensor:
     """x [m, k] @ weight.T (+ residual [m, n]) as a new [m, n] tensor of the weight's dtype.
@@ -99,15 +108,16 @@ def gemm(x: torch.Tensor, weight: PackedWeight, residual: torch.Tensor | None = 
     if not isinstance(weight, PackedWeight):
         raise TypeError(f"weight: expected a PackedWeight, got {type(weight).__name__}")
     n, k = weight.shape
-    _rows(x, "x", weight.dtype, k)
+    if not isinstance(x, torch.Tensor) or not _fits(x, weight.dtype, None, k):
+        _rows(x, "x", weight.dtype, k)
     m = x.shape[0]
-    if residual is not None:
+    if residual is not None and (not isinstance(residual, torch.Tensor) or not _fits(residual, weight.dtype, m, n)):
         _rows(residual, "residual", weight.dtype, n, m)
     y = torch.empty((m, n), dtype=weight.dtype)
     if m == 0:
         return y
-    r_ptr, ldr = (ffi.NULL, 0) if residual is None else (ffi.cast("void *", residual.data_ptr()), residual.stride(0))
-    threads = torch.get_num_threads() if n_threads is None else n_threads
-    _ensure(lib.aiollm_gemm(ffi.cast("void *", x.data_ptr()), x.stride(0) if m > 1 else k, m, weight._ptr, n, k,
-                            weight._code, r_ptr, ldr if m > 1 else n, ffi.cast("void *", y.data_ptr()), n, threads))
+    r_ptr, ldr = (_NULL, 0) if residual is None else (_cast("void *", residual.data_ptr()), residual.stride(0))
+    _ensure(lib.aiollm_gemm(_cast("void *", x.data_ptr()), x.stride(0) if m > 1 else k, m, weight._ptr, n, k,
+                            weight._code, r_ptr, ldr if m > 1 else n, _cast("void *", y.data_ptr()), n,
+                            torch.get_num_threads() if n_threads is None else n_threads))
     return y
