@@ -104,7 +104,8 @@ int aiollm_pool_size(void);
  * aiollm_rope_qk: one row of qkv per token holds n_q_heads q heads then n_kv_heads k heads (then anything,
  *   e.g. v); rotates q into q_out (q_out_dtype) and k in place with the half-split rotation
  *   x * cos + roll(x, head_dim / 2) * sin, cos and sign-folded sin [n_positions, head_dim] of dtype;
- *   AIOLLM_ERR_ARG if a position lies outside [0, n_positions). q_out may be qkv itself (same dtype).
+ *   AIOLLM_ERR_ARG if a position lies outside [0, n_positions). q_out may be qkv itself (same dtype). q is
+ *   rounded to dtype even into an fp32 q_out (it equals the dtype q widened).
  * aiollm_silu_mul: out[:, i] = silu(gate_up[:, i]) * gate_up[:, dim + i], i < dim.
  * aiollm_argmax_rows: out[r] = index of the first maximum of fp32 row r (of the first NaN if any), rows
  *   spread over n_threads threads of the pool. */

@@ -51,6 +51,11 @@ T512 INLINE __m256i to_bf16_512(__m512 x) {
     return _mm512_cvtepi32_epi16(r);
 }
 
+T512 INLINE __m512 round512(__m512 x, int32_t dt) {
+    if (dt != AIOLLM_DT_BF16) return x;
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_512(x)), 16));
+}
+
 T512 INLINE void st512(void *p, int64_t i, __m512 x, int n, int32_t dt) {
     if (dt == AIOLLM_DT_BF16)
         _mm256_mask_storeu_epi16((uint16_t *)p + i, lanes(n), to_bf16_512(x));
@@ -120,7 +125,11 @@ typedef struct {
     int32_t head_dim, dtype;
 } rope_table;
 
-/* Rotate heads [0, n_heads) of one token: x at xi (dtype), out at oi (out_dtype); out may alias x. */
+/* Rotate heads [0, n_heads) of one token: x at xi (dtype), out at oi (out_dtype); out may alias x. The result
+ * is rounded to x's dtype even when out is fp32, so a bf16 model's fp32 q equals its bf16 q widened: what an
+ * R-worker computes from the bf16 q it receives (colocated and offloaded decode give the same tokens). */
+static inline float round_to(float x, int32_t dt) { return dt == AIOLLM_DT_BF16 ? bf16_to_float(float_to_bf16(x)) : x; }
+
 static void rope_token_ref(const void *x, int64_t xi, void *out, int64_t oi, int32_t out_dt, int32_t n_heads,
                            const rope_table *t, int64_t pos, int32_t dt) {
     const int32_t D = t->head_dim, half = D / 2;
@@ -130,8 +139,8 @@ static void rope_token_ref(const void *x, int64_t xi, void *out, int64_t oi, int
             const float a = ld_ref(x, xi + (int64_t)h * D + i, dt), b = ld_ref(x, xi + (int64_t)h * D + half + i, dt);
             const float ra = a * ld_ref(t->cos, ti + i, t->dtype) + b * ld_ref(t->sin, ti + i, t->dtype);
             const float rb = b * ld_ref(t->cos, ti + half + i, t->dtype) + a * ld_ref(t->sin, ti + half + i, t->dtype);
-            st_ref(out, oi + (int64_t)h * D + i, ra, out_dt);
-            st_ref(out, oi + (int64_t)h * D + half + i, rb, out_dt);
+            st_ref(out, oi + (int64_t)h * D + i, round_to(ra, dt), out_dt);
+            st_ref(out, oi + (int64_t)h * D + half + i, round_to(rb, dt), out_dt);
         }
     }
 }
@@ -147,8 +156,8 @@ T512 static void rope_token_avx512(const void *x, int64_t xi, void *out, int64_t
         for (int32_t h = 0; h < n_heads; h++) {
             const int64_t xa = xi + (int64_t)h * D + i, oa = oi + (int64_t)h * D + i;
             const __m512 a = ld512(x, xa, n, dt), b = ld512(x, xa + half, n, dt);
-            st512(out, oa, _mm512_add_ps(_mm512_mul_ps(a, ca), _mm512_mul_ps(b, sa)), n, out_dt);
-            st512(out, oa + half, _mm512_add_ps(_mm512_mul_ps(b, cb), _mm512_mul_ps(a, sb)), n, out_dt);
+            st512(out, oa, round512(_mm512_add_ps(_mm512_mul_ps(a, ca), _mm512_mul_ps(b, sa)), dt), n, out_dt);
+            st512(out, oa + half, round512(_mm512_add_ps(_mm512_mul_ps(b, cb), _mm512_mul_ps(a, sb)), dt), n, out_dt);
         }
     }
 }
@@ -193,10 +202,11 @@ static void silu_mul_ref(const void *gu, int64_t is, void *out, int64_t os, int6
         }
 }
 
-/* exp over the whole float range (Cephes' expf polynomial, ~1 ulp); 2^n applied by scalef, so large
- * arguments overflow to inf and small ones underflow to 0 as expf does. */
+/* exp (Cephes' expf polynomial, ~1 ulp) of x clamped to [-104, 88]: 2^n is applied by scalef, so small
+ * arguments underflow to 0 as expf does, and the top stays finite (silu's 1 / (1 + e) then stays a
+ * finite reciprocal: its value there, below 1e-38, is lost either way). */
 T512 INLINE __m512 exp_full(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -218,8 +228,11 @@ T512 static void silu_mul_avx512(const void *gu, int64_t is, void *out, int64_t 
         for (int32_t i = 0; i < dim; i += 16) {
             const int n = dim - i;
             const __m512 g = ld512(gu, r * is + i, n, dt), u = ld512(gu, r * is + dim + i, n, dt);
-            const __m512 e = exp_full(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            st512(out, r * os + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u), n, dt);
+            /* 1 / (1 + e) as rcp14 and one Newton step (~1 ulp): a vdivps costs ~16 cycles, more than the rest */
+            const __m512 d = _mm512_add_ps(one, exp_full(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+            __m512 rcp = _mm512_rcp14_ps(d);
+            rcp = _mm512_mul_ps(rcp, _mm512_fnmadd_ps(d, rcp, _mm512_set1_ps(2.0f)));
+            st512(out, r * os + i, _mm512_mul_ps(_mm512_mul_ps(g, rcp), u), n, dt);
         }
 }
 

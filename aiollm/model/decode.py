@@ -3,7 +3,9 @@ colocated engine (`aiollm.model.engine`) and the serving runner (`aiollm.workers
 
 Each sequence feeds one token; every layer runs its S-part (`pre_attention`, `post_attention`) and its
 R-part (write the new K/V, attend with the native kernel). The step's index arrays are checked once
-(`KVPool.prepare_decode`), RoPE is gathered once, and one attention output buffer serves all layers.
+(`KVPool.prepare_decode`), the positions once (`model.rope`), and two buffers serve all layers: RoPE writes
+each layer's q straight into the fp32 buffer the attention kernel reads (no `q.float()` copy in bf16),
+and the kernel writes its output into the other, in the model dtype.
 """
 from collections.abc import Sequence
 
@@ -29,7 +31,8 @@ def decode_logits(model: LlamaModel, pool: KVPool, token_ids: Sequence[int], pos
         h = model.embed(token_ids)
         out_dtype = model.dtype if model.dtype in (torch.float32, torch.bfloat16) else torch.float32
         out = torch.empty((len(token_ids), c.n_heads, c.head_dim), dtype=out_dtype)  # every layer's output
+        q32 = torch.empty((len(token_ids), c.n_heads, c.head_dim), dtype=torch.float32)  # every layer's q
         for layer in range(c.n_layers):
-            q, k, v = model.pre_attention(layer, h, positions, rope)
+            q, k, v = model.pre_attention(layer, h, positions, rope, q_out=q32)
             h = model.post_attention(layer, h, step_decode_attention(step, layer, q, k, v, out, n_threads))
         return model.logits(h)

@@ -8,18 +8,22 @@ S-part (dense, weight-bound, batched over every token of every sequence, packed 
 R-part (attention, no weights; see aiollm.model.attention): prefill over the prompt with SDPA, decode
 over the paged KV cache. `prefill` runs both for whole prompts and hands each layer's K/V to a sink.
 
-The arithmetic follows transformers' LlamaForCausalLM op for op (RMSNorm in fp32, RoPE half-split,
-SDPA), so fp32 greedy tokens equal transformers'.
+The arithmetic follows transformers' LlamaForCausalLM (RMSNorm in fp32, RoPE half-split, SDPA), so fp32
+greedy tokens equal transformers'. On CPU in fp32/bf16 the small ops between the matrix products (RMSNorm,
+RoPE, SiLU*up) run as single native calls (aiollm.model.fused_ops): through PyTorch they cost several
+ATen ops each, every one with its OpenMP fork/join. RoPE is then bit-identical to transformers' formula;
+RMSNorm sums the squares in another order (a few fp32 ulps).
 """
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from aiollm.model import fused_ops
 from aiollm.model.attention import prefill_attention
 from aiollm.model.config import ModelConfig
 from aiollm.model.linear import linear, linear_add
-from aiollm.model.rope import RotaryTable, apply_rotary
+from aiollm.model.rope import RotaryTable, Rotation
 from aiollm.model.tokenizer import Tokenizer
 from aiollm.model.weights import LlamaWeights
 
@@ -28,8 +32,19 @@ KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as one fused op (in fp32 it gives transformers' bits; in bf16 it rounds once instead of twice)."""
+    """RMSNorm of rows x [n, dim] as one op, rounded once in bf16: the native kernel on CPU (fp32/bf16),
+    else torch's (which in fp32 gives transformers' bits)."""
+    if fused_ops.native(x) and x.dim() == 2 and x.stride(-1) == 1 and weight.dtype == x.dtype:
+        return fused_ops.rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of rows gate_up [n, 2 * ffn] = [gate | up] (native on CPU fp32/bf16)."""
+    if fused_ops.native(gate_up) and gate_up.stride(-1) == 1:
+        return fused_ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 class LlamaModel:
@@ -53,24 +68,27 @@ class LlamaModel:
             raise ValueError(f"token_ids: ids must lie in [0, {self.config.vocab}), got {ids.min()}..{ids.max()}")
         return F.embedding(ids, self.weights.embed)
 
-    def rope(self, positions: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) for these positions; compute once per step and pass to every pre_attention."""
-        return self.rotary.gather(torch.as_tensor(positions, dtype=torch.long, device=self.device))
+    def rope(self, positions: torch.Tensor | Sequence[int]) -> Rotation:
+        """These positions' RoPE, checked once; compute once per step and pass to every pre_attention."""
+        return Rotation(self.rotary, torch.as_tensor(positions, dtype=torch.long, device=self.device))
 
-    def pre_attention(self, layer: int, h: torch.Tensor, positions, rope=None):
+    def pre_attention(self, layer: int, h: torch.Tensor, positions, rope: Rotation | None = None,
+                      q_out: torch.Tensor | None = None):
         """RMSNorm, QKV projection and RoPE of layer `layer` for packed hidden states h [n, hidden].
 
         `positions` are the tokens' positions in their own sequences (1-D, length n); pass `rope` from
-        `self.rope(positions)` to skip the table lookup. Returns q [n, n_heads, d], k and v [n, n_kv_heads, d]:
+        `self.rope(positions)` to check them once per step. Returns q [n, n_heads, d], k and v [n, n_kv_heads, d]:
         views whose heads and dims are contiguous (each token's row has a stride; `.contiguous()` if needed).
+        `q_out` [n, n_heads, d] (fp32 or the model dtype, e.g. the buffer decode attention reads) receives q
+        instead, and is returned as q.
         """
         w = self.weights.layers[layer]
         c = self.config
-        cos, sin = rope if rope is not None else self.rope(positions)
+        rope = rope if rope is not None else self.rope(positions)
         n = h.shape[0]
         qkv = linear(rms_norm(h, w.attn_norm, c.rms_eps), w.qkv).view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
-        qk = apply_rotary(qkv[:, :c.n_heads + c.n_kv_heads], cos, sin)  # q and k heads rotated in one go
-        return qk[:, :c.n_heads], qk[:, c.n_heads:], qkv[:, c.n_heads + c.n_kv_heads:]
+        q = rope.rotate_qk(qkv, c.n_heads, c.n_kv_heads, q_out)  # k rotated in place
+        return q, qkv[:, c.n_heads:c.n_heads + c.n_kv_heads], qkv[:, c.n_heads + c.n_kv_heads:]
 
     def post_attention(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection + residual, RMSNorm, SiLU-gated MLP + residual. attn_out [n, n_heads, d] (any float)."""
@@ -80,8 +98,7 @@ class LlamaModel:
             attn = attn.to(self.dtype)
         h = linear_add(attn, w.o, h)
         gate_up = linear(rms_norm(h, w.mlp_norm, self.config.rms_eps), w.gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return linear_add(F.silu(gate).mul_(up), w.down, h)
+        return linear_add(silu_mul(gate_up), w.down, h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm and output projection: fp32 logits [n, vocab]."""

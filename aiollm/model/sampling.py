@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from aiollm.model import fused_ops
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -81,7 +83,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     """Next token of each row of fp32 logits [b, vocab]; row i uses params[i] and generators[i]."""
     if logits.shape[0] != len(params):
         raise ValueError(f"params: {len(params)} given for {logits.shape[0]} rows of logits")
-    tokens = logits.argmax(dim=-1).tolist()
+    native = fused_ops.native(logits) and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
+    tokens = (fused_ops.argmax(logits) if native else logits.argmax(dim=-1)).tolist()
     for i, p in enumerate(params):
         if p.greedy:
             continue

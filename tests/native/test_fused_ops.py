@@ -89,9 +89,10 @@ def test_rope_bf16_into_fp32_q_and_in_place(isa):
     cos, sin = (t[positions].double().unsqueeze(1) for t in (table.cos, table.sin))
     expected = heads[:, :n_q + n_kv] * cos + heads[:, :n_q + n_kv].roll(head_dim // 2, -1) * sin
     q32 = fused_ops.rope_qk(qkv.clone(), positions, table.cos, table.sin, n_q, n_kv, q_out=torch.empty(n, 576))
-    torch.testing.assert_close(q32.reshape(n, n_q, head_dim).double(), expected[:, :n_q], rtol=F32_RTOL, atol=F32_ATOL)
     fused_ops.rope_qk(qkv, positions, table.cos, table.sin, n_q, n_kv)  # q in place, in bf16
     torch.testing.assert_close(qkv.reshape(n, -1, head_dim)[:, :n_q + n_kv].double(), expected, **tol(torch.bfloat16))
+    # the fp32 q is the bf16 q widened (what an R-worker makes of a bf16 q), not a more precise one
+    assert torch.equal(q32, qkv[:, :n_q * head_dim].float())
 
 
 def test_rope_rejects_positions_beyond_the_table():
