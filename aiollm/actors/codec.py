@@ -50,6 +50,9 @@ TORCH_ONLY_DTYPES = frozenset(
 )
 
 
+# The envelopes that carry a message in `body`.
+_WITH_BODY = (messages.Request, messages.Reply, messages.Item)
+
 _meta_encoder = msgspec.msgpack.Encoder()
 _meta_decoder = msgspec.msgpack.Decoder(TensorMeta)
 
@@ -145,6 +148,7 @@ class Codec:
         self._decode_envelope = self._envelope_decoder.decode
         self._handshake_decoder = msgspec.msgpack.Decoder(HandshakeEnvelope)
         self._body_decoder: msgspec.msgpack.Decoder | None = None
+        self._frame_decoder: msgspec.msgpack.Decoder | None = None
         self._registry_generation = -1
 
     # --- encoding -------------------------------------------------------------------------
@@ -188,6 +192,34 @@ class Codec:
             pass
         return _decode_versioned(self._envelope_decoder, header, "frame header")
 
+    def decode_frame(self, header: bytes | memoryview, buffers: Sequence[memoryview]) -> AnyEnvelope:
+        """A frame's envelope with its message, if it carries one, already decoded into `body` (tensors viewing `buffers`).
+
+        One msgspec call for a well-formed frame: the frame decoder types the body of Request,
+        Reply and Item with every registered message (as subclasses of those envelopes). When that
+        fails, the envelope is decoded alone (`ProtocolError` if it is bad) and then its body, which
+        is replaced by the `ProtocolError` saying what is wrong with it, so that the receiver can
+        answer the request the frame came with.
+        """
+        if self._registry_generation != messages._generation:
+            self._rebuild_decoder()
+        self._rx = buffers
+        try:
+            env = self._frame_decoder.decode(header)
+            if env.v == PROTOCOL_VERSION:
+                return env
+        except Exception:  # noqa: BLE001 (whatever failed, the two steps below say what it was)
+            pass
+        finally:
+            self._rx = ()
+        env = self.decode_envelope(header)
+        if env.__class__ in _WITH_BODY:
+            try:
+                env.body = self.decode_body(env.body, buffers)
+            except ProtocolError as exc:
+                env.body = exc
+        return env
+
     def decode_handshake(self, header: bytes | memoryview) -> Any:
         """A handshake envelope (Hello, Proof, or the peer's Failure); `ProtocolError` otherwise."""
         return _decode_versioned(self._handshake_decoder, header, "handshake frame")
@@ -210,11 +242,17 @@ class Codec:
             self._rx = ()
 
     def _rebuild_decoder(self) -> msgspec.msgpack.Decoder:
-        types = tuple(message_types().values())
+        body = typing.Optional[typing.Union[tuple(message_types().values())]]
         self._registry_generation = registry_generation()
-        self._body_decoder = msgspec.msgpack.Decoder(
-            typing.Optional[typing.Union[types]], ext_hook=self._ext_hook, dec_hook=_dec_hook
-        )
+        self._body_decoder = msgspec.msgpack.Decoder(body, ext_hook=self._ext_hook, dec_hook=_dec_hook)
+        typed = [
+            msgspec.defstruct(kind.__name__, [("body", body)], bases=(kind,), module=__name__,
+                              tag=kind.__struct_config__.tag, array_like=True)
+            for kind in _WITH_BODY
+        ]
+        rest = [kind for kind in typing.get_args(AnyEnvelope) if kind not in _WITH_BODY]
+        self._frame_decoder = msgspec.msgpack.Decoder(typing.Union[(*typed, *rest)], ext_hook=self._ext_hook,
+                                                      dec_hook=_dec_hook)
         return self._body_decoder
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:

@@ -212,6 +212,7 @@ class Node:
             _check(msg)
         peer = self._peers.get(ref.node_url)
         if peer is not None and not peer.closed:  # the hot path: a connected peer, no extra coroutine
+            ref._peer = peer  # the ref's next asks skip this lookup while the connection lasts
             return peer.ask(ref.name, msg, timeout, into)
         return self._ask(ref, msg, timeout, into)
 

@@ -12,15 +12,17 @@ from typing import TYPE_CHECKING
 
 from aiollm.transports.base import Buffer, parse_address
 
+from aiollm.actors.messages import Message
+
 if TYPE_CHECKING:
-    from aiollm.actors.messages import Message
     from aiollm.actors.node import Node
+    from aiollm.actors.peer import Peer
 
 
 class ActorRef:
     """A handle on an actor, local or remote; compare and hash by URL."""
 
-    __slots__ = ("url", "name", "node_url", "_router")
+    __slots__ = ("url", "name", "node_url", "_router", "_peer")
 
     def __init__(self, url: str, router: Node) -> None:
         address = parse_address(url)
@@ -33,6 +35,8 @@ class ActorRef:
         # The node part, e.g. tcp://127.0.0.1:7001.
         self.node_url = address.node_url
         self._router = router
+        # The connection the router last sent this ref's asks over (asks then go straight to it while it is open).
+        self._peer: Peer | None = None
 
     async def tell(self, msg: Message) -> None:
         """Send without waiting for a result; waits only while the target's mailbox (or the link) is full.
@@ -55,9 +59,12 @@ class ActorRef:
         Raises `TimeoutError` (asyncio.TimeoutError) after `timeout` s, `ActorDied`, `NodeUnreachable`,
         `RemoteError` (the handler raised: type, message, traceback text), `ProtocolError` (the
         message was rejected: unknown type, no handler, invalid fields). Cancelling the awaiting task
-        or timing out cancels the remote handler. (A plain method returning the router's coroutine:
-        one frame less on the hottest path.)
+        or timing out cancels the remote handler. (A plain method returning the peer's or the router's
+        coroutine: no frame of its own on the hottest path.)
         """
+        peer = self._peer
+        if peer is not None and not peer.closed and isinstance(msg, Message):
+            return peer.ask(self.name, msg, timeout, into)
         return self._router.ask(self, msg, timeout, into)
 
     def stream(self, msg: Message, window: int | None = None) -> AsyncIterator[Message]:

@@ -153,6 +153,21 @@ def encode_raw(obj: object) -> bytes:
     return msgspec.msgpack.encode(obj)
 
 
+def test_hot_path_tuples_encode_exactly_as_the_envelopes() -> None:
+    """The peer encodes asks and replies from tuples (cheaper than the structs): the bytes must not differ."""
+    from aiollm.actors.messages import Reply
+    from aiollm.actors.peer import _REPLY, _REQUEST
+
+    codec = Codec(lambda url: None)
+    msg = Plain(7)
+    assert codec.encode((_REQUEST, PROTOCOL_VERSION, 9, ASK, "echo", 0, msg)) == \
+        codec.encode(Request(PROTOCOL_VERSION, 9, ASK, "echo", 0, msg))
+    for value in (msg, None):
+        header, buffers = codec.encode((_REPLY, PROTOCOL_VERSION, 9, value))
+        assert (header, buffers) == codec.encode(Reply(PROTOCOL_VERSION, 9, value))
+        assert codec.decode_body(codec.decode_envelope(header).body, buffers) == value
+
+
 def test_garbage_header() -> None:
     with pytest.raises(ProtocolError, match="malformed frame header"):
         make_codec().decode_envelope(b"\xc1\x00garbage")
