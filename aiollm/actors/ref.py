@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TYPE_CHECKING
 
-from aiollm.transports.base import Buffer, parse_address
-
 from aiollm.actors.messages import Message
+from aiollm.transports.base import Buffer, parse_address
 
 if TYPE_CHECKING:
     from aiollm.actors.node import Node
