@@ -81,7 +81,8 @@ DEFAULT_OPTIONS: dict[str, int | str] = {
 
 # The prefix read as two u64 words: magic, version and the reserved field (_CONTROL_WORD), then the header
 # length plus the buffer count times 2**32 — the header length itself when the frame has no buffers.
-_PREFIX_WORDS = struct.Struct("<QQ")
+_unpack_words = struct.Struct("<QQ").unpack_from
+_PREFIX_SIZE = PREFIX.size
 _CONTROL_WORD = MAGIC | VERSION << 32
 # `send_nowait` takes headers shorter than this; their prefixes are made once, here.
 _SMALL_HEADER = 1024
@@ -179,14 +180,15 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             # Push mode's fast path, inline (the hottest code of every ask): whole control-only
             # frames, each handed over right here; anything else goes on in `push`.
             scratch, rpos = self.scratch, self.rpos
-            while wpos - rpos >= PREFIX.size:
-                word, header_len = _PREFIX_WORDS.unpack_from(scratch, rpos)  # (a buffer count makes it huge)
-                end = rpos + PREFIX.size + header_len
+            while wpos - rpos >= _PREFIX_SIZE:
+                word, header_len = _unpack_words(scratch, rpos)  # (a buffer count makes header_len huge)
+                start = rpos + _PREFIX_SIZE
+                end = start + header_len
                 if word != _CONTROL_WORD or header_len > self.header_max or end > wpos:
                     break
                 self.rpos = end
                 try:
-                    held = on_frame(bytes(scratch[rpos + PREFIX.size:end]), [])
+                    held = on_frame(bytes(scratch[start:end]), [])
                 except Exception as exc:
                     self.handler_failed(exc)
                     return
