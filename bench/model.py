@@ -22,6 +22,7 @@ import torch
 from aiollm.kv.attention import read_sum
 from aiollm.model import load
 from aiollm.model.engine import ColocatedEngine
+from aiollm.model.gemm import PackedWeight, gemm
 from aiollm.model.linear import linear
 from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
@@ -34,6 +35,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes only (a short run while developing)")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32,bf16")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--gemm-only", action="store_true", help="only the GEMM rows (native kernel vs oneDNN)")
 
 
 def _timed(fn, min_seconds: float, max_reps: int) -> float:
@@ -70,6 +72,42 @@ def gemm_floor(model, b: int) -> float:
     with torch.inference_mode():
         products()
         return min(_timed(products, 0.0, 1) for _ in range(3))
+
+
+def gemm_rows(model, batches: list[int]) -> list[dict]:
+    """Each GEMM shape of a step at each batch: the native kernel beside oneDNN with the same weights packed
+    its way, every layer's matrix in turn as a step reads them (ms per step, weight GB/s, GFLOPS, and
+    oneDNN's time over ours), then the step's sum. Empty where the model's weights are not on the kernel."""
+    w = model.weights
+    if not isinstance(w.lm_head, PackedWeight):
+        return []
+    kinds = {name: [getattr(layer, name) for layer in w.layers] for name in ("qkv", "o", "gate_up", "down")}
+    kinds["lm_head"] = [w.lm_head]
+    onednn = {name: [torch.ops.mkldnn._reorder_linear_weight(p.to_dense(), None) for p in packed]
+              for name, packed in kinds.items()}
+    rows = []
+    with torch.inference_mode():
+        for b in batches:
+            step = {"shape": "step", "batch": b, "ours_ms": 0.0, "onednn_ms": 0.0, "gflop": 0.0, "gbytes": 0.0}
+            for name, packed in kinds.items():
+                n, k = packed[0].shape
+                x = torch.randn(b, k, dtype=model.dtype)
+                ours = min(_timed(lambda: [gemm(x, p) for p in packed], 0.0, 1) for _ in range(3))
+                theirs = min(_timed(lambda: [torch.ops.mkldnn._linear_pointwise(x, d, None, "none", [], "")
+                                             for d in onednn[name]], 0.0, 1) for _ in range(3))
+                gbytes = len(packed) * n * k * x.element_size() / 1e9
+                gflop = len(packed) * 2 * b * n * k / 1e9
+                rows.append({"shape": f"{name} {n}x{k}", "batch": b, "ours_ms": 1e3 * ours, "onednn_ms": 1e3 * theirs,
+                             "ours_gb_s": gbytes / ours, "ours_gflops": gflop / ours,
+                             "onednn_gb_s": gbytes / theirs, "onednn_gflops": gflop / theirs, "ratio": theirs / ours})
+                step.update(ours_ms=step["ours_ms"] + 1e3 * ours, onednn_ms=step["onednn_ms"] + 1e3 * theirs,
+                            gflop=step["gflop"] + gflop, gbytes=step["gbytes"] + gbytes)
+            gflop, gbytes = step.pop("gflop"), step.pop("gbytes")
+            step.update(ours_gb_s=1e3 * gbytes / step["ours_ms"], ours_gflops=1e3 * gflop / step["ours_ms"],
+                        onednn_gb_s=1e3 * gbytes / step["onednn_ms"], onednn_gflops=1e3 * gflop / step["onednn_ms"],
+                        ratio=step["onednn_ms"] / step["ours_ms"])
+            rows.append(step)
+    return rows
 
 
 def read_bandwidth() -> float:
@@ -160,6 +198,15 @@ def run(args) -> dict:
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
         model = load("smollm2", dtype=dtype)
+        gemms = gemm_rows(model, [1, 8, 32, 64])
+        if gemms:
+            figures[f"gemm_{name}"] = gemms
+            figures[f"ratio_gemm_vs_onednn_{name}"] = min(r["ratio"] for r in gemms if r["shape"] == "step"
+                                                          and r["batch"] >= 8)
+            print(f"\n-- {name}: a step's GEMMs, native kernel vs oneDNN (ratio: oneDNN's time over ours; "
+                  f"read bandwidth {bandwidth / 1e9:.1f} GB/s)\n{table(gemms)}")
+        if args.gemm_only:
+            continue
         hf = None if args.no_transformers else _load_transformers(dtype, hf_cache)
         prompt = model.tokenizer.encode(model.tokenizer.apply_chat_template(
             [{"role": "user", "content": "Tell me a long story about a dragon who learns to cook."}]))
