@@ -13,10 +13,11 @@ Modelled: prefill pipelining over pp stages (a batch holds stage 1 for T/pp and 
 decode instance with pp stages as pp lanes that each keep one batch in flight, with 1/pp of the KV;
 the prefill side holding each request's KV until its decode lane admits it and the pull completes
 (transfer time = a fixed set-up + prompt KV bytes / link bandwidth); colocated (vLLM-like) instances
-that stop decoding while they run a prefill batch (prefill first); optional per-request overheads of a
-real deployment; optionally the controller's limit on requests sent ahead to a prefill instance. Not
-modelled: pipeline bubbles, activation transfer between stages, preemption (admission reserves prompt +
-output, so none is needed), CPU shared with processes outside the instances.
+that stop decoding while they run a prefill batch (prefill first). Optional, for replaying a measured
+deployment: per-request overheads on the way in and out, the controller's limit on requests sent ahead
+to a prefill instance, which token a client sees first, and step times varying over time (a shared
+machine's slow spells, as a measured slowdown series). Not modelled: pipeline bubbles, activation
+transfer between stages, preemption (admission reserves prompt + output, so none is needed).
 """
 from __future__ import annotations
 
