@@ -1,8 +1,8 @@
 """Wire types of FastDecode serving: S-worker <-> R-workers.
 
 One decode step, per layer, is one `Attend` ask to every R-worker holding sequences of the batch
-(or of one of the two mini-batches): the q/k/v rows of its sequences go out, the attention output
-`Attended.o` comes back. A sequence's id list travels only with layer 0 of a step (the step's
+(or of one of the two mini-batches): the q/k/v rows of its sequences go out as one tensor, the
+attention output `Attended.o` comes back. A sequence's id list travels only with layer 0 of a step (the step's
 static part); the other layers name the mini-batch `group` and the R-worker reuses the block
 tables it built at layer 0. Admission (`Admit`) makes the R-worker pull the prompt's KV itself
 with the DistServe stream `PullKV` -> `KVBlock` items from whoever holds it (the S-worker in the
@@ -43,11 +43,9 @@ class Attend(Message, tag="fd.attend"):
     layer: int
     # int64 [b] sequence ids, at layer 0 only (the step appends one token to each); None at later layers
     seqs: np.ndarray | None
-    # [b, n_heads, head_dim] queries of the new tokens (after RoPE)
-    q: torch.Tensor
-    # [b, n_kv_heads, head_dim] keys (after RoPE) and values of the new tokens, appended to the cache
-    k: torch.Tensor
-    v: torch.Tensor
+    # [b, n_heads + 2 * n_kv_heads, head_dim]: each new token's queries (after RoPE), then its keys (after
+    # RoPE), then its values (appended to the cache); one tensor, so one buffer on the wire per ask
+    qkv: torch.Tensor
     # int64 [b] KV entries each sequence holds before this step, at layer 0 only (with `seqs`): the new
     # entry goes at that position, so a step repeated after an R-worker loss overwrites, never appends twice
     positions: np.ndarray | None = None
@@ -85,7 +83,6 @@ class RLoad(Message, tag="fd.load"):
     block_size: int
     # KV storage: "fp32", "fp16" or "int8"
     dtype: str
-
 
 
 class Synthetic(Message, tag="fd.synthetic"):

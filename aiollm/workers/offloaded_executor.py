@@ -19,8 +19,6 @@ import asyncio
 import itertools
 from dataclasses import dataclass
 
-import torch
-
 from aiollm.actors.node import Node
 from aiollm.actors.ref import ActorRef
 from aiollm.errors import AiollmError, KVCacheFull
@@ -120,9 +118,8 @@ class OffloadedExecutor:
         placed = [self._placed[s.request_id] for s in seqs]
         rows = [StepRow(p.sid, p.worker, s.output[-1], s.length - 1) for p, s in zip(placed, seqs)]
         pipeline = self.config.pipeline and len(rows) >= self.config.pipeline_min_batch
-        logits = await decode_step(self.model, self.workers, rows, pipeline)
-        with torch.inference_mode():
-            return runner.sample_next(seqs, logits)
+        return await decode_step(self.model, self.workers, rows, pipeline,
+                                 lambda indices, logits: runner.sample_next([seqs[i] for i in indices], logits))
 
     def free(self, seq: runner.Sequence) -> None:
         """Give back the booking and release the sequence on its R-worker (a tell sent in the background: a

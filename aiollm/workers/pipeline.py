@@ -6,9 +6,13 @@ coroutines gives the overlap for free: while half A awaits its `Attend` replies 
 computes its layer-l S-part on this thread, and the other way round. Each half's arithmetic is
 the same as without the split (rows are independent), so the tokens are the same.
 
-Within a half, rows are ordered by R-worker, so each R-worker's q/k/v are one contiguous slice
-(no gather) and the outputs are concatenated back in the same order. The pure helpers
-(`place`, `minibatches`) are tested on their own.
+Within a half, rows are ordered by R-worker, so each R-worker's q/k/v are one contiguous slice of
+one [rows, q + 2 kv heads, head_dim] tensor (one copy per layer, one buffer per ask) and each reply's
+attention output is received straight into its slice of the half's output tensor (`ask(into=)`: no
+concatenation, no allocation per layer). Each half samples its rows as soon as its logits exist, while
+the other half's last layers are still with the R-workers, and the logits are never gathered into one
+[batch, vocab] tensor (at B=256 that gather alone copied 50 MB a step). The pure helpers (`place`,
+`minibatches`) are tested on their own.
 
 A lost R-worker (its process died, its node unreachable) fails the step with `RWorkerLost` naming it,
 after the step's other work is cancelled, so the caller can re-place that worker's sequences and run
@@ -17,7 +21,7 @@ the same step again (the positions sent at layer 0 make the repeat overwrite, no
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,47 +76,62 @@ def minibatches(workers_of_rows: Sequence[int], pipeline: bool) -> list[list[int
     return [order[0::2], order[1::2]]
 
 
-async def decode_step(model: LlamaModel, workers: Sequence[ActorRef], rows: Sequence[StepRow],
-                      pipeline: bool) -> torch.Tensor:
-    """fp32 logits [len(rows), vocab] of one decode step over every row (rows in any worker order)."""
+# samples the rows `indices` (into the step's rows) from their fp32 logits [len(indices), vocab]: their tokens
+Sampler = Callable[[list[int], torch.Tensor], list[int]]
+
+
+async def decode_step(model: LlamaModel, workers: Sequence[ActorRef], rows: Sequence[StepRow], pipeline: bool,
+                      sample: Sampler) -> list[int]:
+    """One decode step over every row (rows in any worker order): the tokens `sample` chose, in row order."""
     groups = minibatches([r.worker for r in rows], pipeline)
-    parts = await _all_or_cancel([_minibatch(model, workers, [rows[i] for i in g], n) for n, g in enumerate(groups)])
-    if len(parts) == 1:
-        return parts[0][torch.argsort(torch.tensor(groups[0]))]
-    logits = torch.empty(len(rows), parts[0].shape[1], dtype=parts[0].dtype)
-    for g, part in zip(groups, parts):
-        logits[torch.tensor(g)] = part
-    return logits
+    parts = await _all_or_cancel([_minibatch(model, workers, rows, g, n, sample) for n, g in enumerate(groups)])
+    tokens = [0] * len(rows)
+    for group, part in zip(groups, parts):
+        for i, token in zip(group, part):
+            tokens[i] = token
+    return tokens
 
 
-async def _minibatch(model: LlamaModel, workers: Sequence[ActorRef], rows: Sequence[StepRow],
-                     group: int) -> torch.Tensor:
-    """Every layer of one mini-batch (rows sorted by worker): S-part here, attention on the R-workers."""
+async def _minibatch(model: LlamaModel, workers: Sequence[ActorRef], all_rows: Sequence[StepRow],
+                     indices: list[int], group: int, sample: Sampler) -> list[int]:
+    """Every layer of one mini-batch (`indices` sorted by worker): S-part here, attention on the R-workers; then
+    its tokens."""
+    rows = [all_rows[i] for i in indices]
     positions = [r.position for r in rows]
     seqs = np.array([r.seq for r in rows], dtype=np.int64)
     held = np.array(positions, dtype=np.int64)
     bounds = _worker_slices([r.worker for r in rows])
+    c = model.config
+    # the R-workers answer in bf16 when the queries are bf16, else fp32 (aiollm.workers.r_worker)
+    out_dtype = torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float32
+    attn = torch.empty(len(rows), c.n_heads, c.head_dim, dtype=out_dtype)
+    # each R-worker's reply lands in its rows of `attn`; reused by every layer (a layer's reply is asked for only
+    # after the previous layer's output was consumed)
+    into = [[attn[s].view(torch.uint8).numpy()] for _, s in bounds]
     # inference mode only around code without awaits: the other mini-batch runs in between
     with torch.inference_mode():
         rope = model.rope(positions)
         h = model.embed([r.token for r in rows])
-    for layer in range(model.config.n_layers):
+    for layer in range(c.n_layers):
         with torch.inference_mode():
             q, k, v = model.pre_attention(layer, h, positions, rope)
+            qkv = torch.cat((q, k, v), dim=1)
         replies = await _all_or_cancel([
-            _attend(workers, w, Attend(group, layer, seqs[s] if layer == 0 else None, q[s], k[s], v[s],
-                                       held[s] if layer == 0 else None))
-            for w, s in bounds])
+            _attend(workers, w, Attend(group, layer, seqs[s] if layer == 0 else None, qkv[s],
+                                       held[s] if layer == 0 else None), into[i])
+            for i, (w, s) in enumerate(bounds)])
         with torch.inference_mode():
-            attn = torch.cat([r.o for r in replies]) if len(replies) > 1 else replies[0].o
+            for reply, (_, s) in zip(replies, bounds):
+                if reply.o.data_ptr() != attn[s].data_ptr():  # an R-worker in this process: its tensor as-is
+                    attn[s].copy_(reply.o)
             h = model.post_attention(layer, h, attn)
     with torch.inference_mode():
-        return model.logits(h)
+        return sample(indices, model.logits(h))
 
 
-async def _attend(workers: Sequence[ActorRef], worker: int, msg: Attend) -> Attended:
+async def _attend(workers: Sequence[ActorRef], worker: int, msg: Attend, into: list) -> Attended:
     try:
-        return await workers[worker].ask(msg)
+        return await workers[worker].ask(msg, into=into)
     except (NodeUnreachable, ActorDied) as exc:
         raise RWorkerLost(worker, workers[worker].url, exc) from exc
 

@@ -190,16 +190,23 @@ class RWorker(Actor):
             # in pool.write/pool.attend cost ~0.5 ms of each layer's ~0.7 ms round trip at 8 rows)
             self._steps[msg.group] = (len(msg.seqs),
                                       self.store.pool.prepare_decode(*self.store.begin_step(msg.seqs, msg.positions)))
+        qkv = msg.qkv
         step = self._steps.get(msg.group)
-        if step is None or step[0] != msg.q.shape[0]:
+        if step is None or step[0] != qkv.shape[0]:
             raise ValueError(f"Attend group {msg.group} layer {msg.layer}: no step begun for these "
-                             f"{msg.q.shape[0]} rows (send seqs with layer 0)")
+                             f"{qkv.shape[0]} rows (send seqs with layer 0)")
+        kv_heads = self.store.config.n_kv_heads
+        q_heads = qkv.shape[1] - 2 * kv_heads if qkv.dim() == 3 else 0
+        if q_heads <= 0:
+            raise ValueError(f"Attend qkv: expected [rows, q heads + 2 x {kv_heads} KV heads, head_dim], got "
+                             f"{list(qkv.shape)}")
         decode = step[1]
-        decode.write(msg.layer, msg.k, msg.v)
-        q = msg.q
+        # k and v are row-strided views of qkv: the KV write takes any token stride
+        decode.write(msg.layer, qkv[:, q_heads:q_heads + kv_heads], qkv[:, q_heads + kv_heads:])
         # the kernel takes fp32 queries and writes fp32 or bf16 directly: bf16 in, bf16 back (half the bytes)
-        out = torch.empty(q.shape, dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
-        decode.attend(msg.layer, q.float(), out, n_threads=self.threads)
+        out = torch.empty((qkv.shape[0], q_heads, qkv.shape[2]),
+                          dtype=torch.bfloat16 if qkv.dtype == torch.bfloat16 else torch.float32)
+        decode.attend(msg.layer, qkv[:, :q_heads].float(), out, n_threads=self.threads)
         return Attended(out)
 
     @handler(Release)

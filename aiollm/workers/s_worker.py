@@ -401,9 +401,8 @@ class SWorker(Actor):
         held = sum(r.seq.length for r in live)
         started = time.perf_counter()
         pipeline = self.config.pipeline and len(rows) >= self.config.pipeline_min_batch
-        logits = await decode_step(self.model, self.workers, rows, pipeline)
-        with torch.inference_mode():
-            tokens = runner.sample_next([r.seq for r in live], logits)
+        tokens = await decode_step(self.model, self.workers, rows, pipeline,
+                                   lambda indices, logits: runner.sample_next([live[i].seq for i in indices], logits))
         ended = time.perf_counter()
         self._trace.append((ended - started, len(live), held, self._started_now, ended))
         self._started_now = 0

@@ -126,7 +126,7 @@ async def test_r_worker_at_budget_refuses_and_keeps_what_it_holds(tiny):
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(1, c.n_heads, c.head_dim, generator=gen)
         k = torch.randn(1, c.n_kv_heads, c.head_dim, generator=gen)
-        first = (await r.ask(Attend(0, 0, np.array([0]), q, k, k, np.array([20])))).o
+        first = (await r.ask(Attend(0, 0, np.array([0]), torch.cat((q, k, k), 1), np.array([20])))).o
         assert torch.allclose(first, _expected_o(q, k, zeros=20, copies=1), atol=1e-5)
         with pytest.raises(RemoteError) as refused:
             await r.ask(Admit(1, "b", 10, 40))
@@ -135,7 +135,7 @@ async def test_r_worker_at_budget_refuses_and_keeps_what_it_holds(tiny):
         load = await r.ask(GetRLoad())
         assert (load.sequences, load.tokens, load.blocks_used) == (1, 21, 7)
         # the held sequence still attends over exactly what it held, plus the new entry
-        second = (await r.ask(Attend(0, 0, np.array([0]), q, k, k, np.array([21])))).o
+        second = (await r.ask(Attend(0, 0, np.array([0]), torch.cat((q, k, k), 1), np.array([21])))).o
         assert torch.allclose(second, _expected_o(q, k, zeros=20, copies=2), atol=1e-5)
         await r.tell(Release([0]))
         load = await r.ask(GetRLoad())
