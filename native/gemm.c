@@ -1,11 +1,12 @@
 /* The skinny GEMM's entry points: CPU probe, weight packing, argument checks, and the split over threads.
  *
- * Threads split the panels into contiguous ranges of whole blocks (GEMM_NR panels), one range per thread,
- * so each thread knows which block comes next and prefetches it while it computes the current one. Rows
- * are walked GEMM_M_CHUNK at a time (the weights are read once per chunk; decode batches are one chunk). */
+ * Threads share out blocks (GEMM_NR panels of every row) in an order each thread can predict, so it
+ * prefetches its next block while it computes the current one. Rows are walked GEMM_M_CHUNK at a time
+ * (the weights are read once per chunk; decode batches are one chunk). */
 #include <cpuid.h>
 #include <immintrin.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <string.h>
 #include "attn_internal.h"
 #include "gemm_internal.h"
@@ -62,35 +63,54 @@ int aiollm_gemm_pack(const void *w, int64_t ldw, int32_t n, int32_t k, int32_t d
     return AIOLLM_OK;
 }
 
+/* Work units are (row chunk, block) pairs, unit u = chunk * n_blocks + block. Threads walk them in pairs
+ * from both ends of a shared range (one front to back, one back to front, claiming one unit at a time
+ * until they meet): each knows the unit it will take next and prefetches it, and a thread that starts
+ * late (the pool wakes its workers from sleep) simply takes fewer units. */
 typedef struct {
     gemm_args args;
     gemm_block_fn block;
-    int64_t n_blocks, n_ranges, block_bytes, panel_bytes;
+    int64_t n_blocks, n_units, block_bytes, panel_bytes;
+    int32_t n_walkers;
+    _Atomic uint64_t ends[AIOLLM_MAX_THREADS / 2 + 1]; /* per range: next front unit (low 32 bits), end (high) */
 } gemm_job;
 
-/* Range `item`: blocks [b0, b1) of every row chunk; the block after each is prefetched while it runs. */
-static void gemm_task(void *ctx, int64_t item, int thread) {
-    const gemm_job *j = (const gemm_job *)ctx;
+/* Claim the next unit of range r from the front (or the back); -1 when the walkers have met. */
+static int64_t claim(gemm_job *j, int64_t r, int back) {
+    uint64_t v = atomic_load(&j->ends[r]);
+    for (;;) {
+        const uint32_t lo = (uint32_t)v, hi = (uint32_t)(v >> 32);
+        if (lo >= hi) return -1;
+        const uint64_t next = back ? ((uint64_t)(hi - 1) << 32) | lo : ((uint64_t)hi << 32) | (lo + 1);
+        if (atomic_compare_exchange_weak(&j->ends[r], &v, next)) return back ? hi - 1 : lo;
+    }
+}
+
+static void run_unit(const gemm_job *j, int64_t u, int64_t next) {
     const gemm_args *a = &j->args;
-    const int64_t b0 = item * j->n_blocks / j->n_ranges, b1 = (item + 1) * j->n_blocks / j->n_ranges;
-    const char *w = (const char *)a->w;
+    const int64_t b = u % j->n_blocks, m0 = u / j->n_blocks * GEMM_M_CHUNK;
+    const int64_t m1 = a->m - m0 < GEMM_M_CHUNK ? a->m : m0 + GEMM_M_CHUNK;
+    const int32_t p0 = (int32_t)(b * GEMM_NR), np = a->n_panels - p0 < GEMM_NR ? a->n_panels - p0 : GEMM_NR;
+    const char *pf = NULL;
+    int64_t pf_lines = 0;
+    if (next >= 0 && next < j->n_units) {
+        const int64_t nb = next % j->n_blocks;
+        const int64_t np_next = a->n_panels - nb * GEMM_NR < GEMM_NR ? a->n_panels - nb * GEMM_NR : GEMM_NR;
+        pf = (const char *)a->w + nb * j->block_bytes;
+        pf_lines = np_next * j->panel_bytes / 64;
+    }
+    j->block(a, m0, m1, p0, np, pf, pf_lines);
+}
+
+/* Walker `item`: range item / 2, from the front if item is even, else from the back. */
+static void gemm_task(void *ctx, int64_t item, int thread) {
+    gemm_job *j = (gemm_job *)ctx;
+    const int back = (int)(item & 1);
     (void)thread;
-    for (int64_t m0 = 0; m0 < a->m; m0 += GEMM_M_CHUNK) {
-        const int64_t m1 = a->m - m0 < GEMM_M_CHUNK ? a->m : m0 + GEMM_M_CHUNK;
-        const int last_chunk = m1 == a->m;
-        for (int64_t b = b0; b < b1; b++) {
-            const int32_t p0 = (int32_t)(b * GEMM_NR);
-            const int32_t np = a->n_panels - p0 < GEMM_NR ? a->n_panels - p0 : GEMM_NR;
-            /* next block of this range (or its first again for the next row chunk) */
-            const int64_t nb = b + 1 < b1 ? b + 1 : (last_chunk ? -1 : b0);
-            const char *pf = nb < 0 ? NULL : w + nb * j->block_bytes;
-            int64_t pf_lines = 0;
-            if (nb >= 0) {
-                const int64_t np_next = a->n_panels - nb * GEMM_NR < GEMM_NR ? a->n_panels - nb * GEMM_NR : GEMM_NR;
-                pf_lines = np_next * j->panel_bytes / 64;
-            }
-            j->block(a, m0, m1, p0, np, pf, pf_lines);
-        }
+    for (int64_t u = claim(j, item / 2, back); u >= 0;) {
+        const int64_t next = claim(j, item / 2, back); /* claimed now, so it can be prefetched during u */
+        run_unit(j, u, next);
+        u = next;
     }
 }
 
@@ -110,8 +130,14 @@ int aiollm_gemm(const void *x, int64_t ldx, int32_t m, const void *packed, int32
     };
     job.block_bytes = job.panel_bytes * GEMM_NR;
     job.n_blocks = (job.args.n_panels + GEMM_NR - 1) / GEMM_NR;
+    job.n_units = job.n_blocks * (((int64_t)m + GEMM_M_CHUNK - 1) / GEMM_M_CHUNK);
     if (n_threads < 1) n_threads = 1;
-    job.n_ranges = n_threads < job.n_blocks ? n_threads : job.n_blocks;
-    pool_run((int)job.n_ranges, job.n_ranges, gemm_task, &job);
+    if (n_threads > AIOLLM_MAX_THREADS) n_threads = AIOLLM_MAX_THREADS;
+    const int64_t walkers = n_threads < job.n_units ? n_threads : job.n_units, ranges = (walkers + 1) / 2;
+    for (int64_t r = 0; r < ranges; r++) {
+        const uint64_t lo = (uint64_t)(r * job.n_units / ranges), hi = (uint64_t)((r + 1) * job.n_units / ranges);
+        atomic_init(&job.ends[r], (hi << 32) | lo);
+    }
+    pool_run((int)walkers, walkers, gemm_task, &job);
     return AIOLLM_OK;
 }
