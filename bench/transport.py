@@ -9,8 +9,9 @@ Second table, the actor-level ask against its limits (bench.transport_ask): raw 
 floor (an 8-byte echo from protocol callbacks, one task wake-up), our tcp transport's push echo and
 the ask, alternated in several rounds within one run (medians reported, so a drifting machine hits
 all alike), with the CPU time per round trip of each process; the row-to-row differences are what
-each layer costs. Round trips are reported unpinned and with the processes pinned to one CPU: on
-these VMs a wake-up across vCPUs is a large part of a small round trip.
+each layer costs. Round trips are reported unpinned, with the processes pinned to one CPU, and split
+over two CPUs: on these VMs a wake-up across vCPUs is a large part of a small round trip, and unpinned
+the scheduler decides per process pair whether there is one (raw sockets: ~9 vs ~20 µs).
 Run it as `flock /tmp/aiollm-bench.lock python -m bench transport [--quick] [--json PATH]`.
 """
 from __future__ import annotations
@@ -143,8 +144,10 @@ def _add_ask(figures: dict, quick: bool, rounds: int | None) -> list[dict]:
     """The actor-level ask beside raw sockets, measured interleaved by the actor runtime's bench module.
 
     Returns the table rows: per kind of round trip (raw, uvloop floor, tcp push echo, ask) the
-    median over rounds of p50 and p99, unpinned and pinned, and the CPU time per round trip of
-    each process; the differences between rows are what each layer adds.
+    median over rounds of p50 and p99 unpinned, pinned (every process on one CPU) and split (client
+    and servers on two CPUs: every round trip crosses vCPUs), and the CPU time per round trip of each
+    process; the differences between rows are what each layer adds. Unpinned, the scheduler decides
+    whether a round trip crosses vCPUs, which alone moves raw sockets between ~9 and ~20 µs here.
     """
     try:
         from bench.transport_ask import (
@@ -159,18 +162,21 @@ def _add_ask(figures: dict, quick: bool, rounds: int | None) -> list[dict]:
         return []
     rounds = rounds or (3 if quick else 7)
     iterations = 1000 if quick else 2000
-    unpinned = measure_interleaved(False, rounds, iterations)
-    pinned = measure_interleaved(True, rounds, iterations)
-    raw, raw_pinned = unpinned["raw"]["p50_us"], pinned["raw"]["p50_us"]
+    unpinned = measure_interleaved("unpinned", rounds, iterations)
+    pinned = measure_interleaved("pinned", rounds, iterations)
+    split = measure_interleaved("split", rounds, iterations)
+    raw, raw_pinned, raw_split = unpinned["raw"]["p50_us"], pinned["raw"]["p50_us"], split["raw"]["p50_us"]
     rows = []
     for kind in KINDS:
-        u, p = unpinned[kind], pinned[kind]
+        u, p, x = unpinned[kind], pinned[kind], split[kind]
         rows.append({"round trip": kind, "p50_us": u["p50_us"], "p99_us": u["p99_us"], "x_raw": u["p50_us"] / raw,
                      "cpu_us_client": u["client_cpu_us"], "cpu_us_server": u["server_cpu_us"],
                      "pinned_p50_us": p["p50_us"], "pinned_x_raw": p["p50_us"] / raw_pinned,
-                     "pinned_cpu_us_client": p["client_cpu_us"], "pinned_cpu_us_server": p["server_cpu_us"]})
+                     "pinned_cpu_us": p["client_cpu_us"] + p["server_cpu_us"],
+                     "split_p50_us": x["p50_us"], "split_x_raw": x["p50_us"] / raw_split})
         figures[f"interleaved_{kind}_rtt_p50_us"] = u["p50_us"]
         figures[f"interleaved_{kind}_rtt_pinned_us"] = p["p50_us"]
+        figures[f"interleaved_{kind}_rtt_split_us"] = x["p50_us"]
     ask, ask_pinned = unpinned["ask"], pinned["ask"]
     figures.update({
         "rtt_rounds": rounds, "rtt_round_iterations": iterations,
@@ -181,10 +187,12 @@ def _add_ask(figures: dict, quick: bool, rounds: int | None) -> list[dict]:
         "uvloop_floor_rtt_pinned_us": pinned["uvloop_floor"]["p50_us"],
         "ratio_ask_rtt_vs_raw": ask["p50_us"] / raw,
         "ratio_ask_rtt_vs_raw_pinned": ask_pinned["p50_us"] / raw_pinned,
+        "ratio_ask_rtt_vs_raw_split": split["ask"]["p50_us"] / raw_split,
         "ratio_uvloop_floor_vs_raw": unpinned["uvloop_floor"]["p50_us"] / raw,
         "ratio_tcp_push_vs_raw": unpinned["tcp_push"]["p50_us"] / raw,
         "ask_vs_raw_per_round": unpinned["ask_vs_raw_per_round"],
         "ask_vs_raw_per_round_pinned": pinned["ask_vs_raw_per_round"],
+        "ask_vs_raw_per_round_split": split["ask_vs_raw_per_round"],
     })
     breakdown = measure_ask_breakdown(iterations)
     figures.update({"ask_one_process_us": breakdown["one_process_us"], "ask_codec_us": breakdown["codec_us"]})
@@ -193,7 +201,9 @@ def _add_ask(figures: dict, quick: bool, rounds: int | None) -> list[dict]:
           f"{raw:.1f} + event loop {floor - raw:+.1f} (uvloop floor: echo from the receive callback, one task "
           f"wake-up) + framing {push - floor:+.1f} (tcp push echo) + actor runtime {ask['p50_us'] - push:+.1f}; "
           f"{ask['p50_us'] / raw:.2f}x raw (per round: {unpinned['ask_vs_raw_per_round']}); the floor alone is "
-          f"{floor / raw:.2f}x raw. CPU per ask {ask['client_cpu_us']:.1f} us asking + {ask['server_cpu_us']:.1f} us "
+          f"{floor / raw:.2f}x raw; split over two CPUs {split['ask']['p50_us']:.1f} us vs raw {raw_split:.1f} "
+          f"({split['ask']['p50_us'] / raw_split:.2f}x), pinned {ask_pinned['p50_us']:.1f} vs {raw_pinned:.1f} "
+          f"({ask_pinned['p50_us'] / raw_pinned:.2f}x). CPU per ask {ask['client_cpu_us']:.1f} us asking + {ask['server_cpu_us']:.1f} us "
           f"answering (floor {unpinned['uvloop_floor']['client_cpu_us']:.1f} + "
           f"{unpinned['uvloop_floor']['server_cpu_us']:.1f}); the same ask in one process "
           f"{breakdown['one_process_us']:.1f} us (codec {breakdown['codec_us']:.1f} us of it)")

@@ -37,30 +37,46 @@ WARMUP = transport_peers.WARMUP
 KINDS = ("raw", "uvloop_floor", "tcp_push", "ask")
 
 
-def measure_interleaved(pinned: bool, rounds: int, iterations: int) -> dict:
+# Where `measure_interleaved` runs the processes: wherever the scheduler puts them, all on one CPU, or
+# this process on one CPU and every server on another (every round trip then crosses vCPUs).
+PLACEMENTS = ("unpinned", "pinned", "split")
+
+
+def measure_interleaved(placement: str, rounds: int, iterations: int) -> dict:
     """Round trips of every kind in KINDS, alternated in `rounds` rounds (the order rotates each round).
 
     Every kind runs between this process and a server process on 127.0.0.1 with TCP_NODELAY on both
     ends; the server processes and the echo node are started once and stay up, so a drift of the
     machine (another tenant, CPU frequency) hits every kind alike. Per kind: the median over rounds of
     each round's p50 and p99, and the CPU time (user + system, from /proc/PID/schedstat, in ns) that
-    this process and the server process spent per round trip. `pinned`: every process on one CPU.
-    Runs its own event loop (uvloop), so call it from synchronous code.
+    this process and the server process spent per round trip. `placement`: one of PLACEMENTS
+    (unpinned, the scheduler may or may not put the two ends of a round trip on one vCPU; that
+    choice alone moves raw sockets between ~9 and ~20 µs here). Runs its own event loop (uvloop),
+    so call it from synchronous code.
     """
     if rounds <= 0 or iterations <= 0:
         raise ValueError(f"rounds and iterations must be > 0, got {rounds} and {iterations}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     original = os.sched_getaffinity(0)
-    if pinned:
-        os.sched_setaffinity(0, {min(original)})  # inherited by every server process started below
+    cpus = sorted(original)
+    mine = None
+    if placement == "pinned":
+        os.sched_setaffinity(0, {cpus[0]})  # inherited by every server process started below
+    elif placement == "split":
+        if len(cpus) < 2:
+            raise ValueError("placement 'split' needs two CPUs")
+        os.sched_setaffinity(0, {cpus[1]})  # the servers' CPU; this process moves to cpus[0] once they run
+        mine = {cpus[0]}
     plan = [["rtt", iterations]] * rounds
     try:
         with contextlib.ExitStack() as stack:
             servers = {kind: stack.enter_context(transport_peers.peer_process(kind, plan))
                        for kind in ("raw", "uvloop_floor", "tcp")}
-            per_round = uvloop.run(_interleaved(servers, rounds, iterations))
+            per_round = uvloop.run(_interleaved(servers, rounds, iterations, mine))
     finally:
         os.sched_setaffinity(0, original)
-    figures: dict = {"pinned": pinned, "rounds": rounds, "iterations": iterations}
+    figures: dict = {"placement": placement, "rounds": rounds, "iterations": iterations}
     for kind in KINDS:
         runs = per_round[kind]
         figures[kind] = {key: float(np.median([run[key] for run in runs])) for key in runs[0]}
@@ -70,9 +86,11 @@ def measure_interleaved(pinned: bool, rounds: int, iterations: int) -> dict:
     return figures
 
 
-async def _interleaved(servers: dict, rounds: int, iterations: int) -> dict[str, list[dict]]:
+async def _interleaved(servers: dict, rounds: int, iterations: int, mine: set[int] | None) -> dict[str, list[dict]]:
     async with Graph() as graph:
         node = await graph.start_node("echo", process=True)
+        if mine is not None:
+            os.sched_setaffinity(0, mine)
         echo = graph.ref(node.actors["echo"])
         sock = transport_peers.connect_raw(servers["raw"][1])
         floor = await transport_peers.FloorClient.connect(servers["uvloop_floor"][1])
@@ -186,10 +204,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.transport_ask", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=2000)
-    parser.add_argument("--pinned", action="store_true", help="only the pinned run")
+    parser.add_argument("--placement", choices=PLACEMENTS, action="append",
+                        help="where the processes run (repeatable; default: all three)")
     args = parser.parse_args()
-    for pinned in (True,) if args.pinned else (False, True):
-        print(json.dumps(measure_interleaved(pinned, args.rounds, args.iterations)))
+    for placement in args.placement or PLACEMENTS:
+        print(json.dumps(measure_interleaved(placement, args.rounds, args.iterations)))
     print(json.dumps(measure_ask_breakdown(args.iterations)))
 
 
