@@ -208,7 +208,7 @@ class Codec:
             env = self._frame_decoder.decode(header)
             if env.v == PROTOCOL_VERSION:
                 return env
-        except Exception:  # noqa: BLE001 (whatever failed, the two steps below say what it was)
+        except Exception:  # noqa: BLE001, S110 (whatever failed, the two steps below say what it was)
             pass
         finally:
             self._rx = ()
