@@ -138,6 +138,6 @@ int aiollm_gemm(const void *x, int64_t ldx, int32_t m, const void *packed, int32
         const uint64_t lo = (uint64_t)(r * job.n_units / ranges), hi = (uint64_t)((r + 1) * job.n_units / ranges);
         atomic_init(&job.ends[r], (hi << 32) | lo);
     }
-    pool_run((int)walkers, walkers, gemm_task, &job);
+    gemm_run((int)walkers, walkers, gemm_task, &job);
     return AIOLLM_OK;
 }

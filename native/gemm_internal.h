@@ -42,4 +42,10 @@ void gemm_block_bf16_amx(const gemm_args *a, int64_t m0, int64_t m1, int32_t p0,
                          int64_t pf_lines);
 int gemm_amx_enable(void);
 
+/* Run fn(ctx, item, thread) for items [0, n_items) on n_threads threads: torch's OpenMP team if the process
+ * has loaded one, else the library's pool (gemm_team.c); gemm_uses_team says which. */
+typedef void (*pool_task_fn)(void *ctx, int64_t item, int thread);
+void gemm_run(int n_threads, int64_t n_items, pool_task_fn fn, void *ctx);
+int gemm_uses_team(void);
+
 #endif

@@ -1,4 +1,8 @@
 """The native skinny GEMM (aiollm.model.gemm) against a float64 reference, on awkward shapes."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -111,3 +115,17 @@ def test_linear_uses_the_native_kernel_and_agrees_with_dense(dtype):
     assert isinstance(packed, gemm.PackedWeight) and packed.shape == w.shape and packed.dtype == dtype
     _check(linear(x, packed), _reference(x, w, None), dtype)
     _check(linear_add(x, packed, r), _reference(x, w, r), dtype)
+
+
+def test_library_pool_path_gives_the_same_bits_as_torchs_openmp_team():
+    """GEMMs run on torch's OpenMP team when torch's libgomp is loaded; AIOLLM_GEMM_POOL=1 (read once per process)
+    keeps them on the library's own pool. Both must give the same result."""
+    script = ("import torch\nfrom aiollm.model import gemm\ng = torch.Generator().manual_seed(5)\n"
+              "w, x = torch.randn(300, 64, generator=g), torch.randn(40, 64, generator=g)\n"
+              "y = gemm.gemm(x, gemm.PackedWeight(w), n_threads=2)\n"
+              "print(float((y.double() - x.double() @ w.double().T).abs().max()), y.sum().item().hex())\n")
+    outs = [subprocess.run([sys.executable, "-c", script], env={**os.environ, "AIOLLM_GEMM_POOL": pool},
+                           capture_output=True, text=True, check=True, timeout=120).stdout.split()
+            for pool in ("0", "1")]
+    assert outs[0][1] == outs[1][1]
+    assert float(outs[0][0]) < 1e-3
