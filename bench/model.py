@@ -92,9 +92,10 @@ def gemm_rows(model, batches: list[int]) -> list[dict]:
             for name, packed in kinds.items():
                 n, k = packed[0].shape
                 x = torch.randn(b, k, dtype=model.dtype)
-                ours = min(_timed(lambda: [gemm(x, p) for p in packed], 0.0, 1) for _ in range(3))
-                theirs = min(_timed(lambda: [torch.ops.mkldnn._linear_pointwise(x, d, None, "none", [], "")
-                                             for d in onednn[name]], 0.0, 1) for _ in range(3))
+                ours = min(_timed(lambda x=x, ws=packed: [gemm(x, p) for p in ws], 0.0, 1) for _ in range(3))
+                theirs = min(_timed(lambda x=x, ws=onednn[name]: [
+                    torch.ops.mkldnn._linear_pointwise(x, d, None, "none", [], "") for d in ws], 0.0, 1)
+                    for _ in range(3))
                 gbytes = len(packed) * n * k * x.element_size() / 1e9
                 gflop = len(packed) * 2 * b * n * k / 1e9
                 rows.append({"shape": f"{name} {n}x{k}", "batch": b, "ours_ms": 1e3 * ours, "onednn_ms": 1e3 * theirs,
