@@ -51,37 +51,37 @@ def _best(fn, reps: int) -> float:
     return min(times)
 
 
-def _cache(batch: int, ctx: int, n_kv: int, d: int, dtype: str, shuffled: bool):
+def _cache(batch: int, ctx: int, n_kv: int, d: int, dtype: str):
     n_blocks = batch * ctx // BLOCK
     storage = {"fp16": np.float16, "int8": np.int8}[dtype]
     fill = 1 if dtype == "int8" else 0.01
     k = np.full((n_blocks, n_kv, d, BLOCK), fill, storage)
     v = np.full((n_blocks, n_kv, BLOCK, d), fill, storage)
     scales = np.full((n_blocks, n_kv, BLOCK), 0.01, np.float32) if dtype == "int8" else None
-    ids = np.arange(n_blocks, dtype=np.int32)
-    if shuffled:
-        ids = np.random.default_rng(0).permutation(ids).astype(np.int32)
-    return k, v, scales, ids.reshape(batch, ctx // BLOCK)
+    return k, v, scales, np.arange(n_blocks, dtype=np.int32).reshape(batch, ctx // BLOCK)
 
 
-def paired(fn, nbytes: int, read, rounds: int) -> tuple[float, float]:
-    """(GB/s of fn, GB/s of read) measured the same way, interleaved: each round times one read of the 1 GiB
-    array, then back-to-back calls of fn covering as many bytes; the best round of each. The two see the same
-    machine state (this VM's memory bandwidth drifts by 2x while other tenants run), and both are timed over a
-    ~1 GiB window with the per-call Python overhead inside, so the ratio compares like with like."""
-    calls = max(1, -(-read.nbytes // nbytes))
+def paired(kernels, read, rounds: int) -> tuple[list[float], float]:
+    """([GB/s of each kernel], GB/s of read), measured the same way and interleaved: each round times one read
+    of the 1 GiB array, then for each (fn, nbytes) in kernels back-to-back calls of fn covering as many bytes;
+    the best round of each. All see the same machine state (this VM's memory bandwidth drifts by up to 2x within
+    minutes while other tenants run), and all are timed over a ~1 GiB window with the per-call Python overhead
+    inside, so their ratios compare like with like."""
     read.fn()
-    fn()  # warm-up: page faults, thread start-up
-    kern, ref = [], []
+    for fn, _ in kernels:
+        fn()  # warm-up: page faults, thread start-up
+    kern, ref = [[] for _ in kernels], []
     for _ in range(rounds):
         t0 = time.perf_counter()
         read.fn()
         ref.append(read.nbytes / (time.perf_counter() - t0) / 1e9)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        kern.append(calls * nbytes / (time.perf_counter() - t0) / 1e9)
-    return max(kern), max(ref)
+        for (fn, nbytes), got in zip(kernels, kern):
+            calls = max(1, -(-read.nbytes // nbytes))
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            got.append(calls * nbytes / (time.perf_counter() - t0) / 1e9)
+    return [max(g) for g in kern], max(ref)
 
 
 class Reader:
@@ -94,18 +94,32 @@ class Reader:
         self.fn = lambda: attention.read_sum(buf, n_threads)
 
 
-def kernel(batch, ctx, n_q, n_kv, d, dtype, n_threads, read, rounds, shuffled=False) -> tuple[float, float, float]:
-    """(KV GB/s, tokens/s, read GB/s measured alongside) of decode_attention over one layer."""
+def kernel(k, v, scales, tables, q, n_threads: int):
+    """(fn, KV bytes read) of one decode_attention call over one layer."""
     from aiollm.kv import attention
 
-    k, v, scales, tables = _cache(batch, ctx, n_kv, d, dtype, shuffled)
-    q = np.random.default_rng(1).standard_normal((batch, n_q, d)).astype(np.float32)
-    lens = np.full(batch, ctx, np.int32)
+    lens = np.full(q.shape[0], tables.shape[1] * BLOCK, np.int32)
     out = np.empty_like(q)
     nbytes = k.nbytes + v.nbytes + (2 * scales.nbytes if scales is not None else 0)
-    gbs, read_gbs = paired(lambda: attention.decode_attention(k, v, q, tables, lens, k_scale=scales, v_scale=scales,
-                                                              out=out, n_threads=n_threads), nbytes, read, rounds)
-    return gbs, gbs * 1e9 / nbytes * batch, read_gbs
+    return (lambda: attention.decode_attention(k, v, q, tables, lens, k_scale=scales, v_scale=scales, out=out,
+                                               n_threads=n_threads)), nbytes
+
+
+def kernel_figures(row: dict, shape: tuple, n_threads: int, read1, readn, rounds: int) -> None:
+    """fp16 on 1 thread beside the 1-thread read; fp16 (contiguous and shuffled tables) and int8 on n_threads
+    interleaved with each other and the n-thread read (int8 vs fp16 is then a ratio under the same conditions)."""
+    batch, ctx, n_q, n_kv, d = shape
+    k, v, _, tables = _cache(batch, ctx, n_kv, d, "fp16")
+    shuffled = np.random.default_rng(0).permutation(tables.size).astype(np.int32).reshape(tables.shape)
+    k8, v8, scales, _ = _cache(batch, ctx, n_kv, d, "int8")
+    q = np.random.default_rng(1).standard_normal((batch, n_q, d)).astype(np.float32)
+    (row["fp16_1t_gbs"],), row["read_1t_gbs"] = paired([kernel(k, v, None, tables, q, 1)], read1, rounds)
+    fp16 = kernel(k, v, None, tables, q, n_threads)
+    int8 = kernel(k8, v8, scales, tables, q, n_threads)
+    (row["fp16_gbs"], row["fp16_shuf_gbs"], int8_gbs), row["read_gbs"] = paired(
+        [fp16, kernel(k, v, None, shuffled, q, n_threads), int8], readn, rounds)
+    row["fp16_tok_s"] = row["fp16_gbs"] * 1e9 / fp16[1] * batch
+    row["int8_tok_s"] = int8_gbs * 1e9 / int8[1] * batch
 
 
 def sdpa(batch, ctx, n_q, n_kv, d, dtype, n_threads, reps) -> float:
@@ -136,7 +150,7 @@ def torch_interaction(n_threads: int, reps: int) -> dict:
 
     from aiollm.kv import attention
 
-    k, v, _, tables = _cache(64, 1024, 3, 64, "fp16", False)
+    k, v, _, tables = _cache(64, 1024, 3, 64, "fp16")
     q = np.random.default_rng(1).standard_normal((64, 9, 64)).astype(np.float32)
     lens = np.full(64, 1024, np.int32)
     a = torch.randn(512, 2048)
@@ -201,17 +215,14 @@ def run(args) -> dict:
         row = {"shape": name, "batch": batch, "ctx": ctx, "run_batch": run_batch,
                "kv_mib": round(run_batch * per_seq / 2**20)}
         s = (run_batch, ctx, n_q, n_kv, d)
-        row["fp16_1t_gbs"], _, row["read_1t_gbs"] = kernel(*s, "fp16", 1, read1, rounds)
-        row["fp16_gbs"], row["fp16_tok_s"], row["read_gbs"] = kernel(*s, "fp16", nt, readn, rounds)
-        row["fp16_shuf_gbs"], _, row["read_shuf_gbs"] = kernel(*s, "fp16", nt, readn, rounds, shuffled=True)
-        _, row["int8_tok_s"], _ = kernel(*s, "int8", nt, readn, rounds)
+        kernel_figures(row, s, nt, read1, readn, rounds)
         gc.collect()
         row["sdpa_bf16_tok_s"] = sdpa(*s, "bf16", nt, reps)
         row["sdpa_fp32_tok_s"] = sdpa(*s, "fp32", nt, reps)
         gc.collect()
         row["pct_read_1t"] = 100 * row["fp16_1t_gbs"] / row["read_1t_gbs"]
         row["pct_read"] = 100 * row["fp16_gbs"] / row["read_gbs"]
-        row["pct_read_shuf"] = 100 * row["fp16_shuf_gbs"] / row["read_shuf_gbs"]
+        row["pct_read_shuf"] = 100 * row["fp16_shuf_gbs"] / row["read_gbs"]
         row["x_sdpa_bf16"] = row["fp16_tok_s"] / row["sdpa_bf16_tok_s"]
         row["x_sdpa_fp32"] = row["fp16_tok_s"] / row["sdpa_fp32_tok_s"]
         row["int8_x_fp16"] = row["int8_tok_s"] / row["fp16_tok_s"]
