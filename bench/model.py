@@ -3,7 +3,8 @@
 T(B) is one decode step's S-part over all layers for a batch of B tokens (embedding, every layer's
 norms, projections and MLP, final norm and logits; attention left out): the curve the FastDecode
 planner sizes the S-worker batch with. Decode compares the colocated engine (paged KV pool, native
-attention) with transformers' `generate` on the same GGUF, same batch, same dtype, same prompts
+attention; KV fp32 for fp32 weights, fp16 for bf16 ones, as transformers' cache follows the model dtype)
+with transformers' `generate` on the same GGUF, same batch, same dtype, same prompts
 (equal lengths, so transformers needs no padding), 128 new tokens each, prefill included in both, in the
 same process with the same torch threads.
 
@@ -146,14 +147,16 @@ def prefill(model, hf, lengths: list[int]) -> list[dict]:
 
 def decode(model, hf, batches: list[int], new_tokens: int, prompt: list[int]) -> list[dict]:
     rows = []
-    engine = ColocatedEngine(model, kv_dtype="fp32", n_blocks=max(batches) * ((len(prompt) + new_tokens) // 16 + 2))
+    # KV in 16 bits for a bf16 model, as transformers keeps its cache in the model dtype (fp32 KV read 2x the bytes)
+    kv_dtype = "fp32" if model.dtype == torch.float32 else "fp16"
+    engine = ColocatedEngine(model, kv_dtype=kv_dtype, n_blocks=max(batches) * ((len(prompt) + new_tokens) // 16 + 2))
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     for b in batches:
         started = time.perf_counter()
         engine.generate([prompt] * b, params)
         ours = time.perf_counter() - started
-        row = {"batch": b, "new_tokens": new_tokens, "tokens_per_s": b * new_tokens / ours,
+        row = {"batch": b, "new_tokens": new_tokens, "kv_dtype": kv_dtype, "tokens_per_s": b * new_tokens / ours,
                "gemm_floor_tokens_per_s": b / gemm_floor(model, b)}
         if hf is not None:
             ids = torch.tensor([prompt] * b)
