@@ -23,7 +23,9 @@ def isa(request, isa_forced):
 
 
 def tol(dtype):
-    return dict(rtol=F32_RTOL, atol=F32_ATOL) if dtype == torch.float32 else dict(rtol=BF16_RTOL, atol=BF16_ATOL)
+    if dtype == torch.float32:
+        return {"rtol": F32_RTOL, "atol": F32_ATOL}
+    return {"rtol": BF16_RTOL, "atol": BF16_ATOL}
 
 
 def rand(*shape, dtype=torch.float32, scale=1.0, seed=0):
