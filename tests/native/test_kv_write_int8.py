@@ -1,0 +1,44 @@
+"""int8 kv_write bit for bit: the SSE2 quantiser (head_dim a multiple of 16) and the portable one (any other
+head_dim) store exactly what the definition gives — round(clamp(x * 127 / max|x|, -127, 127)), ties to even, a
+NaN element as -127, scale max|x| / 127 ignoring NaNs — for ordinary, zero, tiny, huge, inf and NaN rows."""
+import numpy as np
+import pytest
+
+from aiollm.kv.pool import KVConfig, KVPool
+
+
+def _expected(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, scale) of rows x [..., D] (float32) by the definition, in float32 arithmetic."""
+    mag = np.abs(x)
+    amax = np.where(np.isnan(mag), np.float32(0), mag).max(axis=-1, keepdims=True).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        y = (x * inv).astype(np.float32)
+    y = np.where(np.isnan(y), np.float32(-127), np.clip(y, -127, 127))
+    return np.rint(y).astype(np.int8), (amax[..., 0] / np.float32(127)).astype(np.float32)
+
+
+@pytest.mark.parametrize("head_dim", [64, 16, 24, 5])
+def test_int8_codes_and_scales_equal_the_definition(head_dim):
+    rng = np.random.default_rng(head_dim)
+    n, heads = 40, 3
+    x = (rng.standard_normal((n, heads, head_dim)) * rng.uniform(1e-3, 1e3, (n, heads, 1))).astype(np.float32)
+    x[0, 0, 1] = np.nan
+    x[1, 1] = 0
+    x[2, 2, 0] = np.inf
+    x[3, 0] = -1e-30
+    x[4, 1, -1] = -np.inf
+    x[5, 2] = 3e38
+    x[6, 0] = np.nan
+    x[7, 1, :] = 2.5  # with max|x| = 127 the codes are x itself: ties round to even (2, 0, -2), not away
+    x[7, 1, :3] = [127.0, 0.5, -1.5]
+    v = x[::-1].copy()
+    pool = KVPool(KVConfig(n_layers=1, n_blocks=8, n_kv_heads=heads, head_dim=head_dim, dtype="int8"))
+    slots = rng.permutation(8 * 16)[:n].astype(np.int64)
+    pool.write(0, slots, x, v)
+    b, o = slots // 16, slots % 16
+    for want_x, codes, scales in ((x, pool.k[0][b, :, :, o], pool.k_scale[0][b, :, o]),
+                                  (v, pool.v[0][b, :, o, :], pool.v_scale[0][b, :, o])):
+        want_codes, want_scales = _expected(want_x)
+        np.testing.assert_array_equal(codes, want_codes)
+        np.testing.assert_array_equal(scales.view(np.uint32), want_scales.view(np.uint32))
