@@ -4,7 +4,10 @@ What it runs, in one process tree on this machine (SmolLM2-135M, bf16 weights, f
 - tokens/s of decode steps at context S (default 1024) for B = 16, 64, 256, 512 with one and two R-worker
   processes. The sequences start with placeholder contexts spread evenly over [16, S) (the steady state the
   load-stabilising schedule keeps), so a step's attention covers ~B*S/2 entries without first generating
-  them; the S-worker runs in this process (one torch thread), the R-workers in their own.
+  them; the S-worker runs in this process (one torch thread), the R-workers in their own. At B >= 256 also
+  time-shared rows: no pipeline and the S-part on every core, so the S-part and the attention each have the
+  whole machine in turn instead of three processes competing for it (on these 2 vCPUs work slows by 30-50 %
+  when all run at once).
 - beside it transformers `generate` at its best batch and dtype and the colocated `generate()` engine,
   both decoding from prompts of S/2 tokens (the same mean context), prefill excluded from their rate, each
   at its best of 1 and all torch threads.
@@ -95,9 +98,9 @@ def run(args) -> dict:
     os.environ["OMP_WAIT_POLICY"] = "passive"
     torch.set_num_threads(1)
     kv_attention.set_num_threads(1)
-    print(f"context: {cores} cores shared by the S-worker (this process, 1 torch thread) and the R-worker "
-          f"processes (1 attention thread each, OMP_WAIT_POLICY=passive); baselines at their best of 1 and "
-          f"{cores} torch threads")
+    print(f"context: {cores} cores shared by the S-worker (this process, 1 torch thread, or {cores} in the "
+          f"time-shared rows) and the R-worker processes (1 attention thread each, OMP_WAIT_POLICY=passive); "
+          f"baselines at their best of 1 and {cores} torch threads")
     model = load(MODEL, dtype="bf16")
     figures: dict = {"cores": cores, "seq_len": seq_len, "quick": quick}
     for part in parts:
@@ -124,11 +127,15 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
     """Sizing inputs, tokens/s per (P, B, KV dtype), the pipeline and thread-policy effects, predicted steps."""
     sizes = {max(1, b // 2) for b in batches} | {max(1, b // 4) for b in batches}
     curve = _t_of_b(model, sorted({1, *batches, *sizes}))
+    torch.set_num_threads(cores)  # T(B) of the time-shared rows' S-part, on every core
+    curve_shared = _t_of_b(model, sorted({1, *batches}))
+    torch.set_num_threads(1)
     r_of = {"fp16": _measure_r(model, seq_len), "int8": _measure_r(model, seq_len, "int8")}
     c_eff = _effective_cores(cores)
     print(f"\n-- effective cores: {c_eff:.2f} of {cores} (a fixed single-threaded job in {cores} processes at once "
           f"vs alone; other users of this machine lower it)")
-    figures.update(t_of_b={str(b): t for b, t in curve.items()}, r_per_token_s=r_of["fp16"],
+    figures.update(t_of_b={str(b): t for b, t in curve.items()},
+                   t_of_b_all_cores={str(b): t for b, t in curve_shared.items()}, r_per_token_s=r_of["fp16"],
                    r_per_token_int8_s=r_of["int8"], effective_cores=c_eff)
     check_batch = max([b for b in batches if b <= 256] or batches[:1])
     rows, off, trips, ramp, r_situ = uvloop.run(_throughput(model, batches, seq_len, check_batch, curve, r_of,
@@ -145,23 +152,27 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
     figures.update(sizing_batch=sizing.batch, sizing_workers=sizing.workers)
     # every row's step predicted from the inputs measured above (no fitting to the measured steps)
     for row in rows + [off]:
-        p = predict_step(curve, r_of[row["kv"]], trips[row["r_workers"]], model.config.n_layers, row["batch"],
-                         row["kv_tokens"],
-                         row["r_workers"], row["pipelined"], c_eff)
+        p = predict_step(curve if row["s_threads"] == 1 else curve_shared, r_of[row["kv"]], trips[row["r_workers"]],
+                         model.config.n_layers, row["batch"], row["kv_tokens"], row["r_workers"], row["pipelined"],
+                         c_eff)
         row["predicted_ms"] = 1e3 * p.step
         row["binding"] = max((("S", p.s_worker), ("R", p.r_worker), ("chain", p.chain),
                               ("cores", p.all_over_cores)), key=lambda kv: kv[1])[0]
     print(f"\n-- S-worker + R-worker processes, decode at context S={seq_len} (placeholder contexts over "
           f"[{PROMPT_LEN}, S)); pipelined or not as predict_step said faster (last row: the other way); "
-          f"predicted = aiollm.planner.fastdecode.predict_step, binding = its largest bound\n"
+          f"rows with s_threads={cores} are time-shared (unpipelined, the S-part on every core, then the attention); "
+          f"predicted = aiollm.planner.fastdecode.predict_step (T(B) on s_threads), binding = its largest bound\n"
           f"{table(rows + [off])}")
     figures["fastdecode"] = rows + [off]
     best = max(rows, key=lambda r: r["tokens_per_s"])
     best_fp16 = max((r for r in rows if r["kv"] == "fp16"), key=lambda r: r["tokens_per_s"])
     figures.update(fastdecode_best_tokens_per_s=best["tokens_per_s"], fastdecode_best_kv=best["kv"],
-                   fastdecode_best_batch=best["batch"], fastdecode_best_fp16_tokens_per_s=best_fp16["tokens_per_s"])
+                   fastdecode_best_batch=best["batch"], fastdecode_best_r_workers=best["r_workers"],
+                   fastdecode_best_s_threads=best["s_threads"], fastdecode_best_pipelined=best["pipelined"],
+                   fastdecode_best_fp16_tokens_per_s=best_fp16["tokens_per_s"])
 
     deliberate = next(r for r in rows if r["batch"] == min(64, max(batches)) and r["r_workers"] == 2
+                      and r["s_threads"] == 1
                       and r["kv"] == "fp16")
     naive = uvloop.run(_naive_threads(model, deliberate["batch"], seq_len, cores, deliberate["pipelined"]))
     print(f"\n-- threads when sharing {cores} cores (B={naive['batch']}, 2 R-workers): deliberate "
@@ -170,7 +181,8 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
     figures.update(naive_threads_step_ms=naive["step_ms"], deliberate_threads_step_ms=deliberate["step_ms"],
                    ratio_naive_vs_deliberate_threads_step=naive["step_ms"] / deliberate["step_ms"])
 
-    check = next(r for r in rows if r["batch"] == off["batch"] and r["r_workers"] == 2 and r["kv"] == "fp16")
+    check = next(r for r in rows if r["batch"] == off["batch"] and r["r_workers"] == 2 and r["kv"] == "fp16"
+                 and r["s_threads"] == 1)
     on, without = (check, off) if check["pipelined"] else (off, check)
     print(f"\n-- pipeline (B={check['batch']}, 2 R-workers): {on['step_ms']:.1f} ms/step with, "
           f"{without['step_ms']:.1f} without (predicted {on['predicted_ms']:.1f} and {without['predicted_ms']:.1f}); "
@@ -342,22 +354,27 @@ async def _r_workers(graph: Graph, n: int, threads: int = 1, kv_dtype: str = "fp
 
 
 async def _synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_len: int, name: str,
-                          warm: int = 1, steps: int = 3, pipeline: bool = True, context: int = 0) -> dict:
+                          warm: int = 1, steps: int = 3, pipeline: bool = True, context: int = 0,
+                          s_threads: int = 1) -> dict:
     """Median step time of B sequences with contexts spread over [16, S - steps) (or all at `context`), after
-    `warm` steps."""
+    `warm` steps; the S-worker (this process) runs its S-part on `s_threads` torch threads."""
     config = SWorkerConfig(max_batch=batch, pipeline=pipeline, pipeline_min_batch=2)
-    s = await graph.driver.spawn(SWorker(model, urls, config), name)
-    total = warm + steps
-    span = seq_len - PROMPT_LEN - total - 1
-    lens = [context or PROMPT_LEN + (i * span) // batch for i in range(batch)]
-    await s.ask(Synthetic(lens, total), timeout=600)
-    await _wait_steps(s, total)
-    trace = await s.ask(GetTrace())
-    while (await s.ask(GetLoad())).running:
-        await asyncio.sleep(0.05)
-    await graph.driver.stop_actor(name)
+    torch.set_num_threads(s_threads)
+    try:
+        s = await graph.driver.spawn(SWorker(model, urls, config), name)
+        total = warm + steps
+        span = seq_len - PROMPT_LEN - total - 1
+        lens = [context or PROMPT_LEN + (i * span) // batch for i in range(batch)]
+        await s.ask(Synthetic(lens, total), timeout=600)
+        await _wait_steps(s, total)
+        trace = await s.ask(GetTrace())
+        while (await s.ask(GetLoad())).running:
+            await asyncio.sleep(0.05)
+        await graph.driver.stop_actor(name)
+    finally:
+        torch.set_num_threads(1)
     step = statistics.median(trace.step_s[warm:total])
-    return {"batch": batch, "r_workers": len(urls), "pipelined": pipeline and batch >= 2,
+    return {"batch": batch, "r_workers": len(urls), "s_threads": s_threads, "pipelined": pipeline and batch >= 2,
             "step_ms": 1e3 * step, "tokens_per_s": batch / step,
             "kv_tokens": int(statistics.mean(trace.tokens[warm:total]))}
 
@@ -381,6 +398,10 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
     step at context S minus its S-part and C(b), per KV entry; the kernel alone on a fresh pool is a floor)."""
     rows, off, trips, ramp, r_situ = [], {}, {}, [], r_of["fp16"]
     layers = model.config.n_layers
+    # time-shared rows: no pipeline, the S-part on every core while the R-workers wait, then the R-workers' attention
+    # on every core while the S-worker waits (each phase alone on the machine instead of all three competing)
+    cores_n = len(os.sched_getaffinity(0))
+    shared = [b for b in batches if b >= 256] or batches[-1:]
     mean_w = (PROMPT_LEN + seq_len) / 2
 
     def pipelined(batch: int, n: int, r: float) -> bool:
@@ -404,6 +425,9 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
                 rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-{n}-{batch}",
                                                      pipeline=pipe), "kv": "fp16"})
             if n == 2:
+                for batch in shared:
+                    rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-shared-{batch}",
+                                                         pipeline=False, s_threads=cores_n), "kv": "fp16"})
                 pipe = pipelined(check, n, r_situ)
                 off = {**await _synthetic_step(graph, model, urls, check, seq_len, "s-other", pipeline=not pipe),
                        "kv": "fp16"}
@@ -418,6 +442,9 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
         for batch in [b for b in batches if b >= 256] or batches[-1:]:
             rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-int8-{batch}",
                                                  pipeline=pipelined(batch, 2, r_int8)), "kv": "int8"})
+        for batch in shared:
+            rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-int8-shared-{batch}",
+                                                 pipeline=False, s_threads=cores_n), "kv": "int8"})
         # and one R-worker at the largest batch (the other process idles: S-worker and R-worker get a core each)
         batch = max(batches)
         rows.append({**await _synthetic_step(graph, model, urls[:1], batch, seq_len, "s-int8-p1",
