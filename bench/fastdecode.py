@@ -42,13 +42,7 @@ from aiollm.kv.pool import KVConfig, KVPool
 from aiollm.model import load
 from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
-from aiollm.planner.fastdecode import (
-    interpolate,
-    overlap_slowdown,
-    predict_step,
-    size,
-    step_round_trip,
-)
+from aiollm.planner.fastdecode import interpolate, predict_step, size, step_round_trip
 from aiollm.sched.sls import SLSConfig
 from aiollm.workers import runner
 from aiollm.workers.fastdecode_messages import GetTrace, Synthetic
@@ -144,21 +138,15 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
                    t_of_b_all_cores={str(b): t for b, t in curve_shared.items()}, r_per_token_s=r_of["fp16"],
                    r_per_token_int8_s=r_of["int8"], effective_cores=c_eff)
     check_batch = max([b for b in batches if b <= 256] or batches[:1])
-    slowdown = _overlap(model, check_batch, seq_len, max(1.0, cores / c_eff))
-    print(f"\n-- S-part (half of B={check_batch}) and attention (context {seq_len}) side by side in two threads: "
-          f"{slowdown[0]:.2f}x and {slowdown[1]:.2f}x their time alone (beyond the {max(1.0, cores / c_eff):.2f}x "
-          f"of core sharing, divided out: memory bus and caches; priced on the overlapped part of pipelined steps)")
-    figures.update(overlap_slowdown_s_part=slowdown[0], overlap_slowdown_attention=slowdown[1])
     rows, off, trips, ramp, r_situ = uvloop.run(_throughput(model, batches, seq_len, check_batch, curve, r_of,
-                                                            c_eff, slowdown))
+                                                            c_eff))
     # the kernel alone on a fresh pool vs a real R-worker: the step model uses the latter (int8 scaled alike)
     r_of = {"fp16": r_situ, "int8": r_situ * r_of["int8"] / r_of["fp16"]}
     print(f"\n-- R, attention per KV entry (all layers): kernel alone {figures['r_per_token_s']*1e9:.0f} ns, in a "
           f"real R-worker step {r_situ*1e9:.0f} ns (used below)")
     figures["r_per_token_in_situ_s"] = r_situ
     figures["round_trip_ms"] = {str(p): {str(b): 1e3 * t for b, t in c.items()} for p, c in trips.items()}
-    sizing = size(curve, r_of["fp16"], seq_len, round_trip=trips, n_layers=model.config.n_layers, cores=c_eff,
-                  slowdown=slowdown)
+    sizing = size(curve, r_of["fp16"], seq_len, round_trip=trips, n_layers=model.config.n_layers, cores=c_eff)
     print("\n-- sizing model (aiollm.planner.fastdecode, fed this run's T(B), R, C(b) and effective cores)\n"
           + sizing.explain())
     figures.update(sizing_batch=sizing.batch, sizing_workers=sizing.workers)
@@ -166,7 +154,7 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
     for row in rows + [off]:
         p = predict_step(curve if row["s_threads"] == 1 else curve_shared, r_of[row["kv"]], trips[row["r_workers"]],
                          model.config.n_layers, row["batch"], row["kv_tokens"], row["r_workers"], row["pipelined"],
-                         c_eff, slowdown)
+                         c_eff)
         row["predicted_ms"] = 1e3 * p.step
         row["binding"] = max((("S", p.s_worker), ("R", p.r_worker), ("chain", p.chain),
                               ("cores", p.all_over_cores)), key=lambda kv: kv[1])[0]
@@ -202,8 +190,7 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
     figures.update(pipeline_on_step_ms=on["step_ms"], pipeline_off_step_ms=without["step_ms"],
                    ratio_pipeline_step=on["step_ms"] / without["step_ms"])
     _steady_state_schedule_gain(check, ramp, seq_len, figures, lambda w, n_cores, pipe: predict_step(
-        curve, r_of["fp16"], trips[2], model.config.n_layers, check["batch"], w, 2, pipe, n_cores, slowdown).step,
-        c_eff)
+        curve, r_of["fp16"], trips[2], model.config.n_layers, check["batch"], w, 2, pipe, n_cores).step, c_eff)
     ratios = [r["predicted_ms"] / r["step_ms"] for r in rows + [off]]
     figures.update(predicted_step_ms=check["predicted_ms"], measured_step_ms=check["step_ms"],
                    predicted_batch=check["batch"],
@@ -304,12 +291,11 @@ def _sls_gain_explained(model, traces: dict, warm: int, curve: dict[int, float],
     gives the same mean step, so no gain is possible. The same traces are priced both ways."""
     cores = figures.get("effective_cores") or _effective_cores(len(os.sched_getaffinity(0)))
     layers = model.config.n_layers
-    slowdown = (figures.get("overlap_slowdown_s_part", 1.0), figures.get("overlap_slowdown_attention", 1.0))
     out = {}
     for label, n_cores in (("here", cores), ("dedicated", 3.0)):
         mean_step = {}
         for name, trace in traces.items():
-            steps = [predict_step(curve, r_per_token, trips, layers, b, w, 2, b >= 2, n_cores, slowdown).step
+            steps = [predict_step(curve, r_per_token, trips, layers, b, w, 2, b >= 2, n_cores).step
                      for b, w in zip(trace["batch"][warm:], trace["tokens"][warm:])]
             mean_step[name] = sum(trace["batch"][warm:]) / sum(steps)
         out[label] = mean_step["with"] / mean_step["without"]
@@ -342,32 +328,6 @@ def _t_of_b(model, sizes: list[int], repeats: int = 5) -> dict[int, float]:
 
 def _measure_r(model, seq_len: int, dtype: str = "fp16", batch: int = 16) -> float:
     """R: seconds of attention per context entry, all layers, one thread (one R-worker)."""
-    attend = _attention_sweep(model, seq_len, dtype, batch)
-    best = float("inf")
-    for _ in range(3):
-        started = time.perf_counter()
-        attend()
-        best = min(best, time.perf_counter() - started)
-    return best / (batch * seq_len)
-
-
-def _overlap(model, batch: int, seq_len: int, core_sharing: float) -> tuple[float, float]:
-    """(S-part, attention) slowdown side by side (aiollm.planner.fastdecode.overlap_slowdown): the S-part of half
-    the batch on this process's one torch thread beside the fp16 attention sweep at context S on one thread,
-    with core sharing (cores / effective cores) divided out."""
-    half = max(1, batch // 2)
-    ids = torch.randint(0, model.config.vocab, (half,))
-    rope = model.rope(torch.arange(half) % 1024 + 64)
-
-    def s_part() -> None:
-        with torch.inference_mode():
-            s_part_step(model, model.embed(ids), rope)
-
-    return overlap_slowdown(s_part, _attention_sweep(model, seq_len), seconds=2.0, core_sharing=core_sharing)
-
-
-def _attention_sweep(model, seq_len: int, dtype: str = "fp16", batch: int = 16):
-    """One call = decode attention of `batch` sequences at context `seq_len` over every layer, one thread."""
     c = model.config
     per_seq = -(-seq_len // 16)
     pool = KVPool(KVConfig(n_layers=c.n_layers, n_blocks=batch * per_seq, n_kv_heads=c.n_kv_heads,
@@ -378,12 +338,13 @@ def _attention_sweep(model, seq_len: int, dtype: str = "fp16", batch: int = 16):
     tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
     lens = np.full(batch, seq_len, np.int32)
     q = np.random.default_rng(0).standard_normal((batch, c.n_heads, c.head_dim)).astype(np.float32)
-
-    def sweep() -> None:
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
         for layer in range(c.n_layers):
             pool.attend(layer, q, tables, lens, n_threads=1)
-
-    return sweep
+        best = min(best, time.perf_counter() - started)
+    return best / (batch * seq_len)
 
 
 async def _r_workers(graph: Graph, n: int, threads: int = 1, kv_dtype: str = "fp16") -> list[str]:
@@ -428,7 +389,7 @@ async def _wait_steps(s, steps: int) -> None:
 
 
 async def _throughput(model, batches: list[int], seq_len: int, check: int, curve: dict[int, float],
-                      r_of: dict[str, float], cores: float, slowdown: tuple[float, float]
+                      r_of: dict[str, float], cores: float
                       ) -> tuple[list[dict], dict, dict[int, dict[int, float]], list[dict], float]:
     """Rows for every (P, B), each with or without the pipeline as the step model predicts faster; with 2
     R-workers B=`check` once more the other way, and the same B at equal contexts from the prompt to S (an
@@ -445,7 +406,7 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
 
     def pipelined(batch: int, n: int, r: float) -> bool:
         def step(pipe: bool) -> float:
-            return predict_step(curve, r, trips[n], layers, batch, batch * mean_w, n, pipe, cores, slowdown).step
+            return predict_step(curve, r, trips[n], layers, batch, batch * mean_w, n, pipe, cores).step
         return batch >= 2 and step(True) < step(False)
 
     for n in (1, 2):

@@ -14,11 +14,6 @@ predicted 0.60x the real step). `predict_step` adds them:
   counts both as latency on each mini-batch's chain and as CPU work on the two processes;
 - core sharing: when the S-worker and the P R-workers have fewer cores than processes, no part overlaps for
   free: the step is at least all the CPU work (S-part + attention + communication) over the cores.
-- overlap contention: in a pipelined step the S-part of one mini-batch runs while the R-workers attend for the
-  other, and each slows the other beyond core sharing (the S-part streams the weights, the attention streams
-  the KV cache, through one memory bus and shared caches: 30-50 % more CPU time each on 2 shared vCPUs). The
-  slowdowns are measured (`overlap_slowdown`: the two kernels in two threads at once vs alone), not fitted, and
-  priced on the overlapped portion only (see `predict_step`); unpipelined steps run them one after the other.
 The step is the largest of four bounds: the S-worker's own work, the busiest R-worker's work, one mini-batch's
 dependency chain through the layers, and all the work over the cores.
 """
@@ -27,9 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -75,8 +68,6 @@ class StepPrediction:
     # the communication CPU included above, and the round trip per ask it came from
     communication: float
     round_trip: float
-    # seconds (wall) during which the S-part and the attention run at once, priced at the measured slowdowns
-    overlapped: float = 0.0
 
     def explain(self) -> str:
         bounds = {"S-worker work": self.s_worker, "busiest R-worker": self.r_worker,
@@ -84,40 +75,25 @@ class StepPrediction:
         binding = max(bounds, key=bounds.get)
         return (", ".join(f"{k} {v*1e3:.1f} ms" for k, v in bounds.items())
                 + f" -> {self.step*1e3:.1f} ms ({binding} binds; communication {self.communication*1e3:.1f} ms "
-                  f"of CPU at {self.round_trip*1e3:.2f} ms per ask; S-part and attention overlapped "
-                  f"{self.overlapped*1e3:.1f} ms)")
+                  f"of CPU at {self.round_trip*1e3:.2f} ms per ask)")
 
 
 def predict_step(t_of_b: dict[int, float], r_per_token: float, round_trip: dict[int, float], n_layers: int,
-                 batch: int, kv_tokens: float, workers: int, pipelined: bool, cores: float,
-                 slowdown: tuple[float, float] = (1.0, 1.0)) -> StepPrediction:
+                 batch: int, kv_tokens: float, workers: int, pipelined: bool, cores: float) -> StepPrediction:
     """Predicted decode step of `batch` sequences holding `kv_tokens` KV entries in all, on `workers` R-workers.
 
     t_of_b: S-part seconds per batch size; r_per_token: attention seconds per KV entry (all layers, one
     thread); round_trip: seconds of one `Attend` ask per rows carried; cores: the cores the S-worker and the
-    R-workers share (the effective count when other load is on them). Rows are spread evenly over R-workers.
-    slowdown: (S-part, attention) time when both run at once / alone (`overlap_slowdown`). In a pipelined step
-    they run at once for the shorter of the two sides' wall times, the S-part on its one thread and the
-    attention on the R-workers the cores beside the S-worker allow (k = min(P, cores - 1), at least 1); that
-    overlapped wall time ov costs (s_S - 1) * ov more S-part and (s_R - 1) * ov * k more attention CPU, and
-    every bound below uses the grown times. Unpipelined steps run them in turn: no overlap, no slowdown."""
+    R-workers share (the effective count when other load is on them). Rows are spread evenly over R-workers."""
     if batch <= 0 or workers <= 0 or n_layers <= 0 or cores <= 0 or kv_tokens < 0:
         raise ValueError(f"need batch, workers, n_layers, cores > 0 and kv_tokens >= 0, got {batch}, {workers}, "
                          f"{n_layers}, {cores}, {kv_tokens}")
     if not round_trip:
         raise ValueError("round_trip: need measured {rows: seconds}")
-    if len(slowdown) != 2 or not all(math.isfinite(x) and x >= 1.0 for x in slowdown):
-        raise ValueError(f"slowdown: need (S-part, attention) factors >= 1 (finite), got {slowdown}")
     groups = 2 if pipelined else 1
     half = batch / groups
     s_part = groups * interpolate(t_of_b, half)
     attention = r_per_token * kv_tokens
-    overlapped = 0.0
-    if pipelined:
-        side_by_side = max(1.0, min(workers, cores - 1))
-        overlapped = min(s_part, attention / side_by_side)
-        s_part += (slowdown[0] - 1) * overlapped
-        attention += (slowdown[1] - 1) * overlapped * side_by_side
     rows = max(1.0, half / workers)
     trip = interpolate(round_trip, rows)
     asks = n_layers * groups * workers
@@ -127,50 +103,10 @@ def predict_step(t_of_b: dict[int, float], r_per_token: float, round_trip: dict[
     r_worker = attention / workers + n_layers * groups * trip / 2
     # a mini-batch waits for its own S-part (all layers), a round trip per layer, and its share of attention,
     # which its R-workers run side by side only as far as there are cores for them
-    chain = s_part / groups + n_layers * trip + attention / (groups * min(workers, cores))
+    chain = interpolate(t_of_b, half) + n_layers * trip + attention / (groups * min(workers, cores))
     all_over_cores = (s_part + attention + communication) / min(cores, workers + 1)
     step = max(s_worker, r_worker, chain, all_over_cores)
-    return StepPrediction(step, s_worker, r_worker, chain, all_over_cores, communication, trip, overlapped)
-
-
-def overlap_slowdown(s_part: Callable[[], object], attention: Callable[[], object], seconds: float = 1.0,
-                     core_sharing: float = 1.0) -> tuple[float, float]:
-    """(S-part, attention) slowdown when the two run at once: median call time side by side / alone.
-
-    Each callable is one unit of that work (e.g. an S-part step of half a batch on one torch thread; one layer
-    sweep of the attention kernel on one thread). Alone, each runs for `seconds`/2; then both loop in two
-    threads for `seconds` (torch and the cffi kernel release the GIL), as a pipelined step places them: the
-    S-worker's thread beside one R-worker's. Two threads on two cores share no core, so what the ratio shows
-    is the memory-bus and cache contention the core-sharing bound does not, unless other load holds a core:
-    core_sharing (cores / effective cores, the slowdown two compute-bound jobs show side by side now) is
-    divided out, as the model prices core sharing on its own. Factors below 1 (noise) are 1."""
-    if seconds <= 0 or not core_sharing >= 1.0:
-        raise ValueError(f"need seconds > 0 and core_sharing >= 1, got {seconds}, {core_sharing}")
-
-    def loop(work: Callable[[], object], until: float | threading.Event, out: list[float]) -> None:
-        while True:
-            if (until.is_set() if isinstance(until, threading.Event) else time.perf_counter() >= until):
-                return
-            started = time.perf_counter()
-            work()
-            out.append(time.perf_counter() - started)
-
-    alone: list[list[float]] = [[], []]
-    for work, out in zip((s_part, attention), alone):
-        work()  # warm-up
-        loop(work, time.perf_counter() + seconds / 2, out)
-    together: list[list[float]] = [[], []]
-    stop = threading.Event()
-    threads = [threading.Thread(target=loop, args=(w, stop, o)) for w, o in zip((s_part, attention), together)]
-    for t in threads:
-        t.start()
-    time.sleep(seconds)
-    stop.set()
-    for t in threads:
-        t.join()
-    if not all(together):
-        raise RuntimeError(f"overlap probe: a side finished no call in {seconds} s side by side; lengthen it")
-    return tuple(max(1.0, float(np.median(t) / np.median(a)) / core_sharing) for t, a in zip(together, alone))
+    return StepPrediction(step, s_worker, r_worker, chain, all_over_cores, communication, trip)
 
 
 def interpolate(curve: dict[int, float], batch: float) -> float:
@@ -186,11 +122,10 @@ def interpolate(curve: dict[int, float], batch: float) -> float:
 
 
 def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_target: float | None = None,
-         round_trip: dict[int, dict[int, float]] | None = None, n_layers: int = 0, cores: float = 0.0,
-         slowdown: tuple[float, float] = (1.0, 1.0)) -> Sizing:
+         round_trip: dict[int, dict[int, float]] | None = None, n_layers: int = 0, cores: float = 0.0) -> Sizing:
     """Pick B from the measured T(B) curve, then P = B*S*R / (2*T(B)); with C(b) measured per R-worker count
     ({P: {rows per ask: seconds}}, see `step_round_trip`; a P not measured uses the largest measured one below
-    it), the model's layer count, the cores the roles share and the measured overlap slowdown, P is instead the fewest R-workers whose
+    it), the model's layer count and the cores the roles share, P is instead the fewest R-workers whose
     `predict_step` is within 5 % of the best, and the predicted step is the one reported."""
     if not t_of_b or any(b <= 0 or t <= 0 for b, t in t_of_b.items()):
         raise ValueError("t_of_b: need measured {batch: seconds} with positive values")
@@ -239,7 +174,7 @@ def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_tar
         return round_trip[max(m for m in round_trip if m <= p)]
 
     options = {p: predict_step(t_of_b, r_per_token, curve(p), n_layers, batch, batch * seq_len / 2, p, pipelined,
-                               cores, slowdown) for p in range(1, max(2 * workers, math.ceil(cores) + 2, 4) + 1)}
+                               cores) for p in range(1, max(2 * workers, math.ceil(cores) + 2, 4) + 1)}
     best = min(o.step for o in options.values())
     chosen = min(p for p, o in options.items() if o.step <= 1.05 * best)
     for p, o in options.items():

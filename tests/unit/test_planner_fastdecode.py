@@ -1,17 +1,10 @@
 """FastDecode sizing: P = B*S*R / (2*T(B)), the choice of B, and the step model with communication and
 core sharing."""
 import json
-import time
 
 import pytest
 
-from aiollm.planner.fastdecode import (
-    interpolate,
-    overlap_slowdown,
-    predict_step,
-    read_t_of_b,
-    size,
-)
+from aiollm.planner.fastdecode import interpolate, predict_step, read_t_of_b, size
 
 CURVE = {1: 0.010, 16: 0.012, 64: 0.020, 256: 0.060, 512: 0.120}
 
@@ -93,49 +86,3 @@ def test_sizing_with_communication_and_few_cores_takes_fewer_workers_than_the_fo
     assert dearer.workers == 1 and "with 2 R-worker(s): C(8)=5.00 ms" in dearer.explain()
     with pytest.raises(ValueError, match="n_layers"):
         size(CURVE, 2e-6, 1024, round_trip={1: TRIP})
-
-
-def test_measured_overlap_slowdown_grows_the_overlapped_part_of_a_pipelined_step():
-    args = (CURVE, 2e-6, TRIP, 30, 256, 131072, 2, True, 2)
-    old = predict_step(*args)
-    assert predict_step(*args, slowdown=(1.0, 1.0)) == old and old.overlapped > 0
-    s_part, attention = 2 * interpolate(CURVE, 128), 2e-6 * 131072
-    # on 2 cores one R-worker's attention runs beside the S-worker: they overlap for the shorter side
-    overlapped = min(s_part, attention)
-    grown = predict_step(*args, slowdown=(1.4, 1.3))
-    assert grown.overlapped == pytest.approx(overlapped)
-    comm = old.communication
-    assert grown.s_worker == pytest.approx(s_part + 0.4 * overlapped + comm / 2)
-    assert grown.all_over_cores == pytest.approx((s_part + attention + 0.7 * overlapped + comm) / 2)
-    assert grown.step == pytest.approx(old.step + 0.7 * overlapped / 2)
-    # unpipelined steps run the S-part and the attention in turn: nothing overlaps, the slowdown costs nothing
-    serial = (CURVE, 2e-6, TRIP, 30, 256, 131072, 2, False, 2)
-    assert predict_step(*serial, slowdown=(1.5, 1.5)) == predict_step(*serial)
-    for bad in ((0.9, 1.0), (1.0, float("nan")), (1.0,), (1.0, float("inf"))):
-        with pytest.raises(ValueError, match="slowdown"):
-            predict_step(*args, slowdown=bad)
-
-
-def test_overlap_probe_reports_the_side_by_side_slowdown_of_each_part():
-    # a stand-in for a shared memory bus: each call takes its time times the number of parts running
-    running = [0]
-
-    def part(seconds):
-        def work():
-            running[0] += 1
-            time.sleep(seconds * running[0])
-            running[0] -= 1
-        return work
-
-    s, r = overlap_slowdown(part(0.003), part(0.002), seconds=0.3)
-    assert 1.5 < s < 2.5 and 1.5 < r < 2.5
-    free = overlap_slowdown(lambda: time.sleep(0.002), lambda: time.sleep(0.002), seconds=0.3)
-    assert free[0] < 1.5 and free[1] < 1.5
-    # core sharing measured beside it is divided out (the step model prices it on its own); never below 1
-    shared = overlap_slowdown(part(0.003), part(0.002), seconds=0.3, core_sharing=1.5)
-    assert 1.0 <= shared[0] < 1.7 and 1.0 <= shared[1] < 1.7
-    assert overlap_slowdown(part(0.003), part(0.002), seconds=0.3, core_sharing=100.0) == (1.0, 1.0)
-    with pytest.raises(ValueError):
-        overlap_slowdown(part(0.003), part(0.002), seconds=0)
-    with pytest.raises(ValueError):
-        overlap_slowdown(part(0.003), part(0.002), seconds=0.3, core_sharing=0.5)
