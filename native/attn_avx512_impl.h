@@ -5,6 +5,7 @@
 #include "attn_internal.h"
 
 #define INLINE static inline __attribute__((always_inline))
+#include "exp_avx512.h"
 
 
 T512 INLINE __m512 ld16(int dt, const void *base, int64_t i) {
@@ -16,21 +17,7 @@ T512 INLINE __m512 ld16(int dt, const void *base, int64_t i) {
 }
 
 /* exp for x <= 0 (scores minus the running max); inputs below -87 give ~1e-38, masked lanes are zeroed. */
-T512 INLINE __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, fx);
-}
+T512 INLINE __m512 exp512(__m512 x) { return exp512_clamped(x, -87.0f); }
 
 /* exp for x <= 0 with ~1e-4 relative error: 2^(x log2 e) as 2^round * 2^frac, frac in [-0.5, 0.5] by a
  * degree-3 polynomial (least-squares fit of the relative error). Used on the int8 dot-product path only, where

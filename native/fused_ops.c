@@ -15,6 +15,7 @@
 
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 #define INLINE static inline __attribute__((always_inline))
+#include "exp_avx512.h"
 
 static int use_avx512(void) { return aiollm_isa() == AIOLLM_ISA_AVX512; }
 
@@ -202,24 +203,9 @@ static void silu_mul_ref(const void *gu, int64_t is, void *out, int64_t os, int6
         }
 }
 
-/* exp (Cephes' expf polynomial, ~1 ulp) of x clamped to [-104, 88]: 2^n is applied by scalef, so small
- * arguments underflow to 0 as expf does, and the top stays finite (silu's 1 / (1 + e) then stays a
- * finite reciprocal: its value there, below 1e-38, is lost either way). */
-T512 INLINE __m512 exp_full(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, n);
-}
+/* exp of x clamped to [-104, 88]: small arguments underflow to 0 as expf does, and the top stays finite (silu's
+ * 1 / (1 + e) then stays a finite reciprocal: its value there, below 1e-38, is lost either way). */
+T512 INLINE __m512 exp_full(__m512 x) { return exp512_clamped(x, -104.0f); }
 
 T512 static void silu_mul_avx512(const void *gu, int64_t is, void *out, int64_t os, int64_t rows, int32_t dim,
                                  int32_t dt) {
