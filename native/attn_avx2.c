@@ -9,8 +9,6 @@
 
 T256 INLINE __m256 ld8(int dt, const void *base, int64_t i) {
     if (dt == AIOLLM_DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
-    if (dt == AIOLLM_DT_I8)
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + i))));
     return _mm256_loadu_ps((const float *)base + i);
 }
 
@@ -93,6 +91,61 @@ T256 INLINE void vaccum(int dt, const void *vt, int64_t row0, int nv, int D, int
         for (int v = 0; v < VC; v++) _mm256_storeu_ps(acc + g * D + (dv + v) * 8, r[g][v]);
 }
 
+/* Byte j of each int32 lane of x, sign-extended, as floats: one dimension (K) or one token (V) out of the
+ * int8 layout's 4-byte groups. */
+T256 INLINE __m256 byte8(__m256i x, int j) {
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 24 - 8 * j), 24));
+}
+
+/* int8 scores of 16 tokens: each 64-byte row of the K tile holds 4 dims of the 16 tokens (attn_internal.h). */
+T256 INLINE void scores_i8(const char *kt, int64_t col, int BS, int D, const float *qs, int GB, __m256 *lo, __m256 *hi) {
+    __m256 a0[4][2], a1[4][2];
+    for (int g = 0; g < GB; g++)
+        for (int p = 0; p < 2; p++) a0[g][p] = a1[g][p] = _mm256_setzero_ps();
+    const char *kp = kt + col * 4;
+    for (int d = 0; d < D; d += 4, kp += 4 * BS) {
+        const __m256i r0 = _mm256_loadu_si256((const __m256i *)kp), r1 = _mm256_loadu_si256((const __m256i *)(kp + 32));
+        for (int j = 0; j < 4; j++) {
+            const __m256 k0 = byte8(r0, j), k1 = byte8(r1, j);
+            for (int g = 0; g < GB; g++) {
+                const __m256 qv = _mm256_broadcast_ss(qs + g * D + d + j);
+                a0[g][j & 1] = _mm256_fmadd_ps(qv, k0, a0[g][j & 1]);
+                a1[g][j & 1] = _mm256_fmadd_ps(qv, k1, a1[g][j & 1]);
+            }
+        }
+    }
+    for (int g = 0; g < GB; g++) {
+        lo[g] = _mm256_add_ps(a0[g][0], a0[g][1]);
+        hi[g] = _mm256_add_ps(a1[g][0], a1[g][1]);
+    }
+}
+
+/* int8 V, all D dims for GB heads: each 64-byte row of the V tile holds 16 dims of 4 tokens; tokens past nv have
+ * weight 0 (their bytes are never NaN). */
+T256 INLINE void vaccum_i8(const char *vt, int64_t row0, int nv, int D, const float *pb, const float *alpha, float *acc,
+                           int GB) {
+    for (int dv = 0; dv < D; dv += 16) {
+        __m256 r[4][2];
+        for (int g = 0; g < GB; g++)
+            for (int v = 0; v < 2; v++)
+                r[g][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + dv + v * 8), _mm256_set1_ps(alpha[g]));
+        for (int t = 0; t < nv; t += 4) {
+            const char *vp = vt + (row0 + t) * D + dv * 4;
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)vp), x1 = _mm256_loadu_si256((const __m256i *)(vp + 32));
+            for (int j = 0; j < 4; j++) {
+                const __m256 v0 = byte8(x0, j), v1 = byte8(x1, j);
+                for (int g = 0; g < GB; g++) {
+                    const __m256 w = _mm256_broadcast_ss(pb + g * 16 + t + j);
+                    r[g][0] = _mm256_fmadd_ps(w, v0, r[g][0]);
+                    r[g][1] = _mm256_fmadd_ps(w, v1, r[g][1]);
+                }
+            }
+        }
+        for (int g = 0; g < GB; g++)
+            for (int v = 0; v < 2; v++) _mm256_storeu_ps(acc + g * D + dv + v * 8, r[g][v]);
+    }
+}
+
 /* Prefetch a whole tile into L1. Tiles are 1-4 KiB, often exactly a page, and the hardware streamer stops
  * at page boundaries; asking for the next tile while this one is processed measured best (vs none, vs
  * the next block of the same head, vs L2 only). */
@@ -110,6 +163,14 @@ T256 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, 
     for (int g0 = 0; g0 < G; g0 += 4) {
         const int gb = G - g0 < 4 ? G - g0 : 4;
         __m256 lo[4], hi[4];
+        if (dt == AIOLLM_DT_I8) {
+            switch (gb) {
+            case 1: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 1, lo, hi); break;
+            case 2: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 2, lo, hi); break;
+            case 3: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 3, lo, hi); break;
+            default: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 4, lo, hi); break;
+            }
+        } else
         switch (gb) {
         case 1: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 1, 2, lo, hi); break;
         case 2: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 2, 2, lo, hi); break;
@@ -144,6 +205,15 @@ T256 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, 
         const int gb = G - g0 < 4 ? G - g0 : 4;
         const float *pg = pb + g0 * 16, *ag = alpha + g0;
         float *accg = acc + g0 * D;
+        if (dt == AIOLLM_DT_I8) {
+            switch (gb) {
+            case 1: vaccum_i8(vt, c * 16, nv, D, pg, ag, accg, 1); break;
+            case 2: vaccum_i8(vt, c * 16, nv, D, pg, ag, accg, 2); break;
+            case 3: vaccum_i8(vt, c * 16, nv, D, pg, ag, accg, 3); break;
+            default: vaccum_i8(vt, c * 16, nv, D, pg, ag, accg, 4); break;
+            }
+            continue;
+        }
         for (int dv = 0; dv < D / 8; dv += 2) {
             switch (gb) {
             case 1: vaccum(dt, vt, c * 16, nv, D, dv, 2, pg, ag, accg, 1); break;

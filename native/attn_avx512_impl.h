@@ -11,8 +11,6 @@
 T512 INLINE __m512 ld16(int dt, const void *base, int64_t i) {
     if (dt == AIOLLM_DT_F16)
         return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));
-    if (dt == AIOLLM_DT_I8)
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + i))));
     return _mm512_loadu_ps((const float *)base + i);
 }
 
@@ -76,39 +74,45 @@ T512 INLINE void scores(int dt, const char *kt, int64_t col, int64_t BS, int D, 
     }
 }
 
-/* int8 K: scores of 16 tokens as int8 dot products. The 64 bytes of 4 dims x 16 tokens are regrouped (vpermb)
- * into 16 lanes of [4 dims of one token], made unsigned (k + 128, xor 0x80) and multiplied into the q row,
- * quantised per row to int8 (q4: 4 dims per int32); corr = 128 * sum(q) removes the offset again. */
-#if WITH_VNNI
-/* 4 dims x 16 tokens of K as 16 lanes of [4 dims of one token], offset to unsigned. */
-T512 INLINE __m512i kcol4_vnni(const char *kp, int64_t BS, __m512i perm, __m512i flip) {
-    __m512i raw;
-    if (BS == 16) {
-        raw = _mm512_loadu_si512((const void *)kp);
-    } else {
-        raw = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)kp));
-        raw = _mm512_inserti32x4(raw, _mm_loadu_si128((const __m128i *)(kp + BS)), 1);
-        raw = _mm512_inserti32x4(raw, _mm_loadu_si128((const __m128i *)(kp + 2 * BS)), 2);
-        raw = _mm512_inserti32x4(raw, _mm_loadu_si128((const __m128i *)(kp + 3 * BS)), 3);
-    }
-    return _mm512_xor_si512(_mm512_permutexvar_epi8(perm, raw), flip);
+/* int8 K without VNNI: byte j of each int32 lane of x, sign-extended, as floats (one dimension of 16 tokens out
+ * of a K row, or one token of 16 dims out of a V row; layouts in attn_internal.h). */
+T512 INLINE __m512 byte16(__m512i x, int j) {
+    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(x, 24 - 8 * j), 24));
 }
 
+T512 INLINE void scores_i8(const char *kt, int64_t col, int64_t BS, int D, const float *qs, int GB, __m512 *out,
+                           const char *pk, const char *pv) {
+    __m512 acc[4][2];
+    for (int g = 0; g < GB; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+    const char *kp = kt + col * 4;
+    for (int d = 0; d < D; d += 4, kp += 4 * BS) {
+        if (pk) spread_prefetch(&pk, &pv, 4 * BS);
+        const __m512i row = _mm512_loadu_si512((const void *)kp);
+        for (int j = 0; j < 4; j++) {
+            const __m512 k = byte16(row, j);
+            for (int g = 0; g < GB; g++)
+                acc[g][j & 1] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + d + j]), k, acc[g][j & 1]);
+        }
+    }
+    for (int g = 0; g < GB; g++) out[g] = _mm512_add_ps(acc[g][0], acc[g][1]);
+}
+
+/* int8 K: scores of 16 tokens as int8 dot products. One 64-byte row of the K tile is 16 lanes of [4 dims of one
+ * token] (the layout kv_write stores), made unsigned (k + 128, xor 0x80) and multiplied into the q row, quantised
+ * per row to int8 (q4: 4 dims per int32); corr = 128 * sum(q) removes the offset again. */
+#if WITH_VNNI
 T512 INLINE void scores_vnni(const char *kt, int64_t col, int64_t BS, int D, const int32_t *q4, const int32_t *corr,
                               const float *qsc, int GB, __m512 *out, const char *pk, const char *pv) {
-    const __m512i perm = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12,
-                                         59, 43, 27, 11, 58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8,
-                                         55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20, 4,
-                                         51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     /* Two accumulators per head, named rather than indexed by j & 1: a run-time index kept them on the stack
      * (a store and a reload around every vpdpbusd). D is a multiple of 16, so D / 4 is even. */
     __m512i acc0[4], acc1[4];
     for (int g = 0; g < GB; g++) acc0[g] = acc1[g] = _mm512_setzero_si512();
-    const char *kp = kt + col;
+    const char *kp = kt + col * 4;
     for (int j = 0; j < D / 4; j += 2, kp += 8 * BS) {
         if (pk) spread_prefetch(&pk, &pv, 8 * BS);
-        const __m512i k0 = kcol4_vnni(kp, BS, perm, flip), k1 = kcol4_vnni(kp + 4 * BS, BS, perm, flip);
+        const __m512i k0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)kp), flip);
+        const __m512i k1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(kp + 4 * BS)), flip);
         for (int g = 0; g < GB; g++) {
             acc0[g] = _mm512_dpbusd_epi32(acc0[g], k0, _mm512_set1_epi32(q4[g * (D / 4) + j]));
             acc1[g] = _mm512_dpbusd_epi32(acc1[g], k1, _mm512_set1_epi32(q4[g * (D / 4) + j + 1]));
@@ -146,67 +150,69 @@ T512 INLINE void vaccum(int dt, const char *vt, int64_t row0, int nv, int D, int
         for (int v = 0; v < VC; v++) _mm512_storeu_ps(acc + g * D + (dv + v) * 16, r[g][v]);
 }
 
+/* int8 V without VNNI, dims [16 dv, 16 (dv + VC)): each 64-byte row of the V tile holds 16 dims of 4 tokens. */
+T512 INLINE void vaccum_i8(const char *vt, int64_t row0, int nv, int D, int dv, int VC, const float *pb,
+                           const float *alpha, float *acc, int GB) {
+    __m512 r[4][4];
+    for (int g = 0; g < GB; g++)
+        for (int v = 0; v < VC; v++)
+            r[g][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + (dv + v) * 16), _mm512_set1_ps(alpha[g]));
+    for (int t = 0; t < nv; t += 4) { /* weights past nv are 0 and the bytes there are never NaN */
+        const char *vp = vt + (row0 + t) * D + dv * 64;
+        for (int v = 0; v < VC; v++) {
+            const __m512i x = _mm512_loadu_si512((const void *)(vp + v * 64));
+            for (int j = 0; j < 4; j++) {
+                const __m512 y = byte16(x, j);
+                for (int g = 0; g < GB; g++) r[g][v] = _mm512_fmadd_ps(_mm512_set1_ps(pb[g * 16 + t + j]), y, r[g][v]);
+            }
+        }
+    }
+    for (int g = 0; g < GB; g++)
+        for (int v = 0; v < VC; v++) _mm512_storeu_ps(acc + g * D + (dv + v) * 16, r[g][v]);
+}
+
 #if WITH_VNNI
-/* int8 V: sum over the chunk's 16 tokens of p[g][t] * V row t as int8 dot products. p (already times the V
- * scales) is quantised per (chunk, q head) to u8; 4 token rows are byte-interleaved so each int32 lane holds
- * one dimension of 4 tokens. The interleave permutes dimensions inside a 64-dim slab, so `acc` is kept in
- * that order for the whole item (unpermute_acc restores it): position z*16 + L*4 + i holds dim L*16 + z*4 + i.
- * Tokens past nv have p = 0 and contribute exact zeros (their bytes are never NaN). */
-T512 INLINE void vaccum_vnni(const char *vt, int64_t row0, int D, const float *pb, const float *alpha, float *acc,
-                             int GB) {
-    uint8_t pq[4 * 16] __attribute__((aligned(64)));
-    float psc[4];
+/* p (already times the V scales) of one chunk as u8, per q head scaled to its largest weight: pq[g][16 tokens],
+ * psc[g] the scale back. */
+T512 INLINE void quantise_p(const float *pb, int GB, uint8_t *pq, float *psc) {
     for (int g = 0; g < GB; g++) {
         const __m512 p = _mm512_load_ps(pb + g * 16);
         const float pm = _mm512_reduce_max_ps(p), inv = pm > 0.0f ? 255.0f / pm : 0.0f;
         _mm_store_si128((__m128i *)(pq + g * 16), _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(_mm512_mul_ps(p, _mm512_set1_ps(inv)))));
         psc[g] = pm / 255.0f;
     }
-    for (int dz = 0; dz < D / 64; dz++) {
-        __m512i ai[4][4];
-        for (int g = 0; g < GB; g++)
-            for (int z = 0; z < 4; z++) ai[g][z] = _mm512_setzero_si512();
-        for (int tg = 0; tg < 4; tg++) {
-            const char *r = vt + (row0 + tg * 4) * D + dz * 64;
-            const __m512i r0 = _mm512_loadu_si512((const void *)r), r1 = _mm512_loadu_si512((const void *)(r + D));
-            const __m512i r2 = _mm512_loadu_si512((const void *)(r + 2 * D)), r3 = _mm512_loadu_si512((const void *)(r + 3 * D));
-            const __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
-            const __m512i c = _mm512_unpacklo_epi8(r2, r3), d = _mm512_unpackhi_epi8(r2, r3);
-            const __m512i zv[4] = {_mm512_unpacklo_epi16(a, c), _mm512_unpackhi_epi16(a, c),
-                                   _mm512_unpacklo_epi16(b, d), _mm512_unpackhi_epi16(b, d)};
-            for (int g = 0; g < GB; g++) {
-                int32_t word;
-                memcpy(&word, pq + g * 16 + tg * 4, 4);
-                const __m512i w = _mm512_set1_epi32(word);
-                for (int z = 0; z < 4; z++) ai[g][z] = _mm512_dpbusd_epi32(ai[g][z], w, zv[z]);
-            }
-        }
-        for (int g = 0; g < GB; g++) {
-            const __m512 al = _mm512_set1_ps(alpha[g]), sc = _mm512_set1_ps(psc[g]);
-            const int same = alpha[g] == 1.0f; /* the max rarely moves: no rescale multiply */
-            for (int z = 0; z < 4; z++) {
-                float *f = acc + g * D + dz * 64 + z * 16;
-                const __m512 x = _mm512_loadu_ps(f);
-                _mm512_storeu_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[g][z]), sc, same ? x : _mm512_mul_ps(x, al)));
-            }
-        }
-    }
 }
 
-/* A 4 x 4 transpose of 128-bit lanes per 64-float slab: output vector L, lane z = input vector z, lane L. */
-T512 INLINE void unpermute_acc(float *acc, int rows, int D) {
-    for (int r = 0; r < rows; r++)
-        for (int dz = 0; dz < D / 64; dz++) {
-            float *slab = acc + r * D + dz * 64;
-            const __m512 a0 = _mm512_load_ps(slab), a1 = _mm512_load_ps(slab + 16);
-            const __m512 a2 = _mm512_load_ps(slab + 32), a3 = _mm512_load_ps(slab + 48);
-            const __m512 t0 = _mm512_shuffle_f32x4(a0, a1, 0x44), t1 = _mm512_shuffle_f32x4(a0, a1, 0xee);
-            const __m512 t2 = _mm512_shuffle_f32x4(a2, a3, 0x44), t3 = _mm512_shuffle_f32x4(a2, a3, 0xee);
-            _mm512_store_ps(slab, _mm512_shuffle_f32x4(t0, t2, 0x88));
-            _mm512_store_ps(slab + 16, _mm512_shuffle_f32x4(t0, t2, 0xdd));
-            _mm512_store_ps(slab + 32, _mm512_shuffle_f32x4(t1, t3, 0x88));
-            _mm512_store_ps(slab + 48, _mm512_shuffle_f32x4(t1, t3, 0xdd));
+/* int8 V, dims [16 dv, 16 (dv + VC)): sum over the chunk's 16 tokens of p[g][t] * V row t as int8 dot products.
+ * One 64-byte row of the V tile is 16 lanes of [one dim of 4 tokens] (kv_write's layout), so 4 u8 weights
+ * broadcast as one int32 meet it directly. Tokens past nv have p = 0 and contribute exact zeros. */
+T512 INLINE void vaccum_vnni(const char *vt, int64_t row0, int D, int dv, int VC, const uint8_t *pq, const float *psc,
+                             const float *alpha, float *acc, int GB) {
+    __m512i ai[4][4];
+    for (int g = 0; g < GB; g++)
+        for (int v = 0; v < VC; v++) ai[g][v] = _mm512_setzero_si512();
+    for (int tg = 0; tg < 4; tg++) {
+        const char *r = vt + (row0 + tg * 4) * D + dv * 64;
+        __m512i w[4];
+        for (int g = 0; g < GB; g++) {
+            int32_t word;
+            memcpy(&word, pq + g * 16 + tg * 4, 4);
+            w[g] = _mm512_set1_epi32(word);
         }
+        for (int v = 0; v < VC; v++) {
+            const __m512i x = _mm512_loadu_si512((const void *)(r + v * 64));
+            for (int g = 0; g < GB; g++) ai[g][v] = _mm512_dpbusd_epi32(ai[g][v], w[g], x);
+        }
+    }
+    for (int g = 0; g < GB; g++) {
+        const __m512 al = _mm512_set1_ps(alpha[g]), sc = _mm512_set1_ps(psc[g]);
+        const int same = alpha[g] == 1.0f; /* the max rarely moves: no rescale multiply */
+        for (int v = 0; v < VC; v++) {
+            float *f = acc + g * D + (dv + v) * 16;
+            const __m512 x = _mm512_loadu_ps(f);
+            _mm512_storeu_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[g][v]), sc, same ? x : _mm512_mul_ps(x, al)));
+        }
+    }
 }
 #endif
 
@@ -234,6 +240,14 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const flo
             }
         } else
 #endif
+        if (dt == AIOLLM_DT_I8) {
+            switch (gb) {
+            case 1: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 1, s, pkg, pvg); break;
+            case 2: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 2, s, pkg, pvg); break;
+            case 3: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 3, s, pkg, pvg); break;
+            default: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 4, s, pkg, pvg); break;
+            }
+        } else
         switch (gb) {
         case 1: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 1, 8, s, pkg, pvg); break;
         case 2: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 2, 4, s, pkg, pvg); break;
@@ -271,21 +285,43 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const flo
 /* Second half: V accumulation of the chunk with chunk_scores' weights pb and rescale factors alpha. */
 T512 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int D, const float *pb, const float *alpha,
                               float *acc, int vnni) {
+#define VSLABS(call) /* call(VC, GB) over dims in slabs of 4 x 16 (then 1 x 16) and q heads in blocks of 4 */     \
+    for (int g0 = 0; g0 < G; g0 += 4) {                                                                          \
+        const int gb = G - g0 < 4 ? G - g0 : 4;                                                                  \
+        for (int dv = 0; dv < D / 16;) {                                                                         \
+            const int vc = D / 16 - dv >= 4 ? 4 : 1;                                                             \
+            switch (gb * 8 + vc) {                                                                               \
+            case 12: call(4, 1); break;                                                                          \
+            case 20: call(4, 2); break;                                                                          \
+            case 28: call(4, 3); break;                                                                          \
+            case 36: call(4, 4); break;                                                                          \
+            case 9: call(1, 1); break;                                                                           \
+            case 17: call(1, 2); break;                                                                          \
+            case 25: call(1, 3); break;                                                                          \
+            default: call(1, 4); break;                                                                          \
+            }                                                                                                    \
+            dv += vc;                                                                                            \
+        }                                                                                                        \
+    }
     (void)vnni;
 #if WITH_VNNI
-    if (vnni && D % 64 == 0) {
-        for (int g0 = 0; g0 < G; g0 += 4) {
-            const int gb = G - g0 < 4 ? G - g0 : 4;
-            switch (gb) {
-            case 1: vaccum_vnni(vt, c * 16, D, pb + g0 * 16, alpha + g0, acc + g0 * D, 1); break;
-            case 2: vaccum_vnni(vt, c * 16, D, pb + g0 * 16, alpha + g0, acc + g0 * D, 2); break;
-            case 3: vaccum_vnni(vt, c * 16, D, pb + g0 * 16, alpha + g0, acc + g0 * D, 3); break;
-            default: vaccum_vnni(vt, c * 16, D, pb + g0 * 16, alpha + g0, acc + g0 * D, 4); break;
-            }
-        }
+    if (vnni) {
+        uint8_t pq[AIOLLM_MAX_GROUP * 16] __attribute__((aligned(64)));
+        float psc[AIOLLM_MAX_GROUP];
+        quantise_p(pb, G, pq, psc);
+#define VNNI_CALL(VC, GB) vaccum_vnni(vt, c * 16, D, dv, VC, pq + g0 * 16, psc + g0, alpha + g0, acc + g0 * D, GB)
+        VSLABS(VNNI_CALL)
+#undef VNNI_CALL
         return;
     }
 #endif
+    if (dt == AIOLLM_DT_I8) {
+#define I8_CALL(VC, GB) vaccum_i8(vt, c * 16, nv, D, dv, VC, pb + g0 * 16, alpha + g0, acc + g0 * D, GB)
+        VSLABS(I8_CALL)
+#undef I8_CALL
+        return;
+    }
+#undef VSLABS
     for (int g0 = 0; g0 < G; g0 += 4) {
         const int gb = G - g0 < 4 ? G - g0 : 4;
         const float *pg = pb + g0 * 16, *ag = alpha + g0;
@@ -400,9 +436,6 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
             }
         }
     }
-#if WITH_VNNI
-    if (vnni && D % 64 == 0) unpermute_acc(acc, NH * G, D);
-#endif
     for (int r = 0; r < NH * G; r++) {
         const float lr = _mm512_reduce_add_ps(_mm512_load_ps(l + r * 16));
         const __m512 inv = _mm512_set1_ps(lr > 0.0f ? 1.0f / lr : 0.0f);

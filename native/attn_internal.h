@@ -48,6 +48,20 @@ static inline int64_t kv_scale_tile(const aiollm_kv_layer *kv, int64_t block, in
     return (block * kv->n_kv_heads + head) * (int64_t)kv->block_size;
 }
 
+/* int8 tiles are stored in the layout the int8 dot products consume (VNNI / AMX B-tile order), 4 bytes per
+ * int32 lane: K as [head_dim / 4][block_size][4] (one 64-byte row = 4 dims of 16 tokens, so one vpdpbusd gives
+ * 16 tokens' partial scores), V as [block_size / 4][head_dim][4] (one 64-byte row = 4 tokens of 16 dims, so one
+ * vpdpbusd accumulates 4 tokens into 16 output dims). A last group narrower than 4 (head_dim or block_size not
+ * a multiple of 4) is packed `w` wide instead, so the tile stays D * BS bytes with no padding. */
+static inline int64_t i8_k_at(int D, int BS, int d, int t) {
+    const int g = d & ~3, w = D - g < 4 ? D - g : 4;
+    return (int64_t)g * BS + (int64_t)t * w + (d & 3);
+}
+static inline int64_t i8_v_at(int D, int BS, int t, int d) {
+    const int g = t & ~3, w = BS - g < 4 ? BS - g : 4;
+    return (int64_t)g * D + (int64_t)d * w + (t & 3);
+}
+
 /* Portable fp16 / bf16 conversions (round to nearest even), used by the reference path and kv_write. */
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;

@@ -10,6 +10,14 @@ static inline float kv_elem(const void *base, int64_t i, int32_t dtype) {
     }
 }
 
+/* Offsets inside a tile of K element (d, t) and V element (t, d): int8 has its own interleaved layout. */
+static inline int64_t k_at(const aiollm_kv_layer *kv, int d, int t) {
+    return kv->dtype == AIOLLM_DT_I8 ? i8_k_at(kv->head_dim, kv->block_size, d, t) : (int64_t)d * kv->block_size + t;
+}
+static inline int64_t v_at(const aiollm_kv_layer *kv, int t, int d) {
+    return kv->dtype == AIOLLM_DT_I8 ? i8_v_at(kv->head_dim, kv->block_size, t, d) : (int64_t)t * kv->head_dim + d;
+}
+
 static void one_head(const attn_args *a, int32_t seq, int32_t head) {
     const aiollm_kv_layer *kv = a->kv;
     const int G = a->group, D = kv->head_dim, BS = kv->block_size, dt = kv->dtype;
@@ -36,14 +44,14 @@ static void one_head(const attn_args *a, int32_t seq, int32_t head) {
         const float vs = dt == AIOLLM_DT_I8 ? kv->v_scale[kv_scale_tile(kv, block, head) + off] : 1.0f;
         for (g = 0; g < G; g++) {
             float s = 0.0f;
-            for (d = 0; d < D; d++) s += qs[g * D + d] * kv_elem(kv->k, tile + (int64_t)d * BS + off, dt);
+            for (d = 0; d < D; d++) s += qs[g * D + d] * kv_elem(kv->k, tile + k_at(kv, d, off), dt);
             s *= ks;
             const float m_new = s > m[g] ? s : m[g];
             const float alpha = expf(m[g] - m_new), p = expf(s - m_new), pv = p * vs;
             l[g] = l[g] * alpha + p;
             m[g] = m_new;
             for (d = 0; d < D; d++)
-                acc[g * D + d] = acc[g * D + d] * alpha + pv * kv_elem(kv->v, tile + (int64_t)off * D + d, dt);
+                acc[g * D + d] = acc[g * D + d] * alpha + pv * kv_elem(kv->v, tile + v_at(kv, off, d), dt);
         }
     }
     for (g = 0; g < G; g++) {

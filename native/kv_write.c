@@ -60,7 +60,8 @@ static float quantise_head(const float *restrict x, int D, int8_t *restrict q) {
 #define quantise_head quantise_head_scalar
 #endif
 
-/* Store one head's row x[0..D) of token slot `off` in tile `tile`; K transposed (stride BS), V row-major. */
+/* Store one head's row x[0..D) of token slot `off` in tile `tile`; fp32/fp16: K transposed (stride BS), V
+ * row-major; int8: the interleaved layouts of attn_internal.h. */
 static void store_head(const aiollm_kv_layer *kv, int is_k, int64_t tile, int64_t scale_at, int off,
                        const float *restrict x) {
     const int D = kv->head_dim, BS = kv->block_size;
@@ -73,14 +74,11 @@ static void store_head(const aiollm_kv_layer *kv, int is_k, int64_t tile, int64_
     } else if (kv->dtype == AIOLLM_DT_F16) {
         uint16_t *out = (uint16_t *)dst + at;
         for (d = 0; d < D; d++) out[d * step] = float_to_half(x[d]);
-    } else {
+    } else { /* int8: the dot-product layout of attn_internal.h (i8_k_at, i8_v_at) */
         int8_t q[AIOLLM_MAX_HEAD_DIM];
-        int8_t *out = (int8_t *)dst + at;
+        int8_t *out = (int8_t *)dst + tile;
         (is_k ? kv->k_scale : kv->v_scale)[scale_at] = quantise_head(x, D, q);
-        if (is_k)
-            for (d = 0; d < D; d++) out[d * step] = q[d];
-        else
-            memcpy(out, q, (size_t)D);
+        for (d = 0; d < D; d++) out[is_k ? i8_k_at(D, BS, d, off) : i8_v_at(D, BS, off, d)] = q[d];
     }
 }
 

@@ -7,6 +7,11 @@ Memory layout (numpy, C-contiguous, allocated lazily by the OS: untouched blocks
     k_scale  [n_layers, n_blocks, n_kv_heads, block_size] fp32        int8 only (None otherwise)
     v_scale  [n_layers, n_blocks, n_kv_heads, block_size] fp32
 
+int8 tiles keep those shapes but interleave their bytes for the int8 dot products (VNNI / AMX B-tile order):
+K as [head_dim / 4][block_size][4] (a 64-byte row = 4 dims of 16 tokens), V as [block_size / 4][head_dim][4]
+(a 64-byte row = 4 tokens of 16 dims); a last group narrower than 4 is packed that wide. `int8_logical` undoes
+it (tests, inspection); `read` / `write_blocks` ship the raw bytes unchanged.
+
 One (block, kv head) tile of K or V is one contiguous run of head_dim * block_size elements, so the kernel
 streams whole tiles and can prefetch the next block of a table. K is transposed inside a tile: 16 tokens of
 one dimension are adjacent, so a SIMD load carries one dimension of 16 tokens and 16 scores come out of
@@ -70,6 +75,25 @@ class KVConfig:
             raise ValueError(f"budget_bytes: {budget_bytes} is less than one block ({probe.bytes_per_block} bytes)")
         return cls(n_layers=n_layers, n_blocks=n_blocks, n_kv_heads=n_kv_heads, head_dim=head_dim,
                    block_size=block_size, dtype=dtype)
+
+
+def _int8_order(rows: int, cols: int) -> np.ndarray:
+    """Offsets inside a [rows][cols] int8 tile of element (r, c), grouped 4 rows per 4-byte lane (i8_k_at /
+    i8_v_at in native/attn_internal.h): K is (head_dim, block_size), V is (block_size, head_dim)."""
+    r = np.arange(rows)[:, None]
+    c = np.arange(cols)[None, :]
+    g = r & ~3
+    return g * cols + c * np.minimum(4, rows - g) + (r & 3)
+
+
+def int8_logical(k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Copies of int8 K [..., head_dim, block_size] and V [..., block_size, head_dim] tiles in plain order (K
+    transposed, V row-major, as fp16/fp32 store them) from the interleaved int8 layout."""
+    d, bs = k.shape[-2:]
+    k_at, v_at = _int8_order(d, bs), _int8_order(bs, d)
+    flat_k = np.ascontiguousarray(k).reshape(*k.shape[:-2], d * bs)
+    flat_v = np.ascontiguousarray(v).reshape(*v.shape[:-2], d * bs)
+    return flat_k[..., k_at], flat_v[..., v_at]
 
 
 class KVBlocks(NamedTuple):

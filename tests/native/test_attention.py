@@ -52,9 +52,10 @@ def test_matches_float64_reference(isa_forced, isa, dtype, head_dim, group):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype,block_size", [("fp16", 8), ("fp16", 32), ("int8", 32)])
+@pytest.mark.parametrize("dtype,block_size", [("fp16", 8), ("fp16", 32), ("int8", 32), ("int8", 6)])
 def test_other_block_sizes(isa_forced, isa, dtype, block_size):
-    """block_size 8 is not a multiple of 16 (reference path); 32 has two 16-token chunks per block."""
+    """block_size 8 is not a multiple of 16 (reference path); 32 has two 16-token chunks per block; int8 with 6
+    has a last group of 2 tokens in its interleaved V layout."""
     rng = np.random.default_rng(7)
     pool, table, seq_lens, q, ks, vs = _case(rng, dtype, 64, 3, [5, 40, 77], block_size=block_size)
     isa_forced(isa)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from aiollm.kv import attention
-from aiollm.kv.pool import KVConfig, KVPool
+from aiollm.kv.pool import KVConfig, KVPool, int8_logical
 from tests.native.conftest import reference, shuffled_tables
 
 INT8_STEP = 1 / 127  # int8 dequantisation error <= scale / 2 = max|x| / 254 per element; compared at max|x| / 127
@@ -23,8 +23,9 @@ def _logical(pool, slots):
     """Read back tokens [n, n_kv_heads, head_dim] as floats from the pool's layout (dequantised for int8)."""
     bs = pool.config.block_size
     b, o = slots // bs, slots % bs
-    k = pool.k[0][b, :, :, o].astype(np.float64)  # [n, heads, dim] (K transposed inside the block)
-    v = pool.v[0][b, :, o, :].astype(np.float64)
+    k_tiles, v_tiles = int8_logical(pool.k[0], pool.v[0]) if pool.k_scale is not None else (pool.k[0], pool.v[0])
+    k = k_tiles[b, :, :, o].astype(np.float64)  # [n, heads, dim] (K transposed inside the block)
+    v = v_tiles[b, :, o, :].astype(np.float64)
     if pool.k_scale is not None:
         k *= pool.k_scale[0][b, :, o][..., None]
         v *= pool.v_scale[0][b, :, o][..., None]

@@ -4,7 +4,7 @@ NaN element as -127, scale max|x| / 127 ignoring NaNs — for ordinary, zero, ti
 import numpy as np
 import pytest
 
-from aiollm.kv.pool import KVConfig, KVPool
+from aiollm.kv.pool import KVConfig, KVPool, int8_logical
 
 
 def _expected(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -18,8 +18,8 @@ def _expected(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(y).astype(np.int8), (amax[..., 0] / np.float32(127)).astype(np.float32)
 
 
-@pytest.mark.parametrize("head_dim", [64, 16, 24, 5])
-def test_int8_codes_and_scales_equal_the_definition(head_dim):
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (16, 16), (24, 16), (5, 16), (5, 6)])
+def test_int8_codes_and_scales_equal_the_definition(head_dim, block_size):
     rng = np.random.default_rng(head_dim)
     n, heads = 40, 3
     x = (rng.standard_normal((n, heads, head_dim)) * rng.uniform(1e-3, 1e3, (n, heads, 1))).astype(np.float32)
@@ -33,12 +33,14 @@ def test_int8_codes_and_scales_equal_the_definition(head_dim):
     x[7, 1, :] = 2.5  # with max|x| = 127 the codes are x itself: ties round to even (2, 0, -2), not away
     x[7, 1, :3] = [127.0, 0.5, -1.5]
     v = x[::-1].copy()
-    pool = KVPool(KVConfig(n_layers=1, n_blocks=8, n_kv_heads=heads, head_dim=head_dim, dtype="int8"))
-    slots = rng.permutation(8 * 16)[:n].astype(np.int64)
+    pool = KVPool(KVConfig(n_layers=1, n_blocks=8, n_kv_heads=heads, head_dim=head_dim, block_size=block_size,
+                           dtype="int8"))
+    slots = rng.permutation(8 * block_size)[:n].astype(np.int64)
     pool.write(0, slots, x, v)
-    b, o = slots // 16, slots % 16
-    for want_x, codes, scales in ((x, pool.k[0][b, :, :, o], pool.k_scale[0][b, :, o]),
-                                  (v, pool.v[0][b, :, o, :], pool.v_scale[0][b, :, o])):
+    b, o = slots // block_size, slots % block_size
+    k_codes, v_codes = int8_logical(pool.k[0], pool.v[0])
+    for want_x, codes, scales in ((x, k_codes[b, :, :, o], pool.k_scale[0][b, :, o]),
+                                  (v, v_codes[b, :, o, :], pool.v_scale[0][b, :, o])):
         want_codes, want_scales = _expected(want_x)
         np.testing.assert_array_equal(codes, want_codes)
         np.testing.assert_array_equal(scales.view(np.uint32), want_scales.view(np.uint32))
