@@ -58,19 +58,29 @@ def cmd_distserve(args: argparse.Namespace) -> int:
 
 
 def cmd_fastdecode(args: argparse.Namespace) -> int:
-    from aiollm.planner.fastdecode import measure_r, measure_round_trip, measure_t_of_b, read_t_of_b, size
+    from aiollm.planner.fastdecode import (
+        AskCost,
+        measure_costs,
+        measure_r,
+        measure_t_of_b,
+        read_t_of_b,
+        size,
+    )
     from aiollm.workers.r_worker import model_config
 
     get_model(args.model)
     t_of_b = read_t_of_b(args.t_of_b, args.t_of_b_key) if args.t_of_b else measure_t_of_b(args.model, args.batches)
     r = args.r_per_token if args.r_per_token else measure_r(args.model, args.seq_len)
+    s_per_token = 0.0
     if args.round_trip:
-        round_trip = {1: {int(b): float(ms) / 1e3 for b, ms in (i.split(":") for i in args.round_trip.split(","))}}
+        round_trip = {1: {int(b): AskCost.even(float(ms) / 1e3)
+                          for b, ms in (i.split(":") for i in args.round_trip.split(","))}}
     else:
-        round_trip = measure_round_trip(args.model, [8, 32, 128], t_of_b, r)
+        round_trip, r_situ, s_per_token = measure_costs(args.model, [8, 32, 128], t_of_b, r, seq_len=args.seq_len)
+        r = args.r_per_token or r_situ
     cores = args.cores or len(os.sched_getaffinity(0))
     result = size(t_of_b, r, args.seq_len, args.latency_target, round_trip=round_trip,
-                  n_layers=model_config(args.model).n_layers, cores=cores)
+                  n_layers=model_config(args.model).n_layers, cores=cores, s_per_token=s_per_token)
     print(result.explain())
     if args.json:
         args.json.write_text(json.dumps(result.to_json(), indent=2))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import os
 import statistics
 import subprocess
@@ -42,7 +43,15 @@ from aiollm.kv.pool import KVConfig, KVPool
 from aiollm.model import load
 from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
-from aiollm.planner.fastdecode import interpolate, predict_step, size, step_round_trip
+from aiollm.planner.fastdecode import (
+    AskCost,
+    balanced_seq_len,
+    long_step_terms,
+    predict_step,
+    schedule_gain,
+    size,
+    step_costs,
+)
 from aiollm.sched.sls import SLSConfig
 from aiollm.workers import runner
 from aiollm.workers.fastdecode_messages import GetTrace, Synthetic
@@ -64,8 +73,11 @@ def add_arguments(parser) -> None:
                         help="S=256, B=16,64, a shorter trace and one transformers batch (about 3 minutes)")
     parser.add_argument("--seq-len", type=int, help="context S of the throughput runs (default 1024; quick 256)")
     parser.add_argument("--batches", help="comma-separated B (default 16,64,256,512; quick 16,64)")
-    parser.add_argument("--trace-batch", type=int, help="B of the schedule trace (default 64; quick 32)")
-    parser.add_argument("--trace-seq-len", type=int, help="S of the schedule trace (default 128; quick 96)")
+    parser.add_argument("--trace-batch", type=int, help="B of the schedule trace (default 128; quick 64)")
+    parser.add_argument("--trace-seq-len", type=int,
+                        help="S of the schedule trace (default: where the step model balances S-part and R-part)")
+    parser.add_argument("--trace-repeats", type=int, default=2,
+                        help="pairs of trace runs with and without the schedule, alternating which goes first")
     parser.add_argument("--trace-micro-batch", type=int, default=4,
                         help="M of the schedule trace; F = M*(S - prompt)/B steps between micro-batches")
     parser.add_argument("--plot", type=Path, default=Path("fastdecode_sls_trace.png"), help="PNG of the trace")
@@ -138,23 +150,33 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
                    t_of_b_all_cores={str(b): t for b, t in curve_shared.items()}, r_per_token_s=r_of["fp16"],
                    r_per_token_int8_s=r_of["int8"], effective_cores=c_eff)
     check_batch = max([b for b in batches if b <= 256] or batches[:1])
-    rows, off, trips, ramp, r_situ = uvloop.run(_throughput(model, batches, seq_len, check_batch, curve, r_of,
-                                                            c_eff))
-    # the kernel alone on a fresh pool vs a real R-worker: the step model uses the latter (int8 scaled alike)
-    r_of = {"fp16": r_situ, "int8": r_situ * r_of["int8"] / r_of["fp16"]}
-    print(f"\n-- R, attention per KV entry (all layers): kernel alone {figures['r_per_token_s']*1e9:.0f} ns, in a "
-          f"real R-worker step {r_situ*1e9:.0f} ns (used below)")
-    figures["r_per_token_in_situ_s"] = r_situ
-    figures["round_trip_ms"] = {str(p): {str(b): 1e3 * t for b, t in c.items()} for p, c in trips.items()}
-    sizing = size(curve, r_of["fp16"], seq_len, round_trip=trips, n_layers=model.config.n_layers, cores=c_eff)
+    rows, off, trips, ramp, situ = uvloop.run(_throughput(model, batches, seq_len, check_batch, curve, r_of,
+                                                          c_eff))
+    # the kernel alone on a fresh pool vs real R-workers (per R-worker count: peers attending at once share the
+    # memory bus): the step model uses the latter (int8 scaled alike)
+    kernel = dict(r_of)
+    r_of = {p: {"fp16": r, "int8": r * kernel["int8"] / kernel["fp16"]} for p, (r, _) in situ.items()}
+    s_tok = {p: s for p, (_, s) in situ.items()}
+    print(f"\n-- R, attention CPU per KV entry (all layers): kernel alone {kernel['fp16']*1e9:.0f} ns, in real "
+          f"R-worker steps " + ", ".join(f"{r*1e9:.0f} ns with {p} R-worker(s) attending at once"
+                                           for p, (r, _) in situ.items())
+          + "; the S-worker's CPU per KV entry the R-workers stream: "
+          + ", ".join(f"{s*1e9:.2f} ns with {p}" for p, (_, s) in situ.items()) + " (used below)")
+    figures["r_per_token_in_situ_s"] = {str(p): r for p, (r, _) in situ.items()}
+    figures["s_cpu_per_kv_token_s"] = {str(p): s for p, (_, s) in situ.items()}
+    figures["ask_cost_ms"] = {str(p): {str(b): {"s": 1e3 * t.s, "r": 1e3 * t.r, "wait": 1e3 * t.wait}
+                                       for b, t in c.items()} for p, c in trips.items()}
+    sizing = size(curve, r_of[1]["fp16"], seq_len, round_trip=trips, n_layers=model.config.n_layers, cores=c_eff,
+                  s_per_token=s_tok[1])
     print("\n-- sizing model (aiollm.planner.fastdecode, fed this run's T(B), R, C(b) and effective cores)\n"
           + sizing.explain())
     figures.update(sizing_batch=sizing.batch, sizing_workers=sizing.workers)
     # every row's step predicted from the inputs measured above (no fitting to the measured steps)
     for row in rows + [off]:
-        p = predict_step(curve if row["s_threads"] == 1 else curve_shared, r_of[row["kv"]], trips[row["r_workers"]],
-                         model.config.n_layers, row["batch"], row["kv_tokens"], row["r_workers"], row["pipelined"],
-                         c_eff)
+        n = row["r_workers"]
+        p = predict_step(curve if row["s_threads"] == 1 else curve_shared, r_of[n][row["kv"]], trips[n],
+                         model.config.n_layers, row["batch"], row["kv_tokens"], n, row["pipelined"], c_eff,
+                         s_per_token=s_tok[n])
         row["predicted_ms"] = 1e3 * p.step
         row["binding"] = max((("S", p.s_worker), ("R", p.r_worker), ("chain", p.chain),
                               ("cores", p.all_over_cores)), key=lambda kv: kv[1])[0]
@@ -189,8 +211,9 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
           f"the step model chose {'with' if check['pipelined'] else 'without'}")
     figures.update(pipeline_on_step_ms=on["step_ms"], pipeline_off_step_ms=without["step_ms"],
                    ratio_pipeline_step=on["step_ms"] / without["step_ms"])
-    _steady_state_schedule_gain(check, ramp, seq_len, figures, lambda w, n_cores, pipe: predict_step(
-        curve, r_of["fp16"], trips[2], model.config.n_layers, check["batch"], w, 2, pipe, n_cores).step, c_eff)
+    _steady_state_schedule_gain(check, ramp, seq_len, figures, lambda w, n_cores, r_cores, pipe: predict_step(
+        curve, r_of[2]["fp16"], trips[2], model.config.n_layers, check["batch"], w, 2, pipe, n_cores, r_cores,
+        s_tok[2]).step, c_eff)
     ratios = [r["predicted_ms"] / r["step_ms"] for r in rows + [off]]
     figures.update(predicted_step_ms=check["predicted_ms"], measured_step_ms=check["step_ms"],
                    predicted_batch=check["batch"],
@@ -218,9 +241,9 @@ def _steady_state_schedule_gain(spread: dict, ramp: list[dict], seq_len: int, fi
             f"spread contexts {spread['step_ms']:.1f} ms -> tokens/s with/without {life / spread['step_ms']:.3f}")
     predicted = {}
     # here as run; on a core per process with the two-minibatch pipeline, as FastDecode runs
-    for label, n_cores, pipe in (("here", c_eff, spread["pipelined"]), ("dedicated", 3.0, True)):
-        ramp_steps = [price(spread["batch"] * r["context"], n_cores, pipe) for r in ramp]
-        predicted[label] = float(np.mean(ramp_steps)) / price(spread["kv_tokens"], n_cores, pipe)
+    for label, n_cores, r_cores, pipe in (("here", c_eff, 0.0, spread["pipelined"]), ("dedicated", 3.0, 2.0, True)):
+        ramp_steps = [price(spread["batch"] * r["context"], n_cores, r_cores, pipe) for r in ramp]
+        predicted[label] = float(np.mean(ramp_steps)) / price(spread["kv_tokens"], n_cores, r_cores, pipe)
     print(f"   step model over the same W: with/without {predicted['here']:.3f} on {c_eff:.2f} shared cores, "
           f"{predicted['dedicated']:.3f} with a core per process (S-worker, 2 R-workers): the gain needs the "
           f"R-part to bind late in an unscheduled batch's life and the S-part early, which shared cores never let "
@@ -252,61 +275,149 @@ def _baselines_part(model, seq_len: int, cores: int, quick: bool, no_transformer
 
 
 def _trace_part(model, args, quick: bool, figures: dict) -> None:
-    """Per-step latency with and without the load-stabilising schedule (real requests), the PNG, and what the
-    step model says the schedule's throughput gain is here and on dedicated cores."""
-    batch = args.trace_batch or (32 if quick else 64)
-    seq = args.trace_seq_len or (96 if quick else 128)
-    # both runs split every step into two mini-batches: with the schedule the batch dips a few sequences below
-    # B between micro-batches, and a pipeline threshold at B would turn exactly those steps unpipelined
-    pipeline_min = max(2, batch // 2)
-    schedule = _trace_schedule(batch, seq, args.trace_micro_batch)
-    sizes = sorted({1, batch, *(max(1, batch // d) for d in (2, 4, 8, 16))})
-    curve = _t_of_b(model, sizes)
-    r_per_token = figures.get("r_per_token_s") or _measure_r(model, 1024)
-    per_ask = [b for b in sizes if 1 < b <= batch // 4]
-    runs = {name: uvloop.run(_trace(model, batch, seq, sls, pipeline_min, (curve, r_per_token, per_ask)))
-            for name, sls in (("without", None), ("with", schedule))}
-    traces = {name: trace for name, (trace, _) in runs.items()}
-    trips = runs["without"][1]
-    summary = [_summarise(name, trace, seq, pipeline_min) for name, trace in traces.items()]
-    title = f"B={batch}, S={seq}, F={schedule.interval}, M={schedule.micro_batch_size}, W_lim={schedule.limit}"
-    print(f"\n-- load-stabilising schedule: {title}, prompts of {PROMPT_LEN} tokens, 2 R-workers, pipeline from "
-          f"{pipeline_min} sequences; figures after a warm-up of S steps; step latency = time between consecutive "
-          f"steps (prefills included)\n{table(summary)}")
-    _plot(traces, seq, args.plot, title)
+    """Per-step latency and tokens/s with and without the load-stabilising schedule (real requests), placed as
+    FastDecode deploys: the S-worker (this process) on a core of its own, the R-worker on the other, the
+    two-minibatch pipeline on, so a step costs ~max(S-part, R-part) and not their sum. B is given; S is the
+    one at which the step model (fed T(B), C(b) and R measured in this placement first) balances the S-part
+    against the R-part at the unscheduled life's mean W. Runs alternate with and without, `--trace-repeats`
+    pairs; tokens/s is pooled per mode over whole periods in steady state."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise RuntimeError("the schedule trace places the S-worker and the R-worker on cores of their own: "
+                           f"it needs 2 cores, this process may use {cpus}")
+    s_cpus, r_cpus = set(cpus[:1]), cpus[1:]
+    batch = args.trace_batch or (64 if quick else 128)
+    previous = _pin(s_cpus)
+    try:
+        curve = _t_of_b(model, sorted({1, batch, *(max(1, batch // d) for d in (2, 4))}))
+        out = uvloop.run(_traces(model, batch, args, curve, r_cpus, 512 if quick else 1024))
+    finally:
+        _pin(previous)
+    traces, trips, r_situ, seq, schedule, price, windows = out
+    summary = [_summarise(name, trace, *window) for (name, trace), window in zip(traces, windows)]
+    pooled = {}
+    for name in ("without", "with"):
+        rows = [r for r in summary if r["schedule"] == name]
+        pooled[name] = {"tokens_per_s": sum(r["tokens"] for r in rows) / sum(r["seconds"] for r in rows),
+                        "max_step_ms": max(r["max_step_ms"] for r in rows)}
+    pairs = [summary[i + 1]["tokens_per_s"] / summary[i]["tokens_per_s"] if summary[i]["schedule"] == "without"
+             else summary[i]["tokens_per_s"] / summary[i + 1]["tokens_per_s"] for i in range(0, len(summary) - 1, 2)]
+    life = seq - PROMPT_LEN
+    title = (f"B={batch}, S={seq}, F={schedule.interval}, M={schedule.micro_batch_size}, W_lim={schedule.limit}, "
+             f"S-worker on cpu {sorted(s_cpus)}, 1 R-worker on cpu {r_cpus}")
+    print(f"\n-- load-stabilising schedule as FastDecode places it: the S-worker (this process, 1 torch thread) "
+          f"pinned to cpu {sorted(s_cpus)}, one R-worker process (1 attention thread) pinned to cpu {r_cpus}, "
+          f"OMP_WAIT_POLICY=passive, two-minibatch pipeline on; {title}; prompts of {PROMPT_LEN} tokens, "
+          f"completions to S ({life} tokens); runs alternate, {len(pairs)} pair(s); figures over steady-state "
+          f"windows (without: one whole life from the second step to the next batch's first, its prefill "
+          f"included; with: after {life + schedule.interval} steps of ramp-up, whole F-periods); step latency = "
+          f"time between consecutive steps' ends (prefills included)\n{table(summary)}")
+    print(f"   pooled: tokens/s with {pooled['with']['tokens_per_s']:.1f} / without "
+          f"{pooled['without']['tokens_per_s']:.1f} = {pooled['with']['tokens_per_s'] / pooled['without']['tokens_per_s']:.3f}"
+          f"; per pair " + ", ".join(f"{x:.3f}" for x in pairs)
+          + f"; max step {pooled['with']['max_step_ms']:.0f} / {pooled['without']['max_step_ms']:.0f} ms")
+    _plot(dict(traces[:2]), windows[0][0], args.plot, title)
     print(f"wrote {args.plot}")
-    without, with_ = summary
-    figures.update(sls=summary, ratio_sls_max_step=with_["max_step_ms"] / without["max_step_ms"],
-                   ratio_sls_tokens=with_["tokens_per_s"] / without["tokens_per_s"])
-    _sls_gain_explained(model, traces, seq, curve, r_per_token, trips, figures)
+    figures.update(sls=summary, sls_pairs_tokens_ratio=pairs, sls_batch=batch, sls_seq_len=seq,
+                   sls_interval=schedule.interval, sls_micro_batch=schedule.micro_batch_size,
+                   sls_workload_limit=schedule.limit, sls_s_cpus=sorted(s_cpus), sls_r_cpus=r_cpus,
+                   sls_r_per_token_s=r_situ, sls_ask_cost_ms={str(b): {"s": 1e3 * t.s, "r": 1e3 * t.r, "wait": 1e3 * t.wait}
+                                                                  for b, t in trips.items()},
+                   sls_t_of_b={str(b): t for b, t in curve.items()},
+                   ratio_sls_max_step=pooled["with"]["max_step_ms"] / pooled["without"]["max_step_ms"],
+                   ratio_sls_tokens=pooled["with"]["tokens_per_s"] / pooled["without"]["tokens_per_s"])
+    _sls_gain_explained(traces, windows, price, batch, seq, figures)
 
 
-def _sls_gain_explained(model, traces: dict, warm: int, curve: dict[int, float], r_per_token: float,
-                        trips: dict[int, float], figures: dict) -> None:
-    """The schedule's throughput gain as the step model predicts it from each trace's per-step (batch, W).
+def _pin(cpus: set[int]) -> set[int]:
+    """Confine every thread of this process (the event loop, torch's and the attention pool's) to `cpus`;
+    returns the set it had before. Processes started afterwards inherit it."""
+    previous = os.sched_getaffinity(0)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+    return previous
 
-    The gain comes from the pipeline's max(S-part, R-part): an unscheduled batch's W swings from ~B*prompt
-    to ~B*S, so R binds late in its life and S early, and the mean of that max exceeds the max at the mean W
-    the schedule holds. On shared cores a step is ~(S-part + R-part)/cores, linear in W: the same mean W
-    gives the same mean step, so no gain is possible. The same traces are priced both ways."""
-    cores = figures.get("effective_cores") or _effective_cores(len(os.sched_getaffinity(0)))
+
+async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list[int], longest: int):
+    """In one graph with one R-worker pinned to `r_cpus`: C(b) and R in this placement, the balanced S, then
+    the traces, alternating with and without the schedule."""
     layers = model.config.n_layers
-    out = {}
-    for label, n_cores in (("here", cores), ("dedicated", 3.0)):
-        mean_step = {}
-        for name, trace in traces.items():
-            steps = [predict_step(curve, r_per_token, trips, layers, b, w, 2, b >= 2, n_cores).step
-                     for b, w in zip(trace["batch"][warm:], trace["tokens"][warm:])]
-            mean_step[name] = sum(trace["batch"][warm:]) / sum(steps)
-        out[label] = mean_step["with"] / mean_step["without"]
-    # the attention a dedicated core could hide: where R binds, the step grows with W, so flattening W pays
-    figures.update(sls_predicted_tokens_ratio_here=out["here"], sls_predicted_tokens_ratio_dedicated=out["dedicated"])
-    print(f"\n-- schedule gain by the step model (aiollm.planner.fastdecode.predict_step) over these traces' "
-          f"(batch, W): tokens/s with/without {out['here']:.3f} on {cores:.2f} effective cores shared by the 3 "
-          f"processes (a step costs ~the sum of S-part, attention and communication over the cores, linear in "
-          f"W, so a flatter W with the same mean cannot pay), {out['dedicated']:.3f} with a core per process "
-          f"(the max of S-part and attention is convex in W); measured here: "
-          f"{figures['ratio_sls_tokens']:.3f}")
+    async with Graph(startup_timeout=120.0) as graph:
+        urls = await _r_workers(graph, 1, prefix=("taskset", "-c", ",".join(map(str, r_cpus))))
+        r_kernel = _measure_r(model, 1024)
+        trips = await step_costs(graph.driver, model, urls, sorted({max(1, batch // 2), batch}), curve, r_kernel)
+        r_situ, s_per_token = await long_step_terms(graph.driver, model, urls, batch, longest // 2, curve, trips,
+                                                    r_kernel)
+        cores, r_cores = 1 + len(r_cpus), len(r_cpus)
+
+        def price(w: float, b: int = batch) -> float:
+            return predict_step(curve, r_situ, trips, layers, b, w, 1, b >= 2, cores, r_cores, s_per_token).step
+
+        seq = args.trace_seq_len or balanced_seq_len(price, batch, PROMPT_LEN, longest)
+        schedule = _trace_schedule(batch, seq, args.trace_micro_batch)
+        life = seq - PROMPT_LEN
+        ask = trips[max(1, batch // 2)]
+        print(f"\n-- schedule trace sizing (S-worker on its own core, 1 R-worker on cpu {r_cpus}, pipelined): "
+              f"per ask at {batch // 2} rows S {ask.s * 1e3:.2f} + R {ask.r * 1e3:.2f} + wait {ask.wait * 1e3:.2f} "
+              f"ms, R in situ {r_situ * 1e9:.0f} ns/entry (kernel alone {r_kernel * 1e9:.0f}), S-worker "
+              f"{s_per_token * 1e9:.2f} ns per streamed entry; predicted step at W=0 {price(0) * 1e3:.0f} ms -> S = "
+              f"{seq} (predicted gain {schedule_gain(price, batch, PROMPT_LEN, seq):.3f})", flush=True)
+        window = schedule.interval * max(1, round(life / 4 / schedule.interval))
+        traces, windows = [], []
+        for rep in range(args.trace_repeats):
+            for name in (("without", "with") if rep % 2 == 0 else ("with", "without")):
+                sls = schedule if name == "with" else None
+                steps = life + 2 if sls is None else life + schedule.interval + window
+                trace = await _trace(graph, model, urls, batch, seq, sls, max(2, batch // 2), steps, f"{rep}")
+                if sls is None:  # one whole life: from the first batch's second step to the next batch's first
+                    first = 0
+                    last = next(i for i in range(1, len(trace["started"])) if trace["started"][i])
+                else:
+                    first, last = steps - window - 1, steps - 1
+                traces.append((name, trace))
+                windows.append((first, last))
+                print(f"   trace {name} the schedule: {steps} steps in {trace['ended'][-1] - trace['ended'][0]:.0f} s",
+                      flush=True)
+    return traces, trips, r_situ, seq, schedule, price, windows
+
+
+def _sls_gain_explained(traces: list, windows: list, price, batch: int, seq: int, figures: dict) -> None:
+    """The schedule's tokens/s gain as the step model (aiollm.planner.fastdecode.predict_step in this placement)
+    prices each measured window's per-step (batch, W), beside the measured one, and the model's own
+    `schedule_gain` at this B and S: where the model and the measurement part, the print says which steps did."""
+    predicted = {"with": [0.0, 0.0], "without": [0.0, 0.0]}
+    for (name, trace), (first, last) in zip(traces, windows):
+        for b, w in zip(trace["batch"][first + 1:last + 1], trace["tokens"][first + 1:last + 1]):
+            predicted[name][0] += b
+            predicted[name][1] += price(w, b)
+    ratio = (predicted["with"][0] / predicted["with"][1]) / (predicted["without"][0] / predicted["without"][1])
+    ideal = schedule_gain(price, batch, PROMPT_LEN, seq)
+    measured = {}
+    for name in ("with", "without"):
+        steps = [(trace["step_s"][first + 1:last + 1], trace["tokens"][first + 1:last + 1])
+                 for (n, trace), (first, last) in zip(traces, windows) if n == name]
+        measured[name] = (np.concatenate([s for s, _ in steps]), np.concatenate([w for _, w in steps]))
+    # the measured decode step (prefills excluded) by W quartile of the unscheduled life, beside the model
+    step_s, held = measured["without"]
+    edges = np.quantile(held, [0, 0.25, 0.5, 0.75, 1])
+    quartiles = [(float(held[(held >= lo) & (held <= hi)].mean()), float(np.median(step_s[(held >= lo) & (held <= hi)])))
+                 for lo, hi in itertools.pairwise(edges)]
+    with_w, with_step = float(measured["with"][1].mean()), float(np.median(measured["with"][0]))
+    figures.update(sls_predicted_tokens_ratio=ratio, sls_predicted_gain_balanced=ideal,
+                   sls_step_by_w_without=[{"w": w, "step_ms": 1e3 * t, "predicted_ms": 1e3 * price(w)}
+                                          for w, t in quartiles],
+                   sls_step_with={"w": with_w, "step_ms": 1e3 * with_step, "predicted_ms": 1e3 * price(with_w)})
+    print(f"\n-- schedule gain by the step model (predict_step, S-worker and R-worker on cores of their own) over "
+          f"these windows' (batch, W): with/without {ratio:.3f} (its schedule_gain at B={batch}, S={seq}: {ideal:.3f});"
+          f" measured {figures['ratio_sls_tokens']:.3f}\n   decode step (median, prefills excluded) vs W: without, by "
+          f"quartile of its life: " + ", ".join(f"W={w:.0f}: {1e3 * t:.0f} ms (model {1e3 * price(w):.0f})"
+                                                   for w, t in quartiles)
+          + f"; with: W={with_w:.0f}: {1e3 * with_step:.0f} ms (model {1e3 * price(with_w):.0f}) - the gain is the "
+            f"unscheduled life's mean step over the held one, so it needs the step flat in the early quartiles "
+            f"(S-part binds) and rising in the late ones (R-part binds)")
 
 
 def _t_of_b(model, sizes: list[int], repeats: int = 5) -> dict[int, float]:
@@ -347,9 +458,11 @@ def _measure_r(model, seq_len: int, dtype: str = "fp16", batch: int = 16) -> flo
     return best / (batch * seq_len)
 
 
-async def _r_workers(graph: Graph, n: int, threads: int = 1, kv_dtype: str = "fp16") -> list[str]:
+async def _r_workers(graph: Graph, n: int, threads: int = 1, kv_dtype: str = "fp16",
+                     prefix: tuple[str, ...] = ()) -> list[str]:
     args = ("--model", MODEL, "--kv-memory", "8GiB", "--kv-dtype", kv_dtype, "--threads", str(threads))
-    nodes = await asyncio.gather(*(graph.start_node("r-worker", process=True, args=args) for _ in range(n)))
+    nodes = await asyncio.gather(*(graph.start_node("r-worker", process=True, args=args, prefix=prefix)
+                                   for _ in range(n)))
     return [node.actors["r-worker"] for node in nodes]
 
 
@@ -390,13 +503,14 @@ async def _wait_steps(s, steps: int) -> None:
 
 async def _throughput(model, batches: list[int], seq_len: int, check: int, curve: dict[int, float],
                       r_of: dict[str, float], cores: float
-                      ) -> tuple[list[dict], dict, dict[int, dict[int, float]], list[dict], float]:
+                      ) -> tuple[list[dict], dict, dict[int, dict[int, AskCost]], list[dict], dict[int, tuple]]:
     """Rows for every (P, B), each with or without the pipeline as the step model predicts faster; with 2
     R-workers B=`check` once more the other way, and the same B at equal contexts from the prompt to S (an
-    unscheduled batch's life). First, in the same processes: {P: C(b)} at every rows-per-ask either mode uses
-    (aiollm.planner.fastdecode.step_round_trip: real steps at short contexts) and R in situ (a real unpipelined
-    step at context S minus its S-part and C(b), per KV entry; the kernel alone on a fresh pool is a floor)."""
-    rows, off, trips, ramp, r_situ = [], {}, {}, [], r_of["fp16"]
+    unscheduled batch's life). First, in the same processes, each side timed by its own CPU clock: {P: ask costs}
+    at every rows-per-ask either mode uses (aiollm.planner.fastdecode.step_costs: real steps at short contexts)
+    and {P: (R in situ, the S-worker's CPU per streamed KV entry)} (long_step_terms: a real unpipelined step of
+    B=`check` at context S/2; the kernel alone on a fresh pool is R's floor)."""
+    rows, off, trips, ramp, situ = [], {}, {}, [], {}
     layers = model.config.n_layers
     # time-shared rows: no pipeline, the S-part on every core while the R-workers wait, then the R-workers' attention
     # on every core while the S-worker waits (each phase alone on the machine instead of all three competing)
@@ -406,20 +520,18 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
 
     def pipelined(batch: int, n: int, r: float) -> bool:
         def step(pipe: bool) -> float:
-            return predict_step(curve, r, trips[n], layers, batch, batch * mean_w, n, pipe, cores).step
+            return predict_step(curve, r, trips[n], layers, batch, batch * mean_w, n, pipe, cores,
+                                s_per_token=situ[n][1]).step
         return batch >= 2 and step(True) < step(False)
 
     for n in (1, 2):
         async with Graph(startup_timeout=120.0) as graph:
             urls = await _r_workers(graph, n)
             per_ask = {max(1, b // d) for b in batches for d in (n, 2 * n)}
-            trips[n] = await step_round_trip(graph.driver, model, urls, sorted(per_ask), curve, r_of["fp16"])
-            if n == 1:  # R as a real R-worker attends (its allocator's blocks, its per-step work), not the kernel alone
-                b = min(64, max(batches))
-                long = await _synthetic_step(graph, model, urls, b, seq_len, "s-r-probe", pipeline=False,
-                                             context=seq_len - 8)
-                rest = interpolate(curve, b) + layers * interpolate(trips[1], b)
-                r_situ = max(r_of["fp16"], (long["step_ms"] / 1e3 - rest) / long["kv_tokens"])
+            trips[n] = await step_costs(graph.driver, model, urls, sorted(per_ask), curve, r_of["fp16"])
+            situ[n] = await long_step_terms(graph.driver, model, urls, check, seq_len // 2, curve, trips[n],
+                                            r_of["fp16"])
+            r_situ = situ[n][0]
             for batch in batches:
                 pipe = pipelined(batch, n, r_situ)
                 rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-{n}-{batch}",
@@ -436,7 +548,7 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
                 for i, context in enumerate(np.linspace(PROMPT_LEN, seq_len - 8, 4).astype(int).tolist()):
                     ramp.append({**await _synthetic_step(graph, model, urls, check, seq_len, f"s-ramp-{i}",
                                                          pipeline=pipe, context=context), "context": context})
-    r_int8 = r_situ * r_of["int8"] / r_of["fp16"]
+    r_int8 = situ[2][0] * r_of["int8"] / r_of["fp16"]
     async with Graph(startup_timeout=120.0) as graph:  # int8 KV halves the bytes the R-part reads
         urls = await _r_workers(graph, 2, kv_dtype="int8")
         for batch in [b for b in batches if b >= 256] or batches[-1:]:
@@ -449,7 +561,7 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
         batch = max(batches)
         rows.append({**await _synthetic_step(graph, model, urls[:1], batch, seq_len, "s-int8-p1",
                                              pipeline=pipelined(batch, 1, r_int8)), "kv": "int8"})
-    return rows, off, trips, ramp, r_situ
+    return rows, off, trips, ramp, situ
 
 
 async def _naive_threads(model, batch: int, seq_len: int, cores: int, pipeline: bool) -> dict:
@@ -561,47 +673,49 @@ def _transformers(seq_len: int, configs: list[tuple[str, int]], threads: list[in
 
 def _trace_schedule(batch: int, seq_len: int, micro_batch: int) -> SLSConfig:
     """The schedule for requests of PROMPT_LEN + (S - PROMPT_LEN) tokens: a sequence decodes for S' = S - PROMPT_LEN
-    steps, so F = M*S'/B keeps B sequences active, and W_lim = B*(PROMPT_LEN + (S'+F)/2) is the paper's
-    B*(S+F)/2 plus the prompts every sequence holds from its first step."""
+    steps, so F = M*S'/B keeps B sequences active. W_lim is the paper's B*(S'+F)/2 plus the prompts every sequence
+    holds from its first step, plus one micro-batch at its longest (M*S): at an admission slot Algorithm 1 still
+    counts the oldest micro-batch for its last steps beside the new one, so with the paper's bound alone it
+    delays micro-batches and the batch runs ~10 % short of B (115.8 of 128 in a trace at S=544)."""
     life = seq_len - PROMPT_LEN
     interval = max(1, micro_batch * life // batch)
-    return SLSConfig(batch, life, interval, workload_limit=batch * (PROMPT_LEN + (life + interval + 1) // 2))
+    config = SLSConfig(batch, life, interval)
+    return SLSConfig(batch, life, interval, workload_limit=batch * (PROMPT_LEN + (life + interval + 1) // 2)
+                     + config.micro_batch_size * seq_len)
 
 
-async def _trace(model, batch: int, seq_len: int, schedule: SLSConfig | None, pipeline_min: int,
-                 probe: tuple[dict[int, float], float, list[int]]) -> tuple[dict, dict[int, float]]:
-    """Real requests (short prompts, completions to S) through 2 R-workers for 2*S steps: the S-worker's trace,
-    and C(b) at the rows-per-ask the step model needs (probe: T(B), R and those rows; measured first)."""
-    steps = 2 * seq_len
-    async with Graph(startup_timeout=120.0) as graph:
-        urls = await _r_workers(graph, 2)
-        curve, r_per_token, rows = probe
-        trips = await step_round_trip(graph.driver, model, urls, rows, curve, r_per_token)
-        config = SWorkerConfig(max_batch=batch, pipeline_min_batch=pipeline_min, schedule=schedule)
-        s = await graph.driver.spawn(SWorker(model, urls, config), "s-trace")
-        sink = _Sink()
-        sink_ref = await graph.driver.spawn(sink, "sink")
-        sampling = Sampling(max_tokens=seq_len - PROMPT_LEN, temperature=0.0, top_k=0, top_p=1.0, seed=None,
-                            ignore_eos=True)
-        for i, prompt in enumerate(_prompts(model, 4 * batch, PROMPT_LEN)):
-            await s.tell(Generate(f"trace-{i}", prompt, sampling, sink_ref))
-        await _wait_steps(s, steps)
-        trace = await s.ask(GetTrace())
-        await graph.driver.stop_actor("s-trace")
+async def _trace(graph: Graph, model, urls: list[str], batch: int, seq_len: int, schedule: SLSConfig | None,
+                 pipeline_min: int, steps: int, tag: str) -> dict:
+    """Real requests (prompts of PROMPT_LEN, completions to `seq_len`) through the R-workers at `urls` for
+    `steps` steps: the S-worker's trace. The S-worker's stop releases what it still holds there."""
+    name = f"s-trace-{'with' if schedule else 'without'}-{tag}"
+    config = SWorkerConfig(max_batch=batch, pipeline_min_batch=pipeline_min, schedule=schedule)
+    s = await graph.driver.spawn(SWorker(model, urls, config), name)
+    sink_ref = await graph.driver.spawn(_Sink(), f"sink-{name}")
+    sampling = Sampling(max_tokens=seq_len - PROMPT_LEN, temperature=0.0, top_k=0, top_p=1.0, seed=None,
+                        ignore_eos=True)
+    for i, prompt in enumerate(_prompts(model, 4 * batch, PROMPT_LEN)):
+        await s.tell(Generate(f"trace-{tag}-{i}", prompt, sampling, sink_ref))
+    await _wait_steps(s, steps)
+    trace = await s.ask(GetTrace())
+    await graph.driver.stop_actor(name)
+    await graph.driver.stop_actor(f"sink-{name}")
     return {"step_s": trace.step_s[:steps], "batch": trace.batch[:steps], "tokens": trace.tokens[:steps],
-            "ended": trace.ended[:steps]}, trips
+            "ended": trace.ended[:steps], "started": trace.started[:steps]}
 
 
-def _summarise(name: str, trace: dict, warm: int, pipeline_min: int) -> dict:
-    """Step latency = time between consecutive steps' ends (prefills of new requests included)."""
+def _summarise(name: str, trace: dict, first: int, last: int) -> dict:
+    """The window of steps first+1..last (from the end of step `first` to the end of step `last`); step latency =
+    time between consecutive steps' ends (prefills of new requests included)."""
     ended = trace["ended"]
-    gaps = np.diff(ended)[warm - 1:]
-    tokens = sum(trace["batch"][warm:])
+    gaps = np.diff(ended)[first:last]
+    tokens = sum(trace["batch"][first + 1:last + 1])
+    seconds = ended[last] - ended[first]
+    held = trace["tokens"][first + 1:last + 1]
     return {"schedule": name, "steps": len(gaps), "max_step_ms": 1e3 * float(gaps.max()),
-            "median_step_ms": 1e3 * float(np.median(gaps)), "tokens_per_s": tokens / (ended[-1] - ended[warm - 1]),
-            "max_kv_tokens": max(trace["tokens"][warm:]), "mean_kv_tokens": float(np.mean(trace["tokens"][warm:])),
-            "mean_batch": float(np.mean(trace["batch"][warm:])),
-            "pipelined_steps": float(np.mean(np.array(trace["batch"][warm:]) >= pipeline_min))}
+            "median_step_ms": 1e3 * float(np.median(gaps)), "tokens_per_s": tokens / seconds, "tokens": tokens,
+            "seconds": seconds, "max_kv_tokens": max(held), "mean_kv_tokens": float(np.mean(held)),
+            "mean_batch": float(np.mean(trace["batch"][first + 1:last + 1]))}
 
 
 def _plot(traces: dict, warm: int, path: Path, title: str) -> None:

@@ -7,13 +7,18 @@ so neither side waits when the R time per step equals the S time T(B): B*S*R / (
 B itself is the largest batch whose T(B) meets the latency target, or, without one, the smallest batch that
 reaches 90 % of the best measured S-part throughput B/T(B) (past it, more batch adds latency, not tokens/s).
 
-That formula ignores two costs that dominate on a small CPU box (measured on 2 shared vCPUs: the formula
-predicted 0.60x the real step). `predict_step` adds them:
-- communication: every layer sends each R-worker one `Attend` per mini-batch and waits for the reply; its
-  round trip C(b) at b rows (encode, loopback TCP, decode, handling, reply) is measured, not assumed, and
-  counts both as latency on each mini-batch's chain and as CPU work on the two processes;
+That formula ignores costs that dominate on a small CPU box (measured on 2 shared vCPUs: the formula
+predicted 0.60x the real step). `predict_step` adds them, each measured in real steps of S-worker and
+R-worker processes with their CPU clocks (`step_costs`, `long_step_terms`), not assumed:
+- communication and bookkeeping: every layer sends each R-worker one `Attend` per mini-batch and waits for the
+  reply. Per ask at b rows: the S-worker's CPU beyond its S-part T(B) (encoding, the event loop, sampling
+  spread over the asks), the R-worker's CPU beyond the attention (decoding, KV write, block tables, reply),
+  and the time neither computes (wire, wake-ups): `AskCost`;
+- the R-part in situ: attention CPU per KV entry in a real R-worker while its peers attend too, and the
+  S-worker's CPU that grows with the KV the R-workers stream (measured 0.3-0.4 ns per entry on this box: their
+  streaming evicts its weights from the shared cache);
 - core sharing: when the S-worker and the P R-workers have fewer cores than processes, no part overlaps for
-  free: the step is at least all the CPU work (S-part + attention + communication) over the cores.
+  free: the step is at least all the CPU work over the cores.
 The step is the largest of four bounds: the S-worker's own work, the busiest R-worker's work, one mini-batch's
 dependency chain through the layers, and all the work over the cores.
 """
@@ -23,6 +28,7 @@ import functools
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -57,6 +63,27 @@ class Sizing:
 
 
 @dataclass(frozen=True)
+class AskCost:
+    """What one `Attend` ask at some rows costs beyond the S-part and the attention themselves (seconds)."""
+
+    # the S-worker's CPU (its S-part measured alone excluded)
+    s: float
+    # the R-worker's CPU (its attention excluded)
+    r: float
+    # the time neither computes: wire, wake-ups
+    wait: float
+
+    @property
+    def total(self) -> float:
+        return self.s + self.r + self.wait
+
+    @classmethod
+    def even(cls, seconds: float) -> AskCost:
+        """A round trip known only as a total: its CPU charged half to each side, no wait."""
+        return cls(seconds / 2, seconds / 2, 0.0)
+
+
+@dataclass(frozen=True)
 class StepPrediction:
     """A decode step's predicted time and the bounds it is the largest of (seconds)."""
 
@@ -65,48 +92,86 @@ class StepPrediction:
     r_worker: float
     chain: float
     all_over_cores: float
-    # the communication CPU included above, and the round trip per ask it came from
+    # the communication included above (CPU of both sides and waits), and the ask cost it came from
     communication: float
-    round_trip: float
+    ask: AskCost
 
     def explain(self) -> str:
         bounds = {"S-worker work": self.s_worker, "busiest R-worker": self.r_worker,
                   "one mini-batch's chain": self.chain, "all work / cores": self.all_over_cores}
         binding = max(bounds, key=bounds.get)
         return (", ".join(f"{k} {v*1e3:.1f} ms" for k, v in bounds.items())
-                + f" -> {self.step*1e3:.1f} ms ({binding} binds; communication {self.communication*1e3:.1f} ms "
-                  f"of CPU at {self.round_trip*1e3:.2f} ms per ask)")
+                + f" -> {self.step*1e3:.1f} ms ({binding} binds; communication {self.communication*1e3:.1f} ms at "
+                  f"{self.ask.total*1e3:.2f} ms per ask: S {self.ask.s*1e3:.2f}, R {self.ask.r*1e3:.2f}, "
+                  f"wait {self.ask.wait*1e3:.2f})")
 
 
-def predict_step(t_of_b: dict[int, float], r_per_token: float, round_trip: dict[int, float], n_layers: int,
-                 batch: int, kv_tokens: float, workers: int, pipelined: bool, cores: float) -> StepPrediction:
+def predict_step(t_of_b: dict[int, float], r_per_token: float, round_trip: dict[int, AskCost], n_layers: int,
+                 batch: int, kv_tokens: float, workers: int, pipelined: bool, cores: float,
+                 r_cores: float = 0.0, s_per_token: float = 0.0) -> StepPrediction:
     """Predicted decode step of `batch` sequences holding `kv_tokens` KV entries in all, on `workers` R-workers.
 
     t_of_b: S-part seconds per batch size; r_per_token: attention seconds per KV entry (all layers, one
-    thread); round_trip: seconds of one `Attend` ask per rows carried; cores: the cores the S-worker and the
-    R-workers share (the effective count when other load is on them). Rows are spread evenly over R-workers."""
+    thread); round_trip: `AskCost` per rows carried; cores: the cores the S-worker and the R-workers share (the
+    effective count when other load is on them); s_per_token: the S-worker's CPU per KV entry the R-workers
+    stream. Rows are spread evenly over R-workers. r_cores > 0 is FastDecode's placement instead: the R-workers
+    confined to `r_cores` cores of their own, the S-worker alone on the other `cores - r_cores` (its T(B)
+    measured there), so each side's work is bounded by its own cores and only the pipeline's overlap is left."""
     if batch <= 0 or workers <= 0 or n_layers <= 0 or cores <= 0 or kv_tokens < 0:
         raise ValueError(f"need batch, workers, n_layers, cores > 0 and kv_tokens >= 0, got {batch}, {workers}, "
                          f"{n_layers}, {cores}, {kv_tokens}")
+    if r_cores < 0 or (r_cores and r_cores >= cores):
+        raise ValueError(f"r_cores must be 0 (all shared) or in (0, cores={cores}), got {r_cores}")
     if not round_trip:
-        raise ValueError("round_trip: need measured {rows: seconds}")
+        raise ValueError("round_trip: need measured {rows: AskCost}")
     groups = 2 if pipelined else 1
     half = batch / groups
     s_part = groups * interpolate(t_of_b, half)
     attention = r_per_token * kv_tokens
     rows = max(1.0, half / workers)
-    trip = interpolate(round_trip, rows)
+    ask = interpolate_cost(round_trip, rows)
     asks = n_layers * groups * workers
-    communication = asks * trip
-    # the round trip's CPU is split between the S-worker (encode q/k/v, decode o) and the R-worker (the reverse)
-    s_worker = s_part + communication / 2
-    r_worker = attention / workers + n_layers * groups * trip / 2
-    # a mini-batch waits for its own S-part (all layers), a round trip per layer, and its share of attention,
-    # which its R-workers run side by side only as far as there are cores for them
-    chain = interpolate(t_of_b, half) + n_layers * trip + attention / (groups * min(workers, cores))
-    all_over_cores = (s_part + attention + communication) / min(cores, workers + 1)
+    s_worker = s_part + asks * ask.s + s_per_token * kv_tokens
+    r_each = attention / workers + n_layers * groups * ask.r
+    # R-workers on cores of their own run side by side only as far as those cores go; sharing, see all_over_cores
+    side_by_side = min(workers, r_cores or cores)
+    r_worker = r_each * workers / min(workers, r_cores) if r_cores else r_each
+    # a mini-batch waits for its own S-side work, then per layer for its R-workers (side by side as far as there
+    # are cores for them) and the wait of the ask
+    chain = (interpolate(t_of_b, half) + n_layers * workers * ask.s + s_per_token * kv_tokens / groups
+             + n_layers * (ask.wait + workers * ask.r / side_by_side) + attention / (groups * side_by_side))
+    all_over_cores = (s_worker + workers * r_each) / min(cores, workers + 1)
     step = max(s_worker, r_worker, chain, all_over_cores)
-    return StepPrediction(step, s_worker, r_worker, chain, all_over_cores, communication, trip)
+    return StepPrediction(step, s_worker, r_worker, chain, all_over_cores, asks * ask.total, ask)
+
+
+def interpolate_cost(costs: dict[int, AskCost], rows: float) -> AskCost:
+    """Each part of an `AskCost` interpolated linearly between measured row counts (see `interpolate`)."""
+    return AskCost(*(interpolate({b: getattr(c, f) for b, c in costs.items()}, rows) for f in ("s", "r", "wait")))
+
+
+def schedule_gain(step: Callable[[float], float], batch: int, prompt: int, seq_len: int, points: int = 32) -> float:
+    """Tokens/s with / without the load-stabilising schedule for `batch` sequences of `prompt` tokens decoding to
+    `seq_len`, by a step-time function of W (the KV entries a step attends over, e.g. `predict_step`).
+
+    Without the schedule a batch started together steps through equal contexts from the prompt to S, so its
+    tokens/s is B over the mean step of that life; with it W stays at the life's mean. Only a step convex in W
+    (FastDecode's max of S-part and R-part on hardware of their own) makes the held mean faster than the swing."""
+    if not 0 < prompt < seq_len or batch <= 0:
+        raise ValueError(f"need batch > 0 and 0 < prompt < seq_len, got {batch}, {prompt}, {seq_len}")
+    contexts = np.linspace(prompt + 1, seq_len, points)
+    life = float(np.mean([step(batch * c) for c in contexts]))
+    return life / step(batch * float(np.mean(contexts)))
+
+
+def balanced_seq_len(step: Callable[[float], float], batch: int, prompt: int, longest: int) -> int:
+    """The S (a multiple of 16 up to `longest`) at which `schedule_gain` is largest: the unscheduled batch's
+    mean W sits where the R-part starts to bind, so the S-part binds through the first half of its life and the
+    R-part through the second (FastDecode's balanced case, up to ~25 % with a sharp max)."""
+    lengths = range(max(32, 2 * prompt), longest + 1, 16)
+    if not lengths:
+        raise ValueError(f"longest ({longest}) must be >= {max(32, 2 * prompt)}")
+    return max(lengths, key=lambda s: schedule_gain(step, batch, prompt, s))
 
 
 def interpolate(curve: dict[int, float], batch: float) -> float:
@@ -122,9 +187,10 @@ def interpolate(curve: dict[int, float], batch: float) -> float:
 
 
 def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_target: float | None = None,
-         round_trip: dict[int, dict[int, float]] | None = None, n_layers: int = 0, cores: float = 0.0) -> Sizing:
-    """Pick B from the measured T(B) curve, then P = B*S*R / (2*T(B)); with C(b) measured per R-worker count
-    ({P: {rows per ask: seconds}}, see `step_round_trip`; a P not measured uses the largest measured one below
+         round_trip: dict[int, dict[int, AskCost]] | None = None, n_layers: int = 0, cores: float = 0.0,
+         s_per_token: float = 0.0) -> Sizing:
+    """Pick B from the measured T(B) curve, then P = B*S*R / (2*T(B)); with the ask costs measured per R-worker
+    count ({P: {rows per ask: AskCost}}, see `step_costs`; a P not measured uses the largest measured one below
     it), the model's layer count and the cores the roles share, P is instead the fewest R-workers whose
     `predict_step` is within 5 % of the best, and the predicted step is the one reported."""
     if not t_of_b or any(b <= 0 or t <= 0 for b, t in t_of_b.items()):
@@ -161,11 +227,12 @@ def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_tar
     if n_layers <= 0 or cores <= 0:
         raise ValueError(f"with round_trip, need n_layers and cores > 0, got {n_layers}, {cores}")
     if not round_trip or min(round_trip) < 1:
-        raise ValueError("round_trip: need {R-workers: {rows: seconds}} for at least one R-worker count >= 1")
+        raise ValueError("round_trip: need {R-workers: {rows: AskCost}} for at least one R-worker count >= 1")
     for p in sorted(round_trip):
-        lines.append(f"C(b), a step's per-layer cost per ask beyond S-part and attention, measured in real steps "
-                     f"with {p} R-worker(s): " +
-                     ", ".join(f"C({b})={t*1e3:.2f} ms" for b, t in sorted(round_trip[p].items())))
+        lines.append(f"C(b), a step's cost per ask beyond S-part and attention (S-worker CPU + R-worker CPU + "
+                     f"wait), measured in real steps with {p} R-worker(s): " +
+                     ", ".join(f"C({b})={t.total*1e3:.2f} ms ({t.s*1e3:.2f} + {t.r*1e3:.2f} + {t.wait*1e3:.2f})"
+                               for b, t in sorted(round_trip[p].items())))
     lines.append(f"{n_layers} layers x 2 mini-batches x P asks per step; {cores:.3g} cores shared by the S-worker "
                  f"and the P R-workers (one thread each)")
     pipelined = batch >= 2
@@ -174,7 +241,8 @@ def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_tar
         return round_trip[max(m for m in round_trip if m <= p)]
 
     options = {p: predict_step(t_of_b, r_per_token, curve(p), n_layers, batch, batch * seq_len / 2, p, pipelined,
-                               cores) for p in range(1, max(2 * workers, math.ceil(cores) + 2, 4) + 1)}
+                               cores, s_per_token=s_per_token)
+               for p in range(1, max(2 * workers, math.ceil(cores) + 2, 4) + 1)}
     best = min(o.step for o in options.values())
     chosen = min(p for p, o in options.items() if o.step <= 1.05 * best)
     for p, o in options.items():
@@ -250,62 +318,108 @@ def measure_r(model_name: str, seq_len: int, batch: int = 16, repeats: int = 3) 
     return best / (batch * seq_len)
 
 
-def measure_round_trip(model_name: str, rows: list[int], t_of_b: dict[int, float], r_per_token: float,
-                       workers: tuple[int, ...] = (1, 2), kv_dtype: str = "fp16") -> dict[int, dict[int, float]]:
-    """{P: C(b)} by `step_round_trip` against P R-worker processes started here for the purpose
-    (`python -m aiollm.node --role r-worker`, loopback TCP, as the S-worker talks to its R-workers)."""
+def measure_costs(model_name: str, rows: list[int], t_of_b: dict[int, float], r_per_token: float,
+                  workers: tuple[int, ...] = (1, 2), kv_dtype: str = "fp16", seq_len: int = 1024
+                  ) -> tuple[dict[int, dict[int, AskCost]], float, float]:
+    """({P: ask costs} by `step_costs`, R in situ and the S-worker's CPU per streamed KV entry by `long_step_terms`
+    with the most R-workers) against R-worker processes started here for the purpose (`python -m aiollm.node
+    --role r-worker`, loopback TCP, as the S-worker talks to its R-workers)."""
     import asyncio
 
     from aiollm.graph import Graph
 
     _, model = _load_model(model_name)
 
-    async def run() -> dict[int, dict[int, float]]:
+    async def run() -> tuple[dict[int, dict[int, AskCost]], float, float]:
         async with Graph(startup_timeout=120.0) as graph:
             nodes = [await graph.start_node("r-worker", process=True, args=(
-                "--model", model_name, "--kv-memory", "1GiB", "--kv-dtype", kv_dtype, "--threads", "1"))
+                "--model", model_name, "--kv-memory", "4GiB", "--kv-dtype", kv_dtype, "--threads", "1"))
                 for _ in range(max(workers))]
             urls = [node.actors["r-worker"] for node in nodes]
-            return {p: await step_round_trip(graph.driver, model, urls[:p], rows, t_of_b, r_per_token)
-                    for p in workers}
+            costs = {p: await step_costs(graph.driver, model, urls[:p], rows, t_of_b, r_per_token) for p in workers}
+            p = max(workers)
+            terms = await long_step_terms(graph.driver, model, urls[:p], p * max(rows), seq_len // 2, t_of_b,
+                                          costs[p], r_per_token)
+            return costs, *terms
 
     return asyncio.run(run())
 
 
-async def step_round_trip(driver, model, r_workers: list[str], rows: list[int], t_of_b: dict[int, float],
-                          r_per_token: float, context: int = 16, steps: int = 4) -> dict[int, float]:
-    """C(b): seconds per layer that a real decode step spends beyond its S-part and attention, with b rows per ask.
-
-    An S-worker spawned on `driver` (a Node) decodes P*b synthetic sequences of `context` entries through the
-    P R-workers at `r_workers` without the pipeline, so C(b) = (median step - T(P*b) - R*W/P) / layers. That is
-    each layer's `Attend` round trip with everything a real step adds to it (encoding the q/k/v slices, waking
-    the R-workers, their KV write and block tables, decoding the replies; with more processes than cores, the
-    waits for a core) plus the step's sampling, spread over the layers. An idle ping-pong with the same tensors
-    measured 2-3x less here: it misses the wake-ups and the competition for cores."""
+async def probe_step(driver, model, r_workers: list[str], context_lens: list[int], steps: int = 4,
+                     pipeline: bool = False, name: str = "step-probe") -> tuple[float, float, float, float]:
+    """(median step wall seconds, the S-worker's CPU per step, the busiest R-worker's CPU per step, mean KV
+    entries held) of `steps` decode steps (after one warm-up step) of synthetic sequences with `context_lens`,
+    by an S-worker spawned on `driver` (this process) and the R-worker processes at `r_workers`, each side
+    timed by its own process CPU clock."""
     import asyncio
 
-    from aiollm.workers.fastdecode_messages import GetTrace, Synthetic
+    from aiollm.workers.fastdecode_messages import GetRLoad, GetTrace, Synthetic
     from aiollm.workers.messages import GetLoad
     from aiollm.workers.s_worker import SWorker, SWorkerConfig
 
+    refs = [driver.ref(url) for url in r_workers]
+    config = SWorkerConfig(max_batch=len(context_lens), pipeline=pipeline, pipeline_min_batch=2)
+    s = await driver.spawn(SWorker(model, r_workers, config), name)
+    deadline = time.monotonic() + 300.0
+
+    async def steps_done(n: int) -> int:
+        while len(trace := (await s.ask(GetTrace())).step_s) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: the S-worker did not finish its steps")
+            await asyncio.sleep(0.02)
+        return len(trace)
+
+    try:
+        await s.ask(Synthetic(context_lens, steps + 2), timeout=300.0)
+        first = await steps_done(1)
+        before = [(await r.ask(GetRLoad())).cpu_s for r in refs]
+        last = await steps_done(steps + 1)
+        after = [(await r.ask(GetRLoad())).cpu_s for r in refs]
+        trace = await s.ask(GetTrace())
+        while (await s.ask(GetLoad())).running:
+            await asyncio.sleep(0.02)
+    finally:
+        await driver.stop_actor(name)
+    r_cpu = max(b - a for a, b in zip(before, after)) / max(1, last - first)
+    return (float(np.median(trace.step_s[1:])), float(np.median(trace.cpu_s[1:])), r_cpu,
+            float(np.mean(trace.tokens[1:])))
+
+
+async def step_costs(driver, model, r_workers: list[str], rows: list[int], t_of_b: dict[int, float],
+                     r_per_token: float, context: int = 16, steps: int = 4) -> dict[int, AskCost]:
+    """{b: AskCost}: what a real decode step spends per ask beyond its S-part and attention, with b rows per ask.
+
+    P*b synthetic sequences of `context` entries decode through the P R-workers at `r_workers` without the
+    pipeline (`probe_step`). Per ask: the S-worker's CPU beyond T(P*b) (encoding q/k/v, decoding replies, the
+    event loop, sampling spread over the asks: (CPU per step - T(P*b)) / (layers*P)), the busiest R-worker's
+    CPU beyond its attention (CPU per step - R*W/P) / layers, and the wait: the part of the step neither side
+    computes, per layer. An idle ping-pong with the same tensors measured 2-3x less here: it misses the
+    wake-ups, the KV write and block tables, and the competition for cores."""
     out = {}
     p = len(r_workers)
+    layers = model.config.n_layers
     for b in rows:
-        name = f"round-trip-probe-{p}-{b}"
-        s = await driver.spawn(SWorker(model, r_workers, SWorkerConfig(max_batch=p * b, pipeline=False)), name)
-        try:
-            await s.ask(Synthetic([context] * (p * b), steps + 1), timeout=300.0)
-            deadline = time.monotonic() + 120.0
-            while len((trace := await s.ask(GetTrace())).step_s) < steps + 1 or (await s.ask(GetLoad())).running:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"round-trip probe at {b} rows: the S-worker did not finish its steps")
-                await asyncio.sleep(0.02)
-        finally:
-            await driver.stop_actor(name)
-        step = float(np.median(trace.step_s[1:]))
-        attention = r_per_token * float(np.mean(trace.tokens[1:])) / p
-        out[b] = max(0.0, (step - interpolate(t_of_b, p * b) - attention) / model.config.n_layers)
+        step, s_cpu, r_cpu, held = await probe_step(driver, model, r_workers, [context] * (p * b), steps,
+                                                    name=f"cost-probe-{p}-{b}")
+        r_over = max(0.0, r_cpu - r_per_token * held / p)
+        out[b] = AskCost(max(0.0, s_cpu - interpolate(t_of_b, p * b)) / (layers * p), r_over / layers,
+                         max(0.0, step - s_cpu - r_cpu) / layers)
     return out
+
+
+async def long_step_terms(driver, model, r_workers: list[str], batch: int, context: int, t_of_b: dict[int, float],
+                          costs: dict[int, AskCost], r_kernel: float) -> tuple[float, float]:
+    """(R in situ, the S-worker's CPU per KV entry streamed) from one unpipelined probe of `batch` sequences at
+    `context` entries on the R-workers at `r_workers`: the busiest R-worker's CPU beyond its asks per entry it
+    holds (a real R-worker's blocks, its peers attending at the same time; the kernel alone on a fresh pool,
+    `r_kernel`, is the floor), and the S-worker's CPU beyond T(B) and its asks per entry all R-workers hold."""
+    p = len(r_workers)
+    layers = model.config.n_layers
+    ask = interpolate_cost(costs, batch / p)
+    _, s_cpu, r_cpu, held = await probe_step(driver, model, r_workers, [context] * batch, name=f"long-probe-{p}")
+    r_situ = max(r_kernel, (r_cpu - layers * ask.r) / (held / p))
+    s_per_token = max(0.0, (s_cpu - interpolate(t_of_b, batch) - layers * p * ask.s) / held)
+    return r_situ, s_per_token
 
 
 @functools.lru_cache(maxsize=1)

@@ -83,6 +83,8 @@ class RLoad(Message, tag="fd.load"):
     block_size: int
     # KV storage: "fp32", "fp16" or "int8"
     dtype: str
+    # CPU seconds this R-worker's process has used since it started (its share of a step's work, measured)
+    cpu_s: float = 0.0
 
 
 class Synthetic(Message, tag="fd.synthetic"):
@@ -120,3 +122,5 @@ class Trace(Message, tag="fd.trace"):
     ended: list[float]
     # sequences re-placed on surviving R-workers (re-prefilled) after an R-worker was lost, since the start
     recovered: int = 0
+    # CPU seconds the S-worker's process used during each step (its S-part and its side of the round trips)
+    cpu_s: list[float] = []

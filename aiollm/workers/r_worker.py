@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -141,7 +142,7 @@ class SequenceStore:
         return RLoad(sequences=len(self.lengths), tokens=sum(self.lengths.values()),
                      reserved_tokens=sum(self.max_lens.values()),
                      blocks_used=c.n_blocks - self.allocator.n_free, blocks_total=c.n_blocks,
-                     block_size=c.block_size, dtype=c.dtype)
+                     block_size=c.block_size, dtype=c.dtype, cpu_s=time.process_time())
 
 
 class RWorker(Actor):

@@ -120,8 +120,8 @@ class SWorker(Actor):
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.step_no = 0
-        # per step: (seconds, batch, KV entries held, sequences started before it, perf_counter at its end)
-        self._trace: deque[tuple[float, int, int, int, float]] = deque(maxlen=config.trace_len)
+        # per step: (seconds, batch, KV entries held, sequences started before it, perf_counter at its end, CPU seconds)
+        self._trace: deque[tuple[float, int, int, int, float, float]] = deque(maxlen=config.trace_len)
         self._started_now = 0
         # indices of R-workers lost (never used again), and sequences re-placed after a loss
         self._dead: set[int] = set()
@@ -149,6 +149,16 @@ class SWorker(Actor):
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        # what this S-worker admitted would otherwise stay reserved on R-workers that outlive it
+        held: dict[int, list[int]] = defaultdict(list)
+        for req in self._live.values():
+            if req.worker >= 0 and req.worker not in self._dead:
+                held[req.worker].append(req.sid)
+        for worker, sids in held.items():
+            try:
+                await self.workers[worker].tell(Release(sids))
+            except Exception as exc:  # the R-worker is gone too: nothing left to free there
+                _log().warning("release on stop failed", worker=self.r_urls[worker], error=str(exc))
 
     # --- handlers: they only change state and wake the loop -----------------------------------
 
@@ -196,7 +206,8 @@ class SWorker(Actor):
         if msg.reset:
             self._trace.clear()
         return Trace(step_s=[s[0] for s in steps], batch=[s[1] for s in steps], tokens=[s[2] for s in steps],
-                     started=[s[3] for s in steps], ended=[s[4] for s in steps], recovered=self.recovered)
+                     started=[s[3] for s in steps], ended=[s[4] for s in steps], recovered=self.recovered,
+                     cpu_s=[s[5] for s in steps])
 
     @handler(Terminated)
     async def on_terminated(self, msg: Terminated) -> None:
@@ -399,12 +410,12 @@ class SWorker(Actor):
         live = list(self._live.values())
         rows = [StepRow(r.sid, r.worker, r.seq.output[-1], r.seq.length - 1) for r in live]
         held = sum(r.seq.length for r in live)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         pipeline = self.config.pipeline and len(rows) >= self.config.pipeline_min_batch
         tokens = await decode_step(self.model, self.workers, rows, pipeline,
                                    lambda indices, logits: runner.sample_next([live[i].seq for i in indices], logits))
         ended = time.perf_counter()
-        self._trace.append((ended - started, len(live), held, self._started_now, ended))
+        self._trace.append((ended - started, len(live), held, self._started_now, ended, time.process_time() - cpu))
         self._started_now = 0
         await self._send(live, [[t] for t in tokens])
         self.step_no += 1

@@ -4,7 +4,16 @@ import json
 
 import pytest
 
-from aiollm.planner.fastdecode import interpolate, predict_step, read_t_of_b, size
+from aiollm.planner.fastdecode import (
+    AskCost,
+    balanced_seq_len,
+    interpolate,
+    interpolate_cost,
+    predict_step,
+    read_t_of_b,
+    schedule_gain,
+    size,
+)
 
 CURVE = {1: 0.010, 16: 0.012, 64: 0.020, 256: 0.060, 512: 0.120}
 
@@ -46,43 +55,76 @@ def test_bad_inputs():
         size(CURVE, 0.0, 10)
 
 
-TRIP = {8: 0.0007, 128: 0.0025}
+TRIP = {8: AskCost.even(0.0007), 128: AskCost(0.0010, 0.0008, 0.0007)}
 
 
 def test_step_is_the_largest_bound_with_communication_and_shared_cores():
     # B=256 pipelined on 2 R-workers: halves of 128, 64 rows per ask, 30 layers x 2 halves x 2 workers = 120 asks
     p = predict_step(CURVE, 2e-6, TRIP, n_layers=30, batch=256, kv_tokens=131072, workers=2, pipelined=True,
                      cores=2)
-    trip = interpolate(TRIP, 64)
-    s_part, attention, comm = 2 * interpolate(CURVE, 128), 2e-6 * 131072, 120 * trip
-    assert p.round_trip == pytest.approx(trip) and p.communication == pytest.approx(comm)
-    assert p.all_over_cores == pytest.approx((s_part + attention + comm) / 2)
-    assert p.s_worker == pytest.approx(s_part + comm / 2)
+    ask = interpolate_cost(TRIP, 64)
+    assert ask.s == pytest.approx(interpolate({8: 0.00035, 128: 0.0010}, 64))
+    s_part, attention = 2 * interpolate(CURVE, 128), 2e-6 * 131072
+    s_worker, r_each = s_part + 120 * ask.s, attention / 2 + 60 * ask.r
+    assert p.communication == pytest.approx(120 * ask.total)
+    assert p.s_worker == pytest.approx(s_worker) and p.r_worker == pytest.approx(r_each)
+    assert p.all_over_cores == pytest.approx((s_worker + 2 * r_each) / 2)
     assert p.step == max(p.s_worker, p.r_worker, p.chain, p.all_over_cores) == p.all_over_cores
-    # dedicated cores for every process: the shared-core bound stops binding, the S-worker's own work does
+    # a core for every process: the shared-core bound stops binding
     free = predict_step(CURVE, 2e-6, TRIP, 30, 256, 131072, 2, True, cores=16)
-    assert free.step < p.step and free.all_over_cores == pytest.approx((s_part + attention + comm) / 3)
-    # without the pipeline the step is one chain: the S-part, a round trip per layer, and all the attention / P
+    assert free.step < p.step and free.step == max(free.s_worker, free.r_worker, free.chain) > free.all_over_cores
+    # without the pipeline the step is one chain: the S-side work, per layer the R-side overhead and the wait, and
+    # all the attention / P (the two R-workers side by side)
     serial = predict_step(CURVE, 2e-6, TRIP, 30, 256, 131072, 2, False, cores=16)
-    assert serial.chain == pytest.approx(CURVE[256] + 30 * interpolate(TRIP, 128) + attention / 2)
-    # ...and on one core the two R-workers' attention cannot run side by side
+    c = TRIP[128]
+    assert serial.chain == pytest.approx(CURVE[256] + 30 * (2 * c.s + c.r + c.wait) + attention / 2)
+    # ...and on one core the two R-workers' work cannot run side by side
     one_core = predict_step(CURVE, 2e-6, TRIP, 30, 256, 131072, 2, False, cores=1)
-    assert one_core.chain == pytest.approx(CURVE[256] + 30 * interpolate(TRIP, 128) + attention)
+    assert one_core.chain == pytest.approx(CURVE[256] + 30 * (2 * c.s + 2 * c.r + c.wait) + attention)
+    # the S-worker's CPU per KV entry the R-workers stream adds to its own work
+    streamed = predict_step(CURVE, 2e-6, TRIP, 30, 256, 131072, 2, True, cores=16, s_per_token=1e-9)
+    assert streamed.s_worker == pytest.approx(free.s_worker + 131072e-9)
     with pytest.raises(ValueError):
         predict_step(CURVE, 2e-6, {}, 30, 256, 1, 2, True, 2)
+
+
+def test_dedicated_placement_bounds_each_side_by_its_own_cores():
+    # FastDecode's placement: the S-worker on 1 core, 2 R-workers sharing 1 core of their own
+    p = predict_step(CURVE, 2e-6, TRIP, 30, 256, 131072, 2, True, cores=2, r_cores=1)
+    ask = interpolate_cost(TRIP, 64)
+    assert p.r_worker == pytest.approx(2e-6 * 131072 + 2 * 60 * ask.r)
+    assert p.s_worker == pytest.approx(2 * interpolate(CURVE, 128) + 120 * ask.s)
+    with pytest.raises(ValueError, match="r_cores"):
+        predict_step(CURVE, 2e-6, TRIP, 30, 256, 1, 2, True, cores=2, r_cores=2)
+
+
+def test_schedule_gain_needs_a_step_convex_in_w():
+    # linear in W (a step is the sum of its work): holding W at the mean gains nothing
+    assert schedule_gain(lambda w: 0.1 + 1e-6 * w, 128, 16, 544) == pytest.approx(1.0)
+    # FastDecode's max(S-part, R-part) balanced at the life's mean W: the textbook ~25 %, less the discretisation
+    knee = 128 * (16 + 544) / 2 * 1e-6
+
+    def step(w: float) -> float:
+        return max(knee, 1e-6 * w)
+
+    assert 1.2 < schedule_gain(step, 128, 16, 544) <= 1.25
+    # ...and the S that balances is the one whose mean W sits at the knee
+    assert balanced_seq_len(step, 128, 16, 1024) == pytest.approx(544, abs=16)
+    with pytest.raises(ValueError):
+        schedule_gain(step, 128, 600, 544)
 
 
 def test_sizing_with_communication_and_few_cores_takes_fewer_workers_than_the_formula():
     classic = size(CURVE, r_per_token=2e-6, seq_len=1024)
     few = size(CURVE, 2e-6, 1024, round_trip={1: TRIP}, n_layers=30, cores=2)
     # near-free communication on dedicated cores: back to about the formula's P
-    ideal = size(CURVE, 2e-6, 1024, round_trip={1: {8: 1e-6, 128: 2e-6}}, n_layers=30, cores=64)
+    ideal = size(CURVE, 2e-6, 1024, round_trip={1: {8: AskCost.even(1e-6), 128: AskCost.even(2e-6)}}, n_layers=30, cores=64)
     assert few.batch == classic.batch == ideal.batch == 256
     assert few.workers < ideal.workers and ideal.workers >= classic.workers - 1
     assert few.predicted_step > ideal.predicted_step > 0
     assert "C(8)=0.70 ms" in few.explain() and "all work / cores" in few.explain()
     # a slower round trip measured with 2 R-workers (processes competing for cores) prices P >= 2 with it
-    dearer = size(CURVE, 2e-6, 1024, round_trip={1: TRIP, 2: {8: 0.005, 128: 0.01}}, n_layers=30, cores=2)
+    dearer = size(CURVE, 2e-6, 1024, round_trip={1: TRIP, 2: {8: AskCost.even(0.005), 128: AskCost.even(0.01)}}, n_layers=30, cores=2)
     assert dearer.workers == 1 and "with 2 R-worker(s): C(8)=5.00 ms" in dearer.explain()
     with pytest.raises(ValueError, match="n_layers"):
         size(CURVE, 2e-6, 1024, round_trip={1: TRIP})
