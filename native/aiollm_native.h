@@ -12,7 +12,7 @@
 #define AIOLLM_CPU_F16C 4
 #define AIOLLM_CPU_AVX512F 8
 #define AIOLLM_CPU_AVX512BW 16
-#define AIOLLM_CPU_AVX512VNNI 32  /* with VBMI below: int8 K scores as int8 dot products (vpdpbusd) */
+#define AIOLLM_CPU_AVX512VNNI 32  /* int8 K scores and P x V as int8 dot products (vpdpbusd) */
 #define AIOLLM_CPU_AVX512VBMI 64
 uint32_t aiollm_cpu_features(void);
 
@@ -88,6 +88,15 @@ int aiollm_decode_attention(const aiollm_kv_layer *kv, const float *q, int64_t q
 int aiollm_isa(void);
 int aiollm_isa_supported(int32_t isa);
 int aiollm_set_isa(int32_t isa);
+
+/* How the AVX-512 variant computes int8 KV attention: fp32 math or VNNI dot products (vpdpbusd). Probed once
+ * (VNNI where the CPU has it), overridable by AIOLLM_ATTN_INT8 (fp32, vnni) or aiollm_set_int8_path (-1: back to
+ * the probe; AIOLLM_ERR_UNSUPPORTED if the CPU lacks it). */
+#define AIOLLM_INT8_FP32 0
+#define AIOLLM_INT8_VNNI 1
+int aiollm_int8_path(void);
+int aiollm_int8_path_supported(int32_t path);
+int aiollm_set_int8_path(int32_t path);
 
 /* STREAM-like read bandwidth probe: reads nbytes (a multiple of 64) with the variant in use on n_threads
  * threads of the pool and returns the fp32 sum of the data (so the reads cannot be optimised away). */

@@ -18,7 +18,7 @@ typedef struct {
     float scale;
     void *out;
     int32_t out_dtype;
-    int32_t int8_dot; /* AVX-512 path: the CPU has VNNI + VBMI, int8 K scores use int8 dot products */
+    int32_t int8_dot; /* AVX-512 int8: AIOLLM_INT8_FP32 or _VNNI (vpdpbusd), see aiollm_int8_path */
 } attn_args;
 
 /* One work item: sequence `seq`, kv heads [h0, h1), all `group` q heads of each at once. The SIMD paths keep

@@ -38,6 +38,47 @@ static void probe(void) {
     atomic_store(&current_isa, probed_isa);
 }
 
+/* ---- int8 path of the AVX-512 variant ---- */
+
+static _Atomic int current_int8 = -1;
+static int probed_int8 = AIOLLM_INT8_FP32;
+static pthread_once_t int8_once = PTHREAD_ONCE_INIT;
+
+int aiollm_int8_path_supported(int32_t path) {
+    const uint32_t f = aiollm_cpu_features();
+    switch (path) {
+    case AIOLLM_INT8_FP32: return aiollm_isa_supported(AIOLLM_ISA_AVX512);
+    case AIOLLM_INT8_VNNI: return aiollm_isa_supported(AIOLLM_ISA_AVX512) && (f & AIOLLM_CPU_AVX512VNNI);
+    default: return 0;
+    }
+}
+
+static void probe_int8(void) {
+    const char *env = getenv("AIOLLM_ATTN_INT8");
+    int want = -1;
+    if (env && strcmp(env, "fp32") == 0) want = AIOLLM_INT8_FP32;
+    if (env && strcmp(env, "vnni") == 0) want = AIOLLM_INT8_VNNI;
+    if (want >= 0 && aiollm_int8_path_supported(want)) {
+        probed_int8 = want;
+    } else {
+        probed_int8 = aiollm_int8_path_supported(AIOLLM_INT8_VNNI) ? AIOLLM_INT8_VNNI : AIOLLM_INT8_FP32;
+    }
+    atomic_store(&current_int8, probed_int8);
+}
+
+int aiollm_int8_path(void) {
+    pthread_once(&int8_once, probe_int8);
+    return atomic_load(&current_int8);
+}
+
+int aiollm_set_int8_path(int32_t path) {
+    pthread_once(&int8_once, probe_int8);
+    if (path == -1) path = probed_int8;
+    if (!aiollm_int8_path_supported(path)) return AIOLLM_ERR_UNSUPPORTED;
+    atomic_store(&current_int8, path);
+    return AIOLLM_OK;
+}
+
 int aiollm_isa(void) {
     pthread_once(&probe_once, probe);
     return atomic_load(&current_isa);
@@ -126,8 +167,7 @@ int aiollm_decode_attention(const aiollm_kv_layer *kv, const float *q, int64_t q
     };
     const int isa = aiollm_isa(), simd_shape = kv->head_dim % 16 == 0 && kv->block_size % 16 == 0;
     if (simd_shape && isa == AIOLLM_ISA_AVX512) job.fn = attn_item_avx512;
-    const uint32_t dot = AIOLLM_CPU_AVX512VNNI | AIOLLM_CPU_AVX512VBMI;
-    job.args.int8_dot = (aiollm_cpu_features() & dot) == dot;
+    job.args.int8_dot = aiollm_int8_path();
     if (simd_shape && isa == AIOLLM_ISA_AVX2) job.fn = attn_item_avx2;
 
     /* Longest first: sort keys (INT32_MAX - len, seq) ascending, then keep the seq part. */

@@ -19,7 +19,8 @@ instead, which slowed attention running next to torch GEMMs ~2x here unless OMP_
 runs both set OMP_WAIT_POLICY=PASSIVE before importing torch.
 
 ISA: probed once (AVX-512 > AVX2+FMA+F16C > portable C); the environment variable AIOLLM_ATTN_ISA=ref|avx2|
-avx512, read once at the first call, overrides it; `force_isa` switches at run time (tests).
+avx512, read once at the first call, overrides it; `force_isa` switches at run time (tests). int8 KV on AVX-512
+runs as fp32 math or VNNI dot products (`int8_path`; AIOLLM_ATTN_INT8=fp32|vnni or `force_int8_path`).
 """
 import math
 import os
@@ -73,6 +74,28 @@ def force_isa(name: str | None) -> None:
         raise ValueError(f"isa: expected one of {sorted(ISAS)} or None, got {name!r}")
     if lib.aiollm_set_isa(code) != lib.AIOLLM_OK:
         raise ValueError(f"isa: this CPU does not support {name!r} (supported: {supported_isas()})")
+
+
+INT8_PATHS = {"fp32": lib.AIOLLM_INT8_FP32, "vnni": lib.AIOLLM_INT8_VNNI}
+_INT8_NAMES = {code: name for name, code in INT8_PATHS.items()}
+
+
+def int8_path() -> str:
+    """How the AVX-512 variant computes int8 KV attention: 'fp32' math or 'vnni' dot products."""
+    return _INT8_NAMES[lib.aiollm_int8_path()]
+
+
+def supported_int8_paths() -> list[str]:
+    return [name for name, code in INT8_PATHS.items() if lib.aiollm_int8_path_supported(code)]
+
+
+def force_int8_path(name: str | None) -> None:
+    """Use this int8 path from now on (None: back to the probed/env choice). ValueError if the CPU lacks it."""
+    code = -1 if name is None else INT8_PATHS.get(name)
+    if code is None:
+        raise ValueError(f"int8 path: expected one of {sorted(INT8_PATHS)} or None, got {name!r}")
+    if lib.aiollm_set_int8_path(code) != lib.AIOLLM_OK:
+        raise ValueError(f"int8 path: this CPU does not support {name!r} (supported: {supported_int8_paths()})")
 
 
 def _ensure(status: int) -> None:
@@ -337,4 +360,5 @@ def pool_size() -> int:
 
 
 __all__ = ["DecodeStep", "decode_attention", "kv_write", "read_sum", "set_num_threads", "get_num_threads", "isa",
+           "int8_path", "supported_int8_paths", "force_int8_path",
            "supported_isas", "force_isa", "pool_size"]

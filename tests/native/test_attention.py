@@ -18,7 +18,18 @@ OUT_BF16_ATOL = 2e-2  # bf16 output: one bf16 rounding (2^-8 relative)
 
 AWKWARD_LENGTHS = [1, 3, 15, 16, 17, 33, 255, 1023, 4097]
 ISAS = attention.supported_isas()
-GRID = list(itertools.product(ISAS, ("fp32", "fp16", "int8"), (64, 80, 128), (1, 3, 4, 8)))
+# int8 on AVX-512 once per int8 path the CPU has (fp32 math, VNNI dot products)
+INT8_PATHS = attention.supported_int8_paths()
+GRID = [(isa, dtype, d, g, path)
+        for isa, dtype, d, g in itertools.product(ISAS, ("fp32", "fp16", "int8"), (64, 80, 128), (1, 3, 4, 8))
+        for path in (INT8_PATHS if (isa, dtype) == ("avx512", "int8") else [None])]
+
+
+@pytest.fixture
+def int8_forced():
+    """Force an int8 path for one test and restore the probed choice afterwards."""
+    yield attention.force_int8_path
+    attention.force_int8_path(None)
 
 
 def _case(rng, dtype, head_dim, group, lens, n_kv_heads=2, block_size=16):
@@ -34,13 +45,14 @@ def _case(rng, dtype, head_dim, group, lens, n_kv_heads=2, block_size=16):
     return pool, table, np.array(lens, np.int32), q, ks, vs
 
 
-@pytest.mark.parametrize("isa,dtype,head_dim,group", GRID)
-def test_matches_float64_reference(isa_forced, isa, dtype, head_dim, group):
+@pytest.mark.parametrize("isa,dtype,head_dim,group,int8_path", GRID)
+def test_matches_float64_reference(isa_forced, int8_forced, isa, dtype, head_dim, group, int8_path):
     rng = np.random.default_rng(hash((isa, dtype, head_dim, group)) % 2**32)
     # every awkward length appears in each sequence set; the grid rotates which lengths share a batch
-    lens = AWKWARD_LENGTHS[GRID.index((isa, dtype, head_dim, group)) % 3::3]
+    lens = AWKWARD_LENGTHS[GRID.index((isa, dtype, head_dim, group, int8_path)) % 3::3]
     pool, table, seq_lens, q, ks, vs = _case(rng, dtype, head_dim, group, lens)
     isa_forced(isa)
+    int8_forced(int8_path)
     out = pool.attend(1, q, table, seq_lens, n_threads=2)
     if dtype == "fp16":
         ks = [k.astype(np.float16) for k in ks]
@@ -51,14 +63,16 @@ def test_matches_float64_reference(isa_forced, isa, dtype, head_dim, group):
     np.testing.assert_allclose(out, expected, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa,int8_path", [(isa, None) for isa in ISAS] + [("avx512", p) for p in INT8_PATHS
+                                                                          if "avx512" in ISAS])
 @pytest.mark.parametrize("dtype,block_size", [("fp16", 8), ("fp16", 32), ("int8", 32), ("int8", 6)])
-def test_other_block_sizes(isa_forced, isa, dtype, block_size):
+def test_other_block_sizes(isa_forced, int8_forced, isa, int8_path, dtype, block_size):
     """block_size 8 is not a multiple of 16 (reference path); 32 has two 16-token chunks per block; int8 with 6
     has a last group of 2 tokens in its interleaved V layout."""
     rng = np.random.default_rng(7)
     pool, table, seq_lens, q, ks, vs = _case(rng, dtype, 64, 3, [5, 40, 77], block_size=block_size)
     isa_forced(isa)
+    int8_forced(int8_path)
     out = pool.attend(1, q, table, seq_lens)
     if dtype == "fp16":
         expected = reference(q, [k.astype(np.float16) for k in ks], [v.astype(np.float16) for v in vs])
@@ -74,6 +88,12 @@ def test_isa_in_use_is_reported_and_forcing_an_unknown_one_raises(isa_forced):
         isa_forced("sse9")
     isa_forced("ref")
     assert attention.isa() == "ref"
+
+
+def test_int8_paths_are_reported_and_forcing_an_unknown_one_raises(int8_forced):
+    assert attention.int8_path() in INT8_PATHS or not INT8_PATHS
+    with pytest.raises(ValueError, match="int8 path"):
+        int8_forced("int3")
 
 
 def test_zero_length_sequence_gives_zero_row():
