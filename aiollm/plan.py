@@ -71,12 +71,13 @@ def cmd_fastdecode(args: argparse.Namespace) -> int:
     get_model(args.model)
     t_of_b = read_t_of_b(args.t_of_b, args.t_of_b_key) if args.t_of_b else measure_t_of_b(args.model, args.batches)
     r = args.r_per_token if args.r_per_token else measure_r(args.model, args.seq_len)
-    s_per_token = 0.0
+    s_per_token = None
     if args.round_trip:
         round_trip = {1: {int(b): AskCost.even(float(ms) / 1e3)
                           for b, ms in (i.split(":") for i in args.round_trip.split(","))}}
     else:
-        round_trip, r_situ, s_per_token = measure_costs(args.model, [8, 32, 128], t_of_b, r, seq_len=args.seq_len)
+        round_trip, r_situ, streamed = measure_costs(args.model, [8, 32, 128], t_of_b, r, seq_len=args.seq_len)
+        s_per_token = {1: streamed}  # measured with the most R-workers, applied to every P
         r = args.r_per_token or r_situ
     cores = args.cores or len(os.sched_getaffinity(0))
     result = size(t_of_b, r, args.seq_len, args.latency_target, round_trip=round_trip,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import json
 import os
 import statistics
 import subprocess
@@ -48,13 +49,14 @@ from aiollm.planner.fastdecode import (
     balanced_seq_len,
     long_step_terms,
     predict_step,
+    probe_step,
     schedule_gain,
     size,
     step_costs,
 )
 from aiollm.sched.sls import SLSConfig
 from aiollm.workers import runner
-from aiollm.workers.fastdecode_messages import GetTrace, Synthetic
+from aiollm.workers.fastdecode_messages import GetTrace
 from aiollm.workers.messages import Generate, GetLoad, Sampling, Tokens
 from aiollm.workers.s_worker import SWorker, SWorkerConfig
 from bench.model import s_part_step
@@ -78,10 +80,13 @@ def add_arguments(parser) -> None:
                         help="S of the schedule trace (default: where the step model balances S-part and R-part)")
     parser.add_argument("--trace-repeats", type=int, default=2,
                         help="pairs of trace runs with and without the schedule, alternating which goes first")
-    parser.add_argument("--trace-micro-batch", type=int, default=4,
+    parser.add_argument("--trace-micro-batch", type=int, default=8,
                         help="M of the schedule trace; F = M*(S - prompt)/B steps between micro-batches")
     parser.add_argument("--plot", type=Path, default=Path("fastdecode_sls_trace.png"), help="PNG of the trace")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the figures of the parts not run from the existing --json file (so the parts can "
+                             "run under separate holds of the bench lock); each part's seconds and run time stay")
     parser.add_argument("--parts", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (ratios need their parts)")
 
@@ -115,6 +120,12 @@ def run(args) -> dict:
           f"baselines at their best of 1 and {cores} torch threads")
     model = load(MODEL, dtype="bf16")
     figures: dict = {"cores": cores, "seq_len": seq_len, "quick": quick}
+    if args.merge and args.json is not None and args.json.exists():
+        # the parts run now overwrite their own keys; the ratios across parts are recomputed below
+        figures = {**json.loads(args.json.read_text()), **figures}
+        kept = [p for p in SECTIONS if p not in parts]
+        print(f"merging into {args.json}: keeping its figures of " + ", ".join(
+            f"{p} (finished {figures.get(f'finished_{p}', '?')})" for p in kept))
     for part in parts:
         started = time.perf_counter()
         if part == "throughput":
@@ -124,6 +135,7 @@ def run(args) -> dict:
         else:
             _trace_part(model, args, quick, figures)
         figures[f"seconds_{part}"] = time.perf_counter() - started
+        figures[f"finished_{part}"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         print(f"[{part}: {figures[f'seconds_{part}']:.0f} s]")
     if "transformers_best_tokens_per_s" in figures and "fastdecode_best_tokens_per_s" in figures:
         hf = figures["transformers_best_tokens_per_s"]
@@ -164,26 +176,35 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
           + ", ".join(f"{s*1e9:.2f} ns with {p}" for p, (_, s) in situ.items()) + " (used below)")
     figures["r_per_token_in_situ_s"] = {str(p): r for p, (r, _) in situ.items()}
     figures["s_cpu_per_kv_token_s"] = {str(p): s for p, (_, s) in situ.items()}
-    figures["ask_cost_ms"] = {str(p): {str(b): {"s": 1e3 * t.s, "r": 1e3 * t.r, "wait": 1e3 * t.wait}
-                                       for b, t in c.items()} for p, c in trips.items()}
-    sizing = size(curve, r_of[1]["fp16"], seq_len, round_trip=trips, n_layers=model.config.n_layers, cores=c_eff,
-                  s_per_token=s_tok[1])
-    print("\n-- sizing model (aiollm.planner.fastdecode, fed this run's T(B), R, C(b) and effective cores)\n"
-          + sizing.explain())
+    figures["ask_cost_ms"] = {f"{p}{'_pipelined' if pipe else ''}": {
+        str(b): {"s": 1e3 * t.s, "r": 1e3 * t.r, "wait": 1e3 * t.wait} for b, t in c.items()}
+        for pipe, by_p in trips.items() for p, c in by_p.items()}
+    sizing = size(curve, r_of[1]["fp16"], seq_len, round_trip=trips[True], n_layers=model.config.n_layers,
+                  cores=c_eff, s_per_token=s_tok)
+    print("\n-- sizing model (aiollm.planner.fastdecode, fed this run's T(B), R in situ, the pipelined steps' ask "
+          "costs and effective cores)\n" + sizing.explain())
     figures.update(sizing_batch=sizing.batch, sizing_workers=sizing.workers)
+    # the configuration it chose, run as chosen (pipelined, spread contexts over [16, S)): the honest check
+    chosen = uvloop.run(_chosen_row(model, sizing.batch, sizing.workers, seq_len))
+    rows.append(chosen)
     # every row's step predicted from the inputs measured above (no fitting to the measured steps)
+    def at(by_workers: dict, n: int):  # inputs measured with the most R-workers up to n
+        return by_workers[max(k for k in by_workers if k <= n)]
+
     for row in rows + [off]:
         n = row["r_workers"]
-        p = predict_step(curve if row["s_threads"] == 1 else curve_shared, r_of[n][row["kv"]], trips[n],
-                         model.config.n_layers, row["batch"], row["kv_tokens"], n, row["pipelined"], c_eff,
-                         s_per_token=s_tok[n])
+        p = predict_step(curve if row["s_threads"] == 1 else curve_shared, at(r_of, n)[row["kv"]],
+                         at(trips[row["pipelined"]], n), model.config.n_layers, row["batch"], row["kv_tokens"], n,
+                         row["pipelined"], c_eff, s_per_token=at(s_tok, n))
         row["predicted_ms"] = 1e3 * p.step
         row["binding"] = max((("S", p.s_worker), ("R", p.r_worker), ("chain", p.chain),
                               ("cores", p.all_over_cores)), key=lambda kv: kv[1])[0]
     print(f"\n-- S-worker + R-worker processes, decode at context S={seq_len} (placeholder contexts over "
           f"[{PROMPT_LEN}, S)); pipelined or not as predict_step said faster (last row: the other way); "
           f"rows with s_threads={cores} are time-shared (unpipelined, the S-part on every core, then the attention); "
-          f"predicted = aiollm.planner.fastdecode.predict_step (T(B) on s_threads), binding = its largest bound\n"
+          f"predicted = aiollm.planner.fastdecode.predict_step (T(B) on s_threads), binding = its largest bound, "
+          f"s_cpu_ms / r_cpu_ms = each side's CPU per step (R summed over R-workers), busy = their sum over the step "
+          f"(cores kept busy)\n"
           f"{table(rows + [off])}")
     figures["fastdecode"] = rows + [off]
     best = max(rows, key=lambda r: r["tokens_per_s"])
@@ -212,17 +233,31 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
     figures.update(pipeline_on_step_ms=on["step_ms"], pipeline_off_step_ms=without["step_ms"],
                    ratio_pipeline_step=on["step_ms"] / without["step_ms"])
     _steady_state_schedule_gain(check, ramp, seq_len, figures, lambda w, n_cores, r_cores, pipe: predict_step(
-        curve, r_of[2]["fp16"], trips[2], model.config.n_layers, check["batch"], w, 2, pipe, n_cores, r_cores,
+        curve, r_of[2]["fp16"], trips[pipe][2], model.config.n_layers, check["batch"], w, 2, pipe, n_cores, r_cores,
         s_tok[2]).step, c_eff)
     ratios = [r["predicted_ms"] / r["step_ms"] for r in rows + [off]]
-    figures.update(predicted_step_ms=check["predicted_ms"], measured_step_ms=check["step_ms"],
-                   predicted_batch=check["batch"],
-                   ratio_predicted_vs_measured_step=check["predicted_ms"] / check["step_ms"],
+    figures.update(predicted_step_ms=chosen["predicted_ms"], measured_step_ms=chosen["step_ms"],
+                   predicted_batch=chosen["batch"], predicted_r_workers=chosen["r_workers"],
+                   ratio_predicted_vs_measured_step=chosen["predicted_ms"] / chosen["step_ms"],
+                   predicted_vs_measured_check_row=check["predicted_ms"] / check["step_ms"],
                    predicted_vs_measured_worst=max(ratios, key=lambda x: abs(x - 1)),
                    predicted_within_15pct=sum(abs(x - 1) <= 0.15 for x in ratios) / len(ratios))
-    print(f"\n-- predicted vs measured step (B={check['batch']}, 2 R-workers): {check['predicted_ms']:.1f} ms vs "
-          f"{check['step_ms']:.1f} ms; over all {len(ratios)} rows: worst ratio {figures['predicted_vs_measured_worst']:.2f}, "
-          f"{100 * figures['predicted_within_15pct']:.0f} % within 15 %")
+    print(f"\n-- predicted vs measured step for the sizing model's choice (B={chosen['batch']}, "
+          f"{chosen['r_workers']} R-worker(s), {'pipelined' if chosen['pipelined'] else 'unpipelined'}): "
+          f"{chosen['predicted_ms']:.1f} ms vs {chosen['step_ms']:.1f} ms (its CPU: S-worker {chosen['s_cpu_ms']:.0f} "
+          f"ms, R-workers {chosen['r_cpu_ms']:.0f} ms, {chosen['busy']:.2f} of {c_eff:.2f} cores busy over the step; "
+          f"the model's bounds price CPU, so a step that leaves cores idle is under-predicted by that idle time); "
+          f"B={check['batch']} with 2 R-workers "
+          f"{check['predicted_ms']:.1f} vs {check['step_ms']:.1f} ms; over all {len(ratios)} rows: worst ratio "
+          f"{figures['predicted_vs_measured_worst']:.2f}, {100 * figures['predicted_within_15pct']:.0f} % within 15 %")
+
+
+async def _chosen_row(model, batch: int, workers: int, seq_len: int) -> dict:
+    """The sizing model's configuration (B, P, pipelined), run as it chose it."""
+    async with Graph(startup_timeout=120.0) as graph:
+        urls = await _r_workers(graph, workers)
+        return {**await _synthetic_step(graph, model, urls, batch, seq_len, "s-chosen", pipeline=batch >= 2),
+                "kv": "fp16", "sizing": True}
 
 
 def _steady_state_schedule_gain(spread: dict, ramp: list[dict], seq_len: int, figures: dict, price, c_eff: float
@@ -287,14 +322,24 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
                            f"it needs 2 cores, this process may use {cpus}")
     s_cpus, r_cpus = set(cpus[:1]), cpus[1:]
     batch = args.trace_batch or (64 if quick else 128)
+    # runs of an earlier invocation merged in (--merge) with the same B, S and M pool with these: repeats across
+    # holds of the bench lock, which must be short; this invocation's pairs start with the other order
+    earlier = [r for r in figures.get("sls", []) if args.trace_seq_len and figures.get("sls_batch") == batch
+               and figures.get("sls_seq_len") == args.trace_seq_len
+               and figures.get("sls_micro_batch_arg") == args.trace_micro_batch]
     previous = _pin(s_cpus)
     try:
         curve = _t_of_b(model, sorted({1, batch, *(max(1, batch // d) for d in (2, 4))}))
-        out = uvloop.run(_traces(model, batch, args, curve, r_cpus, 512 if quick else 1024))
+        out = uvloop.run(_traces(model, batch, args, curve, r_cpus, 512 if quick else 1024, len(earlier) // 2))
     finally:
         _pin(previous)
     traces, trips, r_situ, seq, schedule, price, windows = out
-    summary = [_summarise(name, trace, *window) for (name, trace), window in zip(traces, windows)]
+    stamp = time.strftime("%H:%M UTC", time.gmtime())
+    summary = earlier + [{**_summarise(name, trace, *window), "run": stamp}
+                         for (name, trace), window in zip(traces, windows)]
+    if earlier:
+        print(f"pooling with {len(earlier)} runs of an earlier invocation at the same B, S, M "
+              f"({', '.join(sorted({str(r.get('run')) for r in earlier}))})")
     pooled = {}
     for name in ("without", "with"):
         rows = [r for r in summary if r["schedule"] == name]
@@ -308,7 +353,8 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
     print(f"\n-- load-stabilising schedule as FastDecode places it: the S-worker (this process, 1 torch thread) "
           f"pinned to cpu {sorted(s_cpus)}, one R-worker process (1 attention thread) pinned to cpu {r_cpus}, "
           f"OMP_WAIT_POLICY=passive, two-minibatch pipeline on; {title}; prompts of {PROMPT_LEN} tokens, "
-          f"completions to S ({life} tokens); runs alternate, {len(pairs)} pair(s); figures over steady-state "
+          f"completions to S ({life} tokens); runs alternate, {len(pairs)} pair(s) (--trace-repeats; more by running "
+          f"the trace part again with --merge and this --trace-seq-len); figures over steady-state "
           f"windows (without: one whole life from the second step to the next batch's first, its prefill "
           f"included; with: after {life + schedule.interval} steps of ramp-up, whole F-periods); step latency = "
           f"time between consecutive steps' ends (prefills included)\n{table(summary)}")
@@ -319,6 +365,7 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
     _plot(dict(traces[:2]), windows[0][0], args.plot, title)
     print(f"wrote {args.plot}")
     figures.update(sls=summary, sls_pairs_tokens_ratio=pairs, sls_batch=batch, sls_seq_len=seq,
+                   sls_micro_batch_arg=args.trace_micro_batch,
                    sls_interval=schedule.interval, sls_micro_batch=schedule.micro_batch_size,
                    sls_workload_limit=schedule.limit, sls_s_cpus=sorted(s_cpus), sls_r_cpus=r_cpus,
                    sls_r_per_token_s=r_situ, sls_ask_cost_ms={str(b): {"s": 1e3 * t.s, "r": 1e3 * t.r, "wait": 1e3 * t.wait}
@@ -341,16 +388,17 @@ def _pin(cpus: set[int]) -> set[int]:
     return previous
 
 
-async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list[int], longest: int):
+async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list[int], longest: int, offset: int):
     """In one graph with one R-worker pinned to `r_cpus`: C(b) and R in this placement, the balanced S, then
     the traces, alternating with and without the schedule."""
     layers = model.config.n_layers
     async with Graph(startup_timeout=120.0) as graph:
         urls = await _r_workers(graph, 1, prefix=("taskset", "-c", ",".join(map(str, r_cpus))))
         r_kernel = _measure_r(model, 1024)
-        trips = await step_costs(graph.driver, model, urls, sorted({max(1, batch // 2), batch}), curve, r_kernel)
-        r_situ, s_per_token = await long_step_terms(graph.driver, model, urls, batch, longest // 2, curve, trips,
+        plain = await step_costs(graph.driver, model, urls, [batch], curve, r_kernel)
+        r_situ, s_per_token = await long_step_terms(graph.driver, model, urls, batch, longest // 2, curve, plain,
                                                     r_kernel)
+        trips = await step_costs(graph.driver, model, urls, [max(1, batch // 2)], curve, r_kernel, pipeline=True)
         cores, r_cores = 1 + len(r_cpus), len(r_cpus)
 
         def price(w: float, b: int = batch) -> float:
@@ -360,15 +408,15 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
         schedule = _trace_schedule(batch, seq, args.trace_micro_batch)
         life = seq - PROMPT_LEN
         ask = trips[max(1, batch // 2)]
-        print(f"\n-- schedule trace sizing (S-worker on its own core, 1 R-worker on cpu {r_cpus}, pipelined): "
-              f"per ask at {batch // 2} rows S {ask.s * 1e3:.2f} + R {ask.r * 1e3:.2f} + wait {ask.wait * 1e3:.2f} "
+        print(f"\n-- schedule trace sizing (S-worker on its own core, 1 R-worker on cpu {r_cpus}): pipelined "
+              f"steps' cost per ask at {batch // 2} rows S {ask.s * 1e3:.2f} + R {ask.r * 1e3:.2f} + wait {ask.wait * 1e3:.2f} "
               f"ms, R in situ {r_situ * 1e9:.0f} ns/entry (kernel alone {r_kernel * 1e9:.0f}), S-worker "
               f"{s_per_token * 1e9:.2f} ns per streamed entry; predicted step at W=0 {price(0) * 1e3:.0f} ms -> S = "
               f"{seq} (predicted gain {schedule_gain(price, batch, PROMPT_LEN, seq):.3f})", flush=True)
         window = schedule.interval * max(1, round(life / 4 / schedule.interval))
         traces, windows = [], []
         for rep in range(args.trace_repeats):
-            for name in (("without", "with") if rep % 2 == 0 else ("with", "without")):
+            for name in (("without", "with") if (rep + offset) % 2 == 0 else ("with", "without")):
                 sls = schedule if name == "with" else None
                 steps = life + 2 if sls is None else life + schedule.interval + window
                 trace = await _trace(graph, model, urls, batch, seq, sls, max(2, batch // 2), steps, f"{rep}")
@@ -406,6 +454,7 @@ def _sls_gain_explained(traces: list, windows: list, price, batch: int, seq: int
     quartiles = [(float(held[(held >= lo) & (held <= hi)].mean()), float(np.median(step_s[(held >= lo) & (held <= hi)])))
                  for lo, hi in itertools.pairwise(edges)]
     with_w, with_step = float(measured["with"][1].mean()), float(np.median(measured["with"][0]))
+    floor, life_mean = quartiles[0][1], float(np.mean(step_s))
     figures.update(sls_predicted_tokens_ratio=ratio, sls_predicted_gain_balanced=ideal,
                    sls_step_by_w_without=[{"w": w, "step_ms": 1e3 * t, "predicted_ms": 1e3 * price(w)}
                                           for w, t in quartiles],
@@ -417,7 +466,13 @@ def _sls_gain_explained(traces: list, windows: list, price, batch: int, seq: int
                                                    for w, t in quartiles)
           + f"; with: W={with_w:.0f}: {1e3 * with_step:.0f} ms (model {1e3 * price(with_w):.0f}) - the gain is the "
             f"unscheduled life's mean step over the held one, so it needs the step flat in the early quartiles "
-            f"(S-part binds) and rising in the late ones (R-part binds)")
+            f"(S-part binds) and rising in the late ones (R-part binds)\n   measured: the unscheduled life's mean "
+            f"decode step {1e3 * life_mean:.0f} ms is {life_mean / floor:.3f}x its S-bound first quartile; the held W's "
+            f"step is {with_step / floor:.3f}x that floor (where S-part and R-part balance, the two mini-batches' "
+            f"chains do not fully overlap), so decode steps alone give {life_mean / with_step:.3f}; the rest of the "
+            f"tokens/s ratio is the prefills (one of B prompts per life without, one of M every F steps with)")
+    figures.update(sls_life_mean_over_floor=life_mean / floor, sls_held_over_floor=with_step / floor,
+                   sls_decode_step_ratio=life_mean / with_step)
 
 
 def _t_of_b(model, sizes: list[int], repeats: int = 5) -> dict[int, float]:
@@ -467,29 +522,22 @@ async def _r_workers(graph: Graph, n: int, threads: int = 1, kv_dtype: str = "fp
 
 
 async def _synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_len: int, name: str,
-                          warm: int = 1, steps: int = 3, pipeline: bool = True, context: int = 0,
-                          s_threads: int = 1) -> dict:
-    """Median step time of B sequences with contexts spread over [16, S - steps) (or all at `context`), after
-    `warm` steps; the S-worker (this process) runs its S-part on `s_threads` torch threads."""
-    config = SWorkerConfig(max_batch=batch, pipeline=pipeline, pipeline_min_batch=2)
+                          steps: int = 3, pipeline: bool = True, context: int = 0, s_threads: int = 1) -> dict:
+    """Median step time of B sequences with contexts spread over [16, S - steps) (or all at `context`), after a
+    warm-up step (aiollm.planner.fastdecode.probe_step); the S-worker (this process) runs its S-part on
+    `s_threads` torch threads. With each side's CPU per step: where a step is longer than its CPU over the
+    cores, cores sat idle (a side waiting on the other), which no bound of the step model prices."""
     torch.set_num_threads(s_threads)
     try:
-        s = await graph.driver.spawn(SWorker(model, urls, config), name)
-        total = warm + steps
-        span = seq_len - PROMPT_LEN - total - 1
+        span = seq_len - PROMPT_LEN - steps - 3
         lens = [context or PROMPT_LEN + (i * span) // batch for i in range(batch)]
-        await s.ask(Synthetic(lens, total), timeout=600)
-        await _wait_steps(s, total)
-        trace = await s.ask(GetTrace())
-        while (await s.ask(GetLoad())).running:
-            await asyncio.sleep(0.05)
-        await graph.driver.stop_actor(name)
+        step, s_cpu, r_cpus, held = await probe_step(graph.driver, model, urls, lens, steps, pipeline and batch >= 2,
+                                                     name)
     finally:
         torch.set_num_threads(1)
-    step = statistics.median(trace.step_s[warm:total])
     return {"batch": batch, "r_workers": len(urls), "s_threads": s_threads, "pipelined": pipeline and batch >= 2,
-            "step_ms": 1e3 * step, "tokens_per_s": batch / step,
-            "kv_tokens": int(statistics.mean(trace.tokens[warm:total]))}
+            "step_ms": 1e3 * step, "tokens_per_s": batch / step, "kv_tokens": int(held),
+            "s_cpu_ms": 1e3 * s_cpu, "r_cpu_ms": 1e3 * sum(r_cpus), "busy": (s_cpu + sum(r_cpus)) / step}
 
 
 async def _wait_steps(s, steps: int) -> None:
@@ -503,14 +551,14 @@ async def _wait_steps(s, steps: int) -> None:
 
 async def _throughput(model, batches: list[int], seq_len: int, check: int, curve: dict[int, float],
                       r_of: dict[str, float], cores: float
-                      ) -> tuple[list[dict], dict, dict[int, dict[int, AskCost]], list[dict], dict[int, tuple]]:
+                      ) -> tuple[list[dict], dict, dict[bool, dict[int, dict[int, AskCost]]], list[dict], dict[int, tuple]]:
     """Rows for every (P, B), each with or without the pipeline as the step model predicts faster; with 2
     R-workers B=`check` once more the other way, and the same B at equal contexts from the prompt to S (an
     unscheduled batch's life). First, in the same processes, each side timed by its own CPU clock: {P: ask costs}
     at every rows-per-ask either mode uses (aiollm.planner.fastdecode.step_costs: real steps at short contexts)
     and {P: (R in situ, the S-worker's CPU per streamed KV entry)} (long_step_terms: a real unpipelined step of
     B=`check` at context S/2; the kernel alone on a fresh pool is R's floor)."""
-    rows, off, trips, ramp, situ = [], {}, {}, [], {}
+    rows, off, trips, trips_pipe, ramp, situ = [], {}, {}, {}, [], {}
     layers = model.config.n_layers
     # time-shared rows: no pipeline, the S-part on every core while the R-workers wait, then the R-workers' attention
     # on every core while the S-worker waits (each phase alone on the machine instead of all three competing)
@@ -520,8 +568,8 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
 
     def pipelined(batch: int, n: int, r: float) -> bool:
         def step(pipe: bool) -> float:
-            return predict_step(curve, r, trips[n], layers, batch, batch * mean_w, n, pipe, cores,
-                                s_per_token=situ[n][1]).step
+            return predict_step(curve, r, (trips_pipe if pipe else trips)[n], layers, batch, batch * mean_w, n, pipe,
+                                cores, s_per_token=situ[n][1]).step
         return batch >= 2 and step(True) < step(False)
 
     for n in (1, 2):
@@ -529,6 +577,8 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
             urls = await _r_workers(graph, n)
             per_ask = {max(1, b // d) for b in batches for d in (n, 2 * n)}
             trips[n] = await step_costs(graph.driver, model, urls, sorted(per_ask), curve, r_of["fp16"])
+            trips_pipe[n] = await step_costs(graph.driver, model, urls, sorted({max(1, b // (2 * n)) for b in batches}),
+                                             curve, r_of["fp16"], pipeline=True)
             situ[n] = await long_step_terms(graph.driver, model, urls, check, seq_len // 2, curve, trips[n],
                                             r_of["fp16"])
             r_situ = situ[n][0]
@@ -561,7 +611,7 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
         batch = max(batches)
         rows.append({**await _synthetic_step(graph, model, urls[:1], batch, seq_len, "s-int8-p1",
                                              pipeline=pipelined(batch, 1, r_int8)), "kv": "int8"})
-    return rows, off, trips, ramp, situ
+    return rows, off, {False: trips, True: trips_pipe}, ramp, situ
 
 
 async def _naive_threads(model, batch: int, seq_len: int, cores: int, pipeline: bool) -> dict:

@@ -15,8 +15,8 @@ R-worker processes with their CPU clocks (`step_costs`, `long_step_terms`), not 
   spread over the asks), the R-worker's CPU beyond the attention (decoding, KV write, block tables, reply),
   and the time neither computes (wire, wake-ups): `AskCost`;
 - the R-part in situ: attention CPU per KV entry in a real R-worker while its peers attend too, and the
-  S-worker's CPU that grows with the KV the R-workers stream (measured 0.3-0.4 ns per entry on this box: their
-  streaming evicts its weights from the shared cache);
+  S-worker's CPU that grows with the KV the R-workers stream (measured 0.05-0.4 us per entry on this box:
+  their streaming evicts its weights from the shared cache);
 - core sharing: when the S-worker and the P R-workers have fewer cores than processes, no part overlaps for
   free: the step is at least all the CPU work over the cores.
 The step is the largest of four bounds: the S-worker's own work, the busiest R-worker's work, one mini-batch's
@@ -131,7 +131,8 @@ def predict_step(t_of_b: dict[int, float], r_per_token: float, round_trip: dict[
     rows = max(1.0, half / workers)
     ask = interpolate_cost(round_trip, rows)
     asks = n_layers * groups * workers
-    s_worker = s_part + asks * ask.s + s_per_token * kv_tokens
+    # pipelined, the S-worker's timeline also holds the waits measured where it binds (a loop wake-up per reply)
+    s_worker = s_part + asks * (ask.s + (ask.wait if pipelined else 0.0)) + s_per_token * kv_tokens
     r_each = attention / workers + n_layers * groups * ask.r
     # R-workers on cores of their own run side by side only as far as those cores go; sharing, see all_over_cores
     side_by_side = min(workers, r_cores or cores)
@@ -188,11 +189,15 @@ def interpolate(curve: dict[int, float], batch: float) -> float:
 
 def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_target: float | None = None,
          round_trip: dict[int, dict[int, AskCost]] | None = None, n_layers: int = 0, cores: float = 0.0,
-         s_per_token: float = 0.0) -> Sizing:
+         s_per_token: dict[int, float] | None = None) -> Sizing:
     """Pick B from the measured T(B) curve, then P = B*S*R / (2*T(B)); with the ask costs measured per R-worker
     count ({P: {rows per ask: AskCost}}, see `step_costs`; a P not measured uses the largest measured one below
     it), the model's layer count and the cores the roles share, P is instead the fewest R-workers whose
-    `predict_step` is within 5 % of the best, and the predicted step is the one reported."""
+    `predict_step` is within 5 % of the best, and the predicted step is the one reported. s_per_token: the
+    S-worker's CPU per streamed KV entry, {P: seconds} like round_trip (default none).
+
+    Every option is pipelined (B >= 2), so round_trip should hold the pipelined steps' costs (`step_costs` with
+    pipeline=True)."""
     if not t_of_b or any(b <= 0 or t <= 0 for b, t in t_of_b.items()):
         raise ValueError("t_of_b: need measured {batch: seconds} with positive values")
     if r_per_token <= 0 or seq_len <= 0:
@@ -237,11 +242,12 @@ def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_tar
                  f"and the P R-workers (one thread each)")
     pipelined = batch >= 2
 
-    def curve(p: int) -> dict[int, float]:
-        return round_trip[max(m for m in round_trip if m <= p)]
+    def measured(p: int, by_workers: dict):
+        return by_workers[max(m for m in by_workers if m <= p)]
 
-    options = {p: predict_step(t_of_b, r_per_token, curve(p), n_layers, batch, batch * seq_len / 2, p, pipelined,
-                               cores, s_per_token=s_per_token)
+    streamed = s_per_token or {1: 0.0}
+    options = {p: predict_step(t_of_b, r_per_token, measured(p, round_trip), n_layers, batch, batch * seq_len / 2, p,
+                               pipelined, cores, s_per_token=measured(p, streamed))
                for p in range(1, max(2 * workers, math.ceil(cores) + 2, 4) + 1)}
     best = min(o.step for o in options.values())
     chosen = min(p for p, o in options.items() if o.step <= 1.05 * best)
@@ -336,18 +342,21 @@ def measure_costs(model_name: str, rows: list[int], t_of_b: dict[int, float], r_
                 "--model", model_name, "--kv-memory", "4GiB", "--kv-dtype", kv_dtype, "--threads", "1"))
                 for _ in range(max(workers))]
             urls = [node.actors["r-worker"] for node in nodes]
-            costs = {p: await step_costs(graph.driver, model, urls[:p], rows, t_of_b, r_per_token) for p in workers}
+            # the sizing prices pipelined steps; the long probe runs unpipelined, so it subtracts that mode's costs
+            costs = {p: await step_costs(graph.driver, model, urls[:p], rows, t_of_b, r_per_token, pipeline=True)
+                     for p in workers}
             p = max(workers)
+            plain = await step_costs(graph.driver, model, urls[:p], [max(rows)], t_of_b, r_per_token)
             terms = await long_step_terms(graph.driver, model, urls[:p], p * max(rows), seq_len // 2, t_of_b,
-                                          costs[p], r_per_token)
+                                          plain, r_per_token)
             return costs, *terms
 
     return asyncio.run(run())
 
 
 async def probe_step(driver, model, r_workers: list[str], context_lens: list[int], steps: int = 4,
-                     pipeline: bool = False, name: str = "step-probe") -> tuple[float, float, float, float]:
-    """(median step wall seconds, the S-worker's CPU per step, the busiest R-worker's CPU per step, mean KV
+                     pipeline: bool = False, name: str = "step-probe") -> tuple[float, float, list[float], float]:
+    """(median step wall seconds, the S-worker's CPU per step, each R-worker's CPU per step, mean KV
     entries held) of `steps` decode steps (after one warm-up step) of synthetic sequences with `context_lens`,
     by an S-worker spawned on `driver` (this process) and the R-worker processes at `r_workers`, each side
     timed by its own process CPU clock."""
@@ -380,30 +389,36 @@ async def probe_step(driver, model, r_workers: list[str], context_lens: list[int
             await asyncio.sleep(0.02)
     finally:
         await driver.stop_actor(name)
-    r_cpu = max(b - a for a, b in zip(before, after)) / max(1, last - first)
+    r_cpu = [(b - a) / max(1, last - first) for a, b in zip(before, after)]
     return (float(np.median(trace.step_s[1:])), float(np.median(trace.cpu_s[1:])), r_cpu,
             float(np.mean(trace.tokens[1:])))
 
 
 async def step_costs(driver, model, r_workers: list[str], rows: list[int], t_of_b: dict[int, float],
-                     r_per_token: float, context: int = 16, steps: int = 4) -> dict[int, AskCost]:
+                     r_per_token: float, context: int = 16, steps: int = 4, pipeline: bool = False
+                     ) -> dict[int, AskCost]:
     """{b: AskCost}: what a real decode step spends per ask beyond its S-part and attention, with b rows per ask.
 
-    P*b synthetic sequences of `context` entries decode through the P R-workers at `r_workers` without the
-    pipeline (`probe_step`). Per ask: the S-worker's CPU beyond T(P*b) (encoding q/k/v, decoding replies, the
-    event loop, sampling spread over the asks: (CPU per step - T(P*b)) / (layers*P)), the busiest R-worker's
-    CPU beyond its attention (CPU per step - R*W/P) / layers, and the wait: the part of the step neither side
-    computes, per layer. An idle ping-pong with the same tensors measured 2-3x less here: it misses the
-    wake-ups, the KV write and block tables, and the competition for cores."""
+    Synthetic sequences of `context` entries, b per R-worker in each mini-batch (one, or two with `pipeline`),
+    decode through the P R-workers at `r_workers` (`probe_step`). Per ask: the S-worker's CPU beyond its S-part
+    (encoding q/k/v, decoding replies, the event loop, sampling spread over the asks: (CPU per step - groups *
+    T(P*b)) / asks), the busiest R-worker's CPU beyond its attention, and the wait: the part of the step the
+    busier side does not compute. Pipelined steps cost the S-worker more per ask than two unpipelined halves
+    (two coroutines interleaving, a loop wake-up per reply), so each mode is priced with its own. An idle
+    ping-pong with the same tensors measured 2-3x less here: it misses the wake-ups, the KV write and block
+    tables, and the competition for cores."""
     out = {}
     p = len(r_workers)
-    layers = model.config.n_layers
+    groups = 2 if pipeline else 1
+    asks = model.config.n_layers * groups
     for b in rows:
-        step, s_cpu, r_cpu, held = await probe_step(driver, model, r_workers, [context] * (p * b), steps,
-                                                    name=f"cost-probe-{p}-{b}")
+        step, s_cpu, r_cpus, held = await probe_step(driver, model, r_workers, [context] * (groups * p * b), steps,
+                                                     pipeline, name=f"cost-probe-{p}-{b}-{groups}")
+        r_cpu = max(r_cpus)
         r_over = max(0.0, r_cpu - r_per_token * held / p)
-        out[b] = AskCost(max(0.0, s_cpu - interpolate(t_of_b, p * b)) / (layers * p), r_over / layers,
-                         max(0.0, step - s_cpu - r_cpu) / layers)
+        busy = max(s_cpu, r_cpu) if pipeline else s_cpu + r_cpu
+        out[b] = AskCost(max(0.0, s_cpu - groups * interpolate(t_of_b, p * b)) / (asks * p), r_over / asks,
+                         max(0.0, step - busy) / asks)
     return out
 
 
@@ -416,7 +431,8 @@ async def long_step_terms(driver, model, r_workers: list[str], batch: int, conte
     p = len(r_workers)
     layers = model.config.n_layers
     ask = interpolate_cost(costs, batch / p)
-    _, s_cpu, r_cpu, held = await probe_step(driver, model, r_workers, [context] * batch, name=f"long-probe-{p}")
+    _, s_cpu, r_cpus, held = await probe_step(driver, model, r_workers, [context] * batch, name=f"long-probe-{p}")
+    r_cpu = max(r_cpus)
     r_situ = max(r_kernel, (r_cpu - layers * ask.r) / (held / p))
     s_per_token = max(0.0, (s_cpu - interpolate(t_of_b, batch) - layers * p * ask.s) / held)
     return r_situ, s_per_token

@@ -65,7 +65,8 @@ def test_step_is_the_largest_bound_with_communication_and_shared_cores():
     ask = interpolate_cost(TRIP, 64)
     assert ask.s == pytest.approx(interpolate({8: 0.00035, 128: 0.0010}, 64))
     s_part, attention = 2 * interpolate(CURVE, 128), 2e-6 * 131072
-    s_worker, r_each = s_part + 120 * ask.s, attention / 2 + 60 * ask.r
+    # pipelined, the S-worker's timeline holds its CPU and the waits measured where it binds
+    s_worker, r_each = s_part + 120 * (ask.s + ask.wait), attention / 2 + 60 * ask.r
     assert p.communication == pytest.approx(120 * ask.total)
     assert p.s_worker == pytest.approx(s_worker) and p.r_worker == pytest.approx(r_each)
     assert p.all_over_cores == pytest.approx((s_worker + 2 * r_each) / 2)
@@ -93,7 +94,7 @@ def test_dedicated_placement_bounds_each_side_by_its_own_cores():
     p = predict_step(CURVE, 2e-6, TRIP, 30, 256, 131072, 2, True, cores=2, r_cores=1)
     ask = interpolate_cost(TRIP, 64)
     assert p.r_worker == pytest.approx(2e-6 * 131072 + 2 * 60 * ask.r)
-    assert p.s_worker == pytest.approx(2 * interpolate(CURVE, 128) + 120 * ask.s)
+    assert p.s_worker == pytest.approx(2 * interpolate(CURVE, 128) + 120 * (ask.s + ask.wait))
     with pytest.raises(ValueError, match="r_cores"):
         predict_step(CURVE, 2e-6, TRIP, 30, 256, 1, 2, True, cores=2, r_cores=2)
 
