@@ -128,6 +128,23 @@ int aiollm_silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t o
 int aiollm_argmax_rows(const float *x, int64_t row_stride, int64_t n_rows, int32_t n_cols, int64_t *out,
                        int32_t n_threads);
 
+/* ---- one layer's S-part in one call each (native/fused_ops.c), the split's pre- and post-attention halves ----
+ * Weights packed by aiollm_gemm_pack in dtype; every row-major buffer contiguous (rows exactly as wide as
+ * stated); row-wise ops and GEMMs run on n_threads threads; results equal the separate calls' bits.
+ * aiollm_layer_pre: xn = RMSNorm(h) [n_rows, hidden]; qkv = xn . W_qkv^T [n_rows, n_qkv]; then
+ *   aiollm_rope_qk on qkv (k in place, q into q_out, which may be qkv itself with q_out_stride == n_qkv).
+ * aiollm_layer_post: h_out = h + attn . W_o^T (attn [n_rows, q_size]); xn = RMSNorm(h_out);
+ *   gate_up = xn . W_gate_up^T [n_rows, 2 ffn]; act = silu(gate) * up [n_rows, ffn]; h_out += act . W_down^T.
+ *   h_out may be h. xn, gate_up, act are scratch. */
+int aiollm_layer_pre(const void *h, int64_t n_rows, int32_t hidden, const void *norm_weight, float eps,
+                     const void *w_qkv, int32_t n_qkv, void *xn, void *qkv, int32_t n_q_heads, int32_t n_kv_heads,
+                     int32_t head_dim, const int64_t *positions, const void *cos, const void *sin,
+                     int64_t n_positions, void *q_out, int64_t q_out_stride, int32_t q_out_dtype, int32_t dtype,
+                     int32_t n_threads);
+int aiollm_layer_post(const void *h, const void *attn, void *h_out, int64_t n_rows, int32_t hidden, int32_t q_size,
+                      int32_t ffn, const void *w_o, const void *norm_weight, float eps, const void *w_gate_up,
+                      const void *w_down, void *xn, void *gate_up, void *act, int32_t dtype, int32_t n_threads);
+
 /* ---- skinny GEMM: y[m, n] = x[m, k] . W[n, k]^T (+ residual[m, n]), W packed once (native/gemm*.c) ----
  * dtype AIOLLM_DT_F32 (fp32 math, AVX-512F + FMA) or AIOLLM_DT_BF16 (bf16 x, W, residual and y; fp32
  * accumulation with AVX512_BF16; y rounded once to bf16). x, residual, y: row-major, rows ld* elements apart.

@@ -12,6 +12,7 @@
  * with -std=c11, which keeps GCC from contracting them into FMAs), as transformers' formulas do. */
 #include <immintrin.h>
 #include "attn_internal.h"
+#include "gemm_internal.h"
 
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 #define INLINE static inline __attribute__((always_inline))
@@ -285,4 +286,160 @@ int aiollm_argmax_rows(const float *x, int64_t row_stride, int64_t n_rows, int32
     argmax_job job = {x, row_stride, n_cols, out, use_avx512() ? argmax_avx512 : argmax_ref};
     pool_run(n_threads, n_rows, argmax_task, &job);
     return AIOLLM_OK;
+}
+
+/* ---- one decode layer's S-part in one call: the ops above and the GEMM back to back ----
+ *
+ * Through Python a layer's S-part was ~12 calls (each with argument checks, a tensor allocation and a
+ * cffi crossing): ~0.15 ms per layer, 4-5 ms of a 30-layer step, more than the norms, RoPE and SiLU
+ * themselves. Here it is two calls per layer. The row-wise ops run on the GEMM's threads (torch's OpenMP
+ * team, see gemm_team.c) when the batch is large enough to pay for the fork, split by rows, so every
+ * result is the same bits as the single-threaded calls above. */
+
+typedef void (*rows_fn)(void *ctx, int64_t r0, int64_t r1);
+typedef struct {
+    rows_fn fn;
+    void *ctx;
+    int64_t n_rows, per;
+} rows_job;
+
+static void rows_task(void *ctx, int64_t item, int thread) {
+    const rows_job *j = (const rows_job *)ctx;
+    (void)thread;
+    const int64_t r0 = item * j->per, r1 = r0 + j->per < j->n_rows ? r0 + j->per : j->n_rows;
+    j->fn(j->ctx, r0, r1);
+}
+
+/* fn over rows [0, n_rows), split in pieces of at least ROWS_MIN_ELEMS elements over n_threads threads. */
+#define ROWS_MIN_ELEMS 16384
+static void run_rows(int32_t n_threads, int64_t n_rows, int64_t row_elems, rows_fn fn, void *ctx) {
+    const int64_t min_rows = row_elems >= ROWS_MIN_ELEMS ? 1 : ROWS_MIN_ELEMS / row_elems;
+    int64_t items = n_rows / min_rows;
+    if (items > 4 * (int64_t)n_threads) items = 4 * (int64_t)n_threads;
+    if (n_threads <= 1 || items <= 1) {
+        fn(ctx, 0, n_rows);
+        return;
+    }
+    rows_job job = {fn, ctx, n_rows, (n_rows + items - 1) / items};
+    const int64_t n_items = (n_rows + job.per - 1) / job.per;
+    gemm_run(n_threads < n_items ? n_threads : (int32_t)n_items, n_items, rows_task, &job);
+}
+
+static inline size_t elem_size(int32_t dt) { return dt == AIOLLM_DT_BF16 ? 2 : 4; }
+
+typedef struct {
+    const void *x, *w;
+    void *out;
+    int64_t xs, os;
+    int32_t dim, dt;
+    float eps;
+} norm_ctx;
+
+static void norm_rows(void *ctx, int64_t r0, int64_t r1) {
+    const norm_ctx *c = (const norm_ctx *)ctx;
+    const size_t e = elem_size(c->dt);
+    const void *x = (const char *)c->x + (size_t)(r0 * c->xs) * e;
+    void *out = (char *)c->out + (size_t)(r0 * c->os) * e;
+    if (use_avx512())
+        rms_norm_avx512(x, c->xs, c->w, out, c->os, r1 - r0, c->dim, c->eps, c->dt);
+    else
+        rms_norm_ref(x, c->xs, c->w, out, c->os, r1 - r0, c->dim, c->eps, c->dt);
+}
+
+typedef struct {
+    void *qkv, *q_out;
+    int64_t rs, qs;
+    const int64_t *positions;
+    rope_table t;
+    int32_t n_q_heads, n_kv_heads, q_dt, dt;
+} rope_ctx;
+
+static void rope_rows(void *ctx, int64_t r0, int64_t r1) {
+    const rope_ctx *c = (const rope_ctx *)ctx;
+    const int64_t q_size = (int64_t)c->n_q_heads * c->t.head_dim;
+    const int simd = use_avx512();
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t xi = r * c->rs;
+        if (simd) {
+            rope_token_avx512(c->qkv, xi, c->q_out, r * c->qs, c->q_dt, c->n_q_heads, &c->t, c->positions[r], c->dt);
+            rope_token_avx512(c->qkv, xi + q_size, c->qkv, xi + q_size, c->dt, c->n_kv_heads, &c->t, c->positions[r],
+                              c->dt);
+        } else {
+            rope_token_ref(c->qkv, xi, c->q_out, r * c->qs, c->q_dt, c->n_q_heads, &c->t, c->positions[r], c->dt);
+            rope_token_ref(c->qkv, xi + q_size, c->qkv, xi + q_size, c->dt, c->n_kv_heads, &c->t, c->positions[r],
+                           c->dt);
+        }
+    }
+}
+
+typedef struct {
+    const void *gu;
+    void *out;
+    int64_t is, os;
+    int32_t dim, dt;
+} silu_ctx;
+
+static void silu_rows(void *ctx, int64_t r0, int64_t r1) {
+    const silu_ctx *c = (const silu_ctx *)ctx;
+    const size_t e = elem_size(c->dt);
+    const void *gu = (const char *)c->gu + (size_t)(r0 * c->is) * e;
+    void *out = (char *)c->out + (size_t)(r0 * c->os) * e;
+    if (use_avx512())
+        silu_mul_avx512(gu, c->is, out, c->os, r1 - r0, c->dim, c->dt);
+    else
+        silu_mul_ref(gu, c->is, out, c->os, r1 - r0, c->dim, c->dt);
+}
+
+int aiollm_layer_pre(const void *h, int64_t n_rows, int32_t hidden, const void *norm_weight, float eps,
+                     const void *w_qkv, int32_t n_qkv, void *xn, void *qkv, int32_t n_q_heads, int32_t n_kv_heads,
+                     int32_t head_dim, const int64_t *positions, const void *cos, const void *sin,
+                     int64_t n_positions, void *q_out, int64_t q_out_stride, int32_t q_out_dtype, int32_t dtype,
+                     int32_t n_threads) {
+    if (n_rows < 0 || n_rows > INT32_MAX || hidden < 1 || !(eps >= 0.0f) || n_q_heads < 0 || n_kv_heads < 0 || head_dim < 2 ||
+        head_dim % 2 || n_positions < 0 || (int64_t)(n_q_heads + n_kv_heads) * head_dim > n_qkv)
+        return AIOLLM_ERR_ARG;
+    if ((dtype != AIOLLM_DT_F32 && dtype != AIOLLM_DT_BF16) ||
+        (q_out_dtype != AIOLLM_DT_F32 && q_out_dtype != AIOLLM_DT_BF16) || !aiollm_gemm_supported(dtype))
+        return AIOLLM_ERR_UNSUPPORTED;
+    if (n_rows == 0) return AIOLLM_OK;
+    if (!h || !norm_weight || !w_qkv || !xn || !qkv || !positions || !cos || !sin || !q_out ||
+        q_out_stride < (int64_t)n_q_heads * head_dim || (q_out == qkv && (q_out_dtype != dtype || q_out_stride != n_qkv)))
+        return AIOLLM_ERR_ARG;
+    for (int64_t r = 0; r < n_rows; r++)
+        if (positions[r] < 0 || positions[r] >= n_positions) return AIOLLM_ERR_ARG;
+    if (n_threads < 1) n_threads = 1;
+    norm_ctx norm = {h, norm_weight, xn, hidden, hidden, hidden, dtype, eps};
+    run_rows(n_threads, n_rows, hidden, norm_rows, &norm);
+    const int status = aiollm_gemm(xn, hidden, (int32_t)n_rows, w_qkv, n_qkv, hidden, dtype, NULL, 0, qkv, n_qkv,
+                                   n_threads);
+    if (status != AIOLLM_OK) return status;
+    rope_ctx rope = {qkv, q_out, n_qkv, q_out_stride, positions, {cos, sin, head_dim, dtype},
+                     n_q_heads, n_kv_heads, q_out_dtype, dtype};
+    run_rows(n_threads, n_rows, n_qkv, rope_rows, &rope);
+    return AIOLLM_OK;
+}
+
+int aiollm_layer_post(const void *h, const void *attn, void *h_out, int64_t n_rows, int32_t hidden, int32_t q_size,
+                      int32_t ffn, const void *w_o, const void *norm_weight, float eps, const void *w_gate_up,
+                      const void *w_down, void *xn, void *gate_up, void *act, int32_t dtype, int32_t n_threads) {
+    if (n_rows < 0 || n_rows > INT32_MAX || hidden < 1 || q_size < 1 || ffn < 1 || !(eps >= 0.0f))
+        return AIOLLM_ERR_ARG;
+    if ((dtype != AIOLLM_DT_F32 && dtype != AIOLLM_DT_BF16) || !aiollm_gemm_supported(dtype))
+        return AIOLLM_ERR_UNSUPPORTED;
+    if (n_rows == 0) return AIOLLM_OK;
+    if (!h || !attn || !h_out || !w_o || !norm_weight || !w_gate_up || !w_down || !xn || !gate_up || !act)
+        return AIOLLM_ERR_ARG;
+    if (n_threads < 1) n_threads = 1;
+    const int32_t m = (int32_t)n_rows;
+    int status = aiollm_gemm(attn, q_size, m, w_o, hidden, q_size, dtype, h, hidden, h_out, hidden, n_threads);
+    if (status != AIOLLM_OK) return status;
+    norm_ctx norm = {h_out, norm_weight, xn, hidden, hidden, hidden, dtype, eps};
+    run_rows(n_threads, n_rows, hidden, norm_rows, &norm);
+    status = aiollm_gemm(xn, hidden, m, w_gate_up, 2 * ffn, hidden, dtype, NULL, 0, gate_up, 2 * (int64_t)ffn,
+                         n_threads);
+    if (status != AIOLLM_OK) return status;
+    silu_ctx silu = {gate_up, act, 2 * (int64_t)ffn, ffn, ffn, dtype};
+    run_rows(n_threads, n_rows, 2 * (int64_t)ffn, silu_rows, &silu);
+    /* residual and output the same rows: each element is read before it is written, by the same thread */
+    return aiollm_gemm(act, ffn, m, w_down, hidden, ffn, dtype, h_out, hidden, h_out, hidden, n_threads);
 }

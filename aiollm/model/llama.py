@@ -11,7 +11,8 @@ over the paged KV cache. `prefill` runs both for whole prompts and hands each la
 The arithmetic follows transformers' LlamaForCausalLM (RMSNorm in fp32, RoPE half-split, SDPA), so fp32
 greedy tokens equal transformers'. On CPU in fp32/bf16 the small ops between the matrix products (RMSNorm,
 RoPE, SiLU*up) run as single native calls (aiollm.model.fused_ops): through PyTorch they cost several
-ATen ops each, every one with its OpenMP fork/join. RoPE is then bit-identical to transformers' formula;
+ATen ops each, every one with its OpenMP fork/join; when every matrix is on the native GEMM, each half-layer
+(pre_attention, post_attention) is one native call (fused_ops.layer_pre / layer_post, same bits). RoPE is then bit-identical to transformers' formula;
 RMSNorm sums the squares in another order (a few fp32 ulps).
 """
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from aiollm.model import fused_ops
 from aiollm.model.attention import prefill_attention
 from aiollm.model.config import ModelConfig
+from aiollm.model.gemm import PackedWeight
 from aiollm.model.linear import linear, linear_add
 from aiollm.model.rope import RotaryTable, Rotation
 from aiollm.model.tokenizer import Tokenizer
@@ -58,6 +60,11 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.rotary = RotaryTable(config, dtype, device)
+        # every layer's S-part halves as one native call each (fused_ops.layer_pre / layer_post) when all the
+        # layers' matrices are on the native GEMM in the model dtype and the RoPE table is in that dtype
+        self._fused_layers = self.device.type == "cpu" and self.rotary.cos.dtype == dtype and all(
+            isinstance(m, PackedWeight) and m.dtype == dtype and w.attn_norm.dtype == w.mlp_norm.dtype == dtype
+            for w in weights.layers for m in (w.qkv, w.o, w.gate_up, w.down))
 
     # ---- S-part -------------------------------------------------------------------------------------
 
@@ -86,6 +93,13 @@ class LlamaModel:
         c = self.config
         rope = rope if rope is not None else self.rope(positions)
         n = h.shape[0]
+        if self._fused_layers and h.dtype == self.dtype and (q_out is None or q_out.is_contiguous()):
+            flat_q = None if q_out is None else q_out.view(n, c.q_size)
+            qkv, _ = fused_ops.layer_pre(h.contiguous(), w.attn_norm, c.rms_eps, w.qkv, c.n_heads, c.n_kv_heads,
+                                         c.head_dim, rope.positions, rope.table.cos, rope.table.sin, flat_q)
+            qkv = qkv.view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
+            q = qkv[:, :c.n_heads] if q_out is None else q_out
+            return q, qkv[:, c.n_heads:c.n_heads + c.n_kv_heads], qkv[:, c.n_heads + c.n_kv_heads:]
         qkv = linear(rms_norm(h, w.attn_norm, c.rms_eps), w.qkv).view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
         q = rope.rotate_qk(qkv, c.n_heads, c.n_kv_heads, q_out)  # k rotated in place
         return q, qkv[:, c.n_heads:c.n_heads + c.n_kv_heads], qkv[:, c.n_heads + c.n_kv_heads:]
@@ -96,6 +110,9 @@ class LlamaModel:
         attn = attn_out.reshape(h.shape[0], self.config.q_size)
         if attn.dtype != self.dtype:
             attn = attn.to(self.dtype)
+        if self._fused_layers and h.dtype == self.dtype:
+            return fused_ops.layer_post(h.contiguous(), attn.contiguous(), w.o, w.mlp_norm, self.config.rms_eps,
+                                        w.gate_up, w.down)
         h = linear_add(attn, w.o, h)
         gate_up = linear(rms_norm(h, w.mlp_norm, self.config.rms_eps), w.gate_up)
         return linear_add(silu_mul(gate_up), w.down, h)

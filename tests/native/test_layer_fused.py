@@ -1,0 +1,120 @@
+"""fused_ops.layer_pre / layer_post (one native call per half-layer) against the ops called one by one
+(same bits) and against a float64 reference of the whole half-layer."""
+import numpy as np
+import pytest
+import torch
+
+from aiollm.model import fused_ops, gemm
+from aiollm.model.config import ModelConfig
+from aiollm.model.rope import RotaryTable
+
+DTYPES = [d for d in (torch.float32, torch.bfloat16) if gemm.supported(d)]
+pytestmark = pytest.mark.skipif(not DTYPES, reason="this CPU has no native GEMM (AVX-512)")
+
+HIDDEN, N_Q, N_KV, HEAD_DIM, FFN, EPS = 96, 3, 1, 32, 160, 1e-5
+# rows: one, a tile tail, past the row-split threshold of the norms and SiLU, past the GEMM's 256-row chunk
+ROWS = [1, 5, 64, 300]
+
+
+def rand(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def _pre_setup(dtype, n):
+    config = ModelConfig(n_layers=1, hidden=HIDDEN, n_heads=N_Q, n_kv_heads=N_KV, head_dim=HEAD_DIM, ffn=FFN,
+                         vocab=8, rope_theta=10000.0, rms_eps=EPS, max_context=512)
+    table = RotaryTable(config, dtype)
+    n_qkv = (N_Q + 2 * N_KV) * HEAD_DIM
+    w = rand(n_qkv, HIDDEN, dtype=dtype, scale=0.2, seed=1)
+    return (table, rand(n, HIDDEN, dtype=dtype, scale=2.0), rand(HIDDEN, dtype=dtype, seed=2), w,
+            gemm.PackedWeight(w), torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(3)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", ROWS)
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_layer_pre_equals_the_ops_one_by_one(dtype, n, n_threads):
+    table, h, norm_w, _, packed, positions = _pre_setup(dtype, n)
+    qkv = gemm.gemm(fused_ops.rms_norm(h, norm_w, EPS), packed)
+    q32 = fused_ops.rope_qk(qkv, positions, table.cos, table.sin, N_Q, N_KV, torch.empty(n, N_Q * HEAD_DIM))
+    got_qkv, got_q32 = fused_ops.layer_pre(h, norm_w, EPS, packed, N_Q, N_KV, HEAD_DIM, positions, table.cos,
+                                           table.sin, torch.empty(n, N_Q * HEAD_DIM), n_threads=n_threads)
+    assert torch.equal(got_q32, q32)
+    assert torch.equal(got_qkv[:, N_Q * HEAD_DIM:], qkv[:, N_Q * HEAD_DIM:])  # k rotated in place, v as is
+    in_place, none = fused_ops.layer_pre(h, norm_w, EPS, packed, N_Q, N_KV, HEAD_DIM, positions, table.cos,
+                                         table.sin, n_threads=n_threads)
+    assert none is None
+    assert torch.equal(in_place[:, :N_Q * HEAD_DIM], q32.to(dtype))  # q rotated in place in qkv
+    assert torch.equal(in_place[:, N_Q * HEAD_DIM:], qkv[:, N_Q * HEAD_DIM:])
+
+
+def test_layer_pre_matches_float64():
+    n = 9
+    table, h, norm_w, w, packed, positions = _pre_setup(torch.float32, n)
+    hd = h.double()
+    xn = norm_w.double() * hd / torch.sqrt(hd.pow(2).mean(-1, keepdim=True) + EPS)
+    qkv = (xn @ w.double().T).view(n, N_Q + 2 * N_KV, HEAD_DIM)
+    cos, sin = (t.double()[positions].unsqueeze(1) for t in (table.cos, table.sin))  # sin sign-folded
+    qk = qkv[:, :N_Q + N_KV]
+    rotated = qk * cos + qk.roll(HEAD_DIM // 2, -1) * sin
+    got, _ = fused_ops.layer_pre(h, norm_w, EPS, packed, N_Q, N_KV, HEAD_DIM, positions, table.cos, table.sin)
+    got = got.view(n, N_Q + 2 * N_KV, HEAD_DIM).double()
+    scale = rotated.abs().max()
+    assert (got[:, :N_Q + N_KV] - rotated).abs().max() <= 2e-5 * scale
+    assert (got[:, N_Q + N_KV:] - qkv[:, N_Q + N_KV:]).abs().max() <= 2e-5 * scale
+
+
+def _post_setup(dtype, n):
+    q_size = N_Q * HEAD_DIM
+    dense = {"o": rand(HIDDEN, q_size, dtype=dtype, scale=0.1, seed=4),
+             "gate_up": rand(2 * FFN, HIDDEN, dtype=dtype, scale=0.1, seed=5),
+             "down": rand(HIDDEN, FFN, dtype=dtype, scale=0.1, seed=6)}
+    packed = {name: gemm.PackedWeight(w) for name, w in dense.items()}
+    return (rand(n, HIDDEN, dtype=dtype, scale=2.0), rand(n, q_size, dtype=dtype, seed=7),
+            rand(HIDDEN, dtype=dtype, seed=8), dense, packed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", ROWS)
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_layer_post_equals_the_ops_one_by_one(dtype, n, n_threads):
+    h, attn, norm_w, _, p = _post_setup(dtype, n)
+    h2 = gemm.gemm(attn, p["o"], h)
+    act = fused_ops.silu_mul(gemm.gemm(fused_ops.rms_norm(h2, norm_w, EPS), p["gate_up"]))
+    expected = gemm.gemm(act, p["down"], h2)
+    got = fused_ops.layer_post(h, attn, p["o"], norm_w, EPS, p["gate_up"], p["down"], n_threads=n_threads)
+    assert torch.equal(got, expected)
+    h_copy = h.clone()
+    same = fused_ops.layer_post(h_copy, attn, p["o"], norm_w, EPS, p["gate_up"], p["down"], out=h_copy,
+                                n_threads=n_threads)
+    assert same.data_ptr() == h_copy.data_ptr() and torch.equal(h_copy, expected)
+
+
+def test_layer_post_matches_float64():
+    n = 11
+    h, attn, norm_w, w, p = _post_setup(torch.float32, n)
+    hd = h.double()
+    h2 = hd + attn.double() @ w["o"].double().T
+    xn = norm_w.double() * h2 / torch.sqrt(h2.pow(2).mean(-1, keepdim=True) + EPS)
+    gate, up = (xn @ w["gate_up"].double().T).chunk(2, dim=-1)
+    expected = h2 + (gate * torch.sigmoid(gate) * up) @ w["down"].double().T
+    got = fused_ops.layer_post(h, attn, p["o"], norm_w, EPS, p["gate_up"], p["down"]).double()
+    assert np.abs((got - expected).numpy()).max() <= 2e-5 * expected.abs().max().item()
+
+
+def test_layer_calls_reject_bad_arguments_naming_them():
+    dtype = DTYPES[0]
+    table, h, norm_w, _, packed, positions = _pre_setup(dtype, 4)
+    with pytest.raises(ValueError, match="positions"):
+        fused_ops.layer_pre(h, norm_w, EPS, packed, N_Q, N_KV, HEAD_DIM, positions + 512, table.cos, table.sin)
+    with pytest.raises(ValueError, match="h:"):
+        fused_ops.layer_pre(h[:, :-1], norm_w, EPS, packed, N_Q, N_KV, HEAD_DIM, positions, table.cos, table.sin)
+    with pytest.raises(ValueError, match="q_out"):
+        fused_ops.layer_pre(h, norm_w, EPS, packed, N_Q, N_KV, HEAD_DIM, positions, table.cos, table.sin,
+                            torch.empty(4, N_Q * HEAD_DIM, dtype=torch.float64))
+    h, attn, norm_w, _, p = _post_setup(dtype, 4)
+    with pytest.raises(ValueError, match="attn"):
+        fused_ops.layer_post(h, attn[:3], p["o"], norm_w, EPS, p["gate_up"], p["down"])
+    with pytest.raises(ValueError, match="w_down"):
+        fused_ops.layer_post(h, attn, p["o"], norm_w, EPS, p["gate_up"], p["o"])
