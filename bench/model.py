@@ -13,6 +13,14 @@ step's 121 matrix products alone (every layer's QKV, O, gate/up and down, plus t
 nothing else), and `ceiling_ratio` that floor over transformers' tokens/s: the ratio a step with free
 norms, RoPE, attention, sampling and Python would reach. `weight_read_ms` is the weights' bytes over the
 read bandwidth measured here (the floor of any step at small batch).
+
+`bound_tokens_per_s` is tighter, for the whole generate call: the prefill's FLOPs (every layer's matrices
+over every prompt token, causal attention, the last token's logits) at the peak GEMM rate measured here
+(`peak_gflops`: the native kernel over a step's matrices at batch 256), plus every decode step's
+matrix products at their measured time (the GEMM floor) and its KV cache read once at the measured read
+bandwidth; norms, RoPE, sampling, the KV write and Python cost nothing. `bound_ratio` is that bound over
+transformers' tokens/s (the ratio no implementation of this step structure can pass on this machine), and
+`of_bound` our tokens/s over the bound.
 """
 import copy
 import os
@@ -112,6 +120,30 @@ def gemm_rows(model, batches: list[int]) -> list[dict]:
     return rows
 
 
+def peak_gflops(model, batch: int = 256) -> float:
+    """GFLOPS of the step's matrix products at a batch large enough to be compute-bound (best of a few)."""
+    return 2 * batch * _matrix_params(model, lm_head=True) / gemm_floor(model, batch) / 1e9
+
+
+def _matrix_params(model, lm_head: bool) -> int:
+    """Weights of every layer's matrices (and of the lm_head if asked): the multiply-adds per token."""
+    c = model.config
+    per_layer = c.hidden * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden + 3 * c.hidden * c.ffn
+    return c.n_layers * per_layer + (c.vocab * c.hidden if lm_head else 0)
+
+
+def generate_bound(model, b: int, prompt_len: int, new_tokens: int, step_gemm_s: float, kv_bytes_per_token: int,
+                   peak_flops: float, read_bytes_per_s: float) -> float:
+    """Seconds of a generate call with everything but matrix products and KV reads free (see the module doc)."""
+    c = model.config
+    prefill_flops = 2 * b * prompt_len * _matrix_params(model, lm_head=False) + 2 * b * c.vocab * c.hidden
+    prefill_flops += 2 * b * c.n_layers * c.n_heads * c.head_dim * prompt_len * (prompt_len + 1)  # QK^T and PV, causal
+    seconds = prefill_flops / peak_flops
+    for step in range(1, new_tokens):  # the first new token comes out of the prefill
+        seconds += step_gemm_s + b * (prompt_len + step) * kv_bytes_per_token / read_bytes_per_s
+    return seconds
+
+
 def read_bandwidth() -> float:
     """Bytes/s of one streaming read of 512 MiB with the native kernel's threads (best of 3)."""
     buf = torch.ones(128 * 2 ** 20).numpy()
@@ -126,7 +158,7 @@ def t_of_b(model, batches: list[int], min_seconds: float) -> list[dict]:
         for b in batches:
             ids = torch.randint(0, model.config.vocab, (b,))
             rope = model.rope(torch.arange(b) % 1024 + 64)
-            seconds = _timed(lambda: s_part_step(model, model.embed(ids), rope), min_seconds, 20)
+            seconds = _timed(lambda ids=ids, rope=rope: s_part_step(model, model.embed(ids), rope), min_seconds, 20)
             rows.append({"batch": b, "seconds": seconds, "tokens_per_s": b / seconds})
     return rows
 
@@ -136,19 +168,22 @@ def prefill(model, hf, lengths: list[int]) -> list[dict]:
     with torch.inference_mode():
         for n in lengths:
             ids = torch.randint(0, model.config.vocab, (n,))
-            ours = _timed(lambda: model.prefill([ids.tolist()]), 0.5, 3)
+            ours = _timed(lambda ids=ids: model.prefill([ids.tolist()]), 0.5, 3)
             row = {"prompt_len": n, "tokens_per_s": n / ours}
             if hf is not None:
-                theirs = _timed(lambda: hf(ids[None]), 0.5, 3)
+                theirs = _timed(lambda ids=ids: hf(ids[None]), 0.5, 3)
                 row.update(transformers_tokens_per_s=n / theirs, ratio=theirs / ours)
             rows.append(row)
     return rows
 
 
-def decode(model, hf, batches: list[int], new_tokens: int, prompt: list[int]) -> list[dict]:
+def decode(model, hf, batches: list[int], new_tokens: int, prompt: list[int], bandwidth: float,
+           peak: float) -> list[dict]:
     rows = []
     # KV in 16 bits for a bf16 model, as transformers keeps its cache in the model dtype (fp32 KV read 2x the bytes)
     kv_dtype = "fp32" if model.dtype == torch.float32 else "fp16"
+    c = model.config
+    kv_bytes_per_token = c.n_layers * 2 * c.kv_size * (4 if kv_dtype == "fp32" else 2)
     engine = ColocatedEngine(model, kv_dtype=kv_dtype, n_blocks=max(batches) * ((len(prompt) + new_tokens) // 16 + 2))
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -156,11 +191,14 @@ def decode(model, hf, batches: list[int], new_tokens: int, prompt: list[int]) ->
         started = time.perf_counter()
         engine.generate([prompt] * b, params)
         ours = time.perf_counter() - started
+        floor = gemm_floor(model, b)
+        bound = generate_bound(model, b, len(prompt), new_tokens, floor, kv_bytes_per_token, peak * 1e9, bandwidth)
         row = {"batch": b, "new_tokens": new_tokens, "kv_dtype": kv_dtype, "tokens_per_s": b * new_tokens / ours,
-               "gemm_floor_tokens_per_s": b / gemm_floor(model, b)}
+               "gemm_floor_tokens_per_s": b / floor, "bound_tokens_per_s": b * new_tokens / bound,
+               "of_bound": bound / ours}
         if hf is not None:
             ids = torch.tensor([prompt] * b)
-            kwargs = dict(do_sample=False, pad_token_id=model.config.eos_ids[0])
+            kwargs = {"do_sample": False, "pad_token_id": model.config.eos_ids[0]}
             with torch.inference_mode():
                 hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, **kwargs)  # warm-up
                 started = time.perf_counter()
@@ -168,7 +206,8 @@ def decode(model, hf, batches: list[int], new_tokens: int, prompt: list[int]) ->
                             min_new_tokens=new_tokens, **kwargs)
             theirs = time.perf_counter() - started
             row.update(transformers_tokens_per_s=b * new_tokens / theirs, ratio=theirs / ours,
-                       ceiling_ratio=row["gemm_floor_tokens_per_s"] * theirs / (b * new_tokens))
+                       ceiling_ratio=row["gemm_floor_tokens_per_s"] * theirs / (b * new_tokens),
+                       bound_ratio=theirs / bound)
         rows.append(row)
     return rows
 
@@ -216,7 +255,9 @@ def run(args) -> dict:
             [{"role": "user", "content": "Tell me a long story about a dragon who learns to cook."}]))
         curve = t_of_b(model, batches_t, 0.2 if quick else 0.5)
         pre = prefill(model, hf, lengths)
-        dec = decode(model, hf, decode_batches, new_tokens, prompt)
+        peak = peak_gflops(model)
+        figures[f"peak_gflops_{name}"] = peak
+        dec = decode(model, hf, decode_batches, new_tokens, prompt, bandwidth, peak)
         weight_bytes = model.config.n_params * torch.finfo(dtype).bits // 8
         figures[f"weight_read_ms_{name}"] = 1e3 * weight_bytes / bandwidth
         key = "t_of_b" if name == "fp32" else f"t_of_b_{name}"
@@ -227,10 +268,12 @@ def run(args) -> dict:
         print(f"\n-- {name}: prefill, one prompt\n{table(pre)}")
         print(f"\n-- {name}: colocated decode, {new_tokens} new tokens, prompt {len(prompt)} tokens "
               f"(weights {weight_bytes / 2 ** 20:.0f} MiB: {figures[f'weight_read_ms_{name}']:.1f} ms a step at "
-              f"{bandwidth / 1e9:.1f} GB/s)\n{table(dec)}")
+              f"{bandwidth / 1e9:.1f} GB/s; bound: prefill at {peak:.0f} GFLOPS, GEMM floor, KV at read "
+              f"bandwidth)\n{table(dec)}")
         if hf is not None:
             ratio = min(r["ratio"] for r in dec if r["batch"] >= 8)
             figures[f"ratio_decode_vs_transformers_{name}"] = ratio
+            figures[f"bound_ratio_decode_{name}"] = min(r["bound_ratio"] for r in dec if r["batch"] >= 8)
             ratios.append(ratio)
     if ratios:
         figures["ratio_decode_vs_transformers"] = min(ratios)
