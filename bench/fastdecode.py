@@ -78,7 +78,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trace-batch", type=int, help="B of the schedule trace (default 128; quick 64)")
     parser.add_argument("--trace-seq-len", type=int,
                         help="S of the schedule trace (default: where the step model balances S-part and R-part)")
-    parser.add_argument("--trace-repeats", type=int, default=2,
+    parser.add_argument("--trace-budget", type=float, default=170.0,
+                        help="seconds the trace runs may take by the step model; caps the balanced S")
+    parser.add_argument("--trace-repeats", type=int, default=1,
                         help="pairs of trace runs with and without the schedule, alternating which goes first")
     parser.add_argument("--trace-micro-batch", type=int, default=8,
                         help="M of the schedule trace; F = M*(S - prompt)/B steps between micro-batches")
@@ -167,14 +169,15 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
     # the kernel alone on a fresh pool vs real R-workers (per R-worker count: peers attending at once share the
     # memory bus): the step model uses the latter (int8 scaled alike)
     kernel = dict(r_of)
-    r_of = {p: {"fp16": r, "int8": r * kernel["int8"] / kernel["fp16"]} for p, (r, _) in situ.items()}
+    r_of = {p: {"fp16": r, "int8": {w: x * kernel["int8"] / kernel["fp16"] for w, x in r.items()}}
+            for p, (r, _) in situ.items()}
     s_tok = {p: s for p, (_, s) in situ.items()}
     print(f"\n-- R, attention CPU per KV entry (all layers): kernel alone {kernel['fp16']*1e9:.0f} ns, in real "
-          f"R-worker steps " + ", ".join(f"{r*1e9:.0f} ns with {p} R-worker(s) attending at once"
-                                           for p, (r, _) in situ.items())
+          f"R-worker steps " + "; ".join(f"with {p} R-worker(s) attending at once " + ", ".join(
+              f"{x*1e9:.0f} ns at {w} entries each" for w, x in sorted(r.items())) for p, (r, _) in situ.items())
           + "; the S-worker's CPU per KV entry the R-workers stream: "
           + ", ".join(f"{s*1e9:.2f} ns with {p}" for p, (_, s) in situ.items()) + " (used below)")
-    figures["r_per_token_in_situ_s"] = {str(p): r for p, (r, _) in situ.items()}
+    figures["r_per_token_in_situ_s"] = {str(p): {str(w): x for w, x in r.items()} for p, (r, _) in situ.items()}
     figures["s_cpu_per_kv_token_s"] = {str(p): s for p, (_, s) in situ.items()}
     figures["ask_cost_ms"] = {f"{p}{'_pipelined' if pipe else ''}": {
         str(b): {"s": 1e3 * t.s, "r": 1e3 * t.r, "wait": 1e3 * t.wait} for b, t in c.items()}
@@ -404,7 +407,12 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
         def price(w: float, b: int = batch) -> float:
             return predict_step(curve, r_situ, trips, layers, b, w, 1, b >= 2, cores, r_cores, s_per_token).step
 
-        seq = args.trace_seq_len or balanced_seq_len(price, batch, PROMPT_LEN, longest)
+        # the longest S whose pair of runs (without: a life; with: ramp-up and a quarter life) the step model
+        # expects to fit the trace's time budget: a bench-lock hold must stay short
+        affordable = max((s for s in range(64, longest + 1, 16)
+                          if 2.3 * (s - PROMPT_LEN) * price(batch * (PROMPT_LEN + s) / 2) * args.trace_repeats
+                          <= args.trace_budget), default=64)
+        seq = args.trace_seq_len or balanced_seq_len(price, batch, PROMPT_LEN, affordable)
         schedule = _trace_schedule(batch, seq, args.trace_micro_batch)
         life = seq - PROMPT_LEN
         ask = trips[max(1, batch // 2)]
@@ -412,7 +420,8 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
               f"steps' cost per ask at {batch // 2} rows S {ask.s * 1e3:.2f} + R {ask.r * 1e3:.2f} + wait {ask.wait * 1e3:.2f} "
               f"ms, R in situ {r_situ * 1e9:.0f} ns/entry (kernel alone {r_kernel * 1e9:.0f}), S-worker "
               f"{s_per_token * 1e9:.2f} ns per streamed entry; predicted step at W=0 {price(0) * 1e3:.0f} ms -> S = "
-              f"{seq} (predicted gain {schedule_gain(price, batch, PROMPT_LEN, seq):.3f})", flush=True)
+              f"{seq} (predicted gain {schedule_gain(price, batch, PROMPT_LEN, seq):.3f}; the balanced S searched up "
+              f"to {affordable}, the longest whose runs fit --trace-budget {args.trace_budget:.0f} s)", flush=True)
         window = schedule.interval * max(1, round(life / 4 / schedule.interval))
         traces, windows = [], []
         for rep in range(args.trace_repeats):
@@ -579,8 +588,11 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
             trips[n] = await step_costs(graph.driver, model, urls, sorted(per_ask), curve, r_of["fp16"])
             trips_pipe[n] = await step_costs(graph.driver, model, urls, sorted({max(1, b // (2 * n)) for b in batches}),
                                              curve, r_of["fp16"], pipeline=True)
-            situ[n] = await long_step_terms(graph.driver, model, urls, check, seq_len // 2, curve, trips[n],
-                                            r_of["fp16"])
+            # R in situ at two loads per R-worker (the check batch and the largest at context S/2, as the rows'
+            # spread contexts hold): per KV entry it rises with the KV an R-worker holds
+            terms = {b: await long_step_terms(graph.driver, model, urls, b, seq_len // 2, curve, trips[n],
+                                              r_of["fp16"]) for b in sorted({check, max(batches)})}
+            situ[n] = ({b * (seq_len // 2 + 3) // n: r for b, (r, _) in terms.items()}, terms[check][1])
             r_situ = situ[n][0]
             for batch in batches:
                 pipe = pipelined(batch, n, r_situ)
@@ -598,7 +610,7 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
                 for i, context in enumerate(np.linspace(PROMPT_LEN, seq_len - 8, 4).astype(int).tolist()):
                     ramp.append({**await _synthetic_step(graph, model, urls, check, seq_len, f"s-ramp-{i}",
                                                          pipeline=pipe, context=context), "context": context})
-    r_int8 = situ[2][0] * r_of["int8"] / r_of["fp16"]
+    r_int8 = {w: r * r_of["int8"] / r_of["fp16"] for w, r in situ[2][0].items()}
     async with Graph(startup_timeout=120.0) as graph:  # int8 KV halves the bytes the R-part reads
         urls = await _r_workers(graph, 2, kv_dtype="int8")
         for batch in [b for b in batches if b >= 256] or batches[-1:]:

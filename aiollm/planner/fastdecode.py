@@ -106,13 +106,15 @@ class StepPrediction:
                   f"wait {self.ask.wait*1e3:.2f})")
 
 
-def predict_step(t_of_b: dict[int, float], r_per_token: float, round_trip: dict[int, AskCost], n_layers: int,
+def predict_step(t_of_b: dict[int, float], r_per_token: float | dict[int, float], round_trip: dict[int, AskCost],
+                 n_layers: int,
                  batch: int, kv_tokens: float, workers: int, pipelined: bool, cores: float,
                  r_cores: float = 0.0, s_per_token: float = 0.0) -> StepPrediction:
     """Predicted decode step of `batch` sequences holding `kv_tokens` KV entries in all, on `workers` R-workers.
 
     t_of_b: S-part seconds per batch size; r_per_token: attention seconds per KV entry (all layers, one
-    thread); round_trip: `AskCost` per rows carried; cores: the cores the S-worker and the R-workers share (the
+    thread), or {KV entries per R-worker: seconds} measured in situ (it rises with the KV an R-worker holds);
+    round_trip: `AskCost` per rows carried; cores: the cores the S-worker and the R-workers share (the
     effective count when other load is on them); s_per_token: the S-worker's CPU per KV entry the R-workers
     stream. Rows are spread evenly over R-workers. r_cores > 0 is FastDecode's placement instead: the R-workers
     confined to `r_cores` cores of their own, the S-worker alone on the other `cores - r_cores` (its T(B)
@@ -127,7 +129,8 @@ def predict_step(t_of_b: dict[int, float], r_per_token: float, round_trip: dict[
     groups = 2 if pipelined else 1
     half = batch / groups
     s_part = groups * interpolate(t_of_b, half)
-    attention = r_per_token * kv_tokens
+    r = per_entry(r_per_token, kv_tokens / workers)
+    attention = r * kv_tokens
     rows = max(1.0, half / workers)
     ask = interpolate_cost(round_trip, rows)
     asks = n_layers * groups * workers
@@ -144,6 +147,15 @@ def predict_step(t_of_b: dict[int, float], r_per_token: float, round_trip: dict[
     all_over_cores = (s_worker + workers * r_each) / min(cores, workers + 1)
     step = max(s_worker, r_worker, chain, all_over_cores)
     return StepPrediction(step, s_worker, r_worker, chain, all_over_cores, asks * ask.total, ask)
+
+
+def per_entry(r_per_token: float | dict[int, float], entries: float) -> float:
+    """R at an R-worker's load: a number as is, or {entries: seconds} interpolated linearly and held flat past
+    the measured loads (a per-entry cost, not a total: extrapolating it could go negative)."""
+    if not isinstance(r_per_token, dict):
+        return r_per_token
+    loads = sorted(r_per_token)
+    return float(np.interp(entries, loads, [r_per_token[w] for w in loads]))
 
 
 def interpolate_cost(costs: dict[int, AskCost], rows: float) -> AskCost:
@@ -187,7 +199,7 @@ def interpolate(curve: dict[int, float], batch: float) -> float:
     return float(np.interp(batch, bs, ts))
 
 
-def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_target: float | None = None,
+def size(t_of_b: dict[int, float], r_per_token: float | dict[int, float], seq_len: int, latency_target: float | None = None,
          round_trip: dict[int, dict[int, AskCost]] | None = None, n_layers: int = 0, cores: float = 0.0,
          s_per_token: dict[int, float] | None = None) -> Sizing:
     """Pick B from the measured T(B) curve, then P = B*S*R / (2*T(B)); with the ask costs measured per R-worker
@@ -200,6 +212,11 @@ def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_tar
     pipeline=True)."""
     if not t_of_b or any(b <= 0 or t <= 0 for b, t in t_of_b.items()):
         raise ValueError("t_of_b: need measured {batch: seconds} with positive values")
+    r_curve = r_per_token
+    if isinstance(r_curve, dict):  # {KV entries per R-worker: seconds}; the formula takes it at the mean load
+        if not r_curve:
+            raise ValueError("r_per_token: need {KV entries per R-worker: seconds}")
+        r_per_token = min(r_curve.values())
     if r_per_token <= 0 or seq_len <= 0:
         raise ValueError(f"r_per_token and seq_len must be > 0, got {r_per_token}, {seq_len}")
     batches = sorted(t_of_b)
@@ -223,6 +240,8 @@ def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_tar
         lines.append(f"B = {batch}: the smallest measured batch reaching {THROUGHPUT_KNEE*100:.0f} % of the best "
                      f"S-part throughput ({best:.0f} sequences/s); larger batches add latency, not throughput")
     t = interpolate(t_of_b, batch)
+    if isinstance(r_curve, dict):
+        r_per_token = per_entry(r_curve, batch * seq_len / 2)
     exact = batch * seq_len * r_per_token / (2 * t)
     workers = max(1, math.ceil(exact - 1e-9))
     lines.append(f"P = B*S*R / (2*T(B)) = {batch}*{seq_len}*{r_per_token:.3e} / (2*{t:.4f}) = {exact:.3g}: "
@@ -246,7 +265,7 @@ def size(t_of_b: dict[int, float], r_per_token: float, seq_len: int, latency_tar
         return by_workers[max(m for m in by_workers if m <= p)]
 
     streamed = s_per_token or {1: 0.0}
-    options = {p: predict_step(t_of_b, r_per_token, measured(p, round_trip), n_layers, batch, batch * seq_len / 2, p,
+    options = {p: predict_step(t_of_b, r_curve, measured(p, round_trip), n_layers, batch, batch * seq_len / 2, p,
                                pipelined, cores, s_per_token=measured(p, streamed))
                for p in range(1, max(2 * workers, math.ceil(cores) + 2, 4) + 1)}
     best = min(o.step for o in options.values())

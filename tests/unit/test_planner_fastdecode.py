@@ -85,6 +85,11 @@ def test_step_is_the_largest_bound_with_communication_and_shared_cores():
     # the S-worker's CPU per KV entry the R-workers stream adds to its own work
     streamed = predict_step(CURVE, 2e-6, TRIP, 30, 256, 131072, 2, True, cores=16, s_per_token=1e-9)
     assert streamed.s_worker == pytest.approx(free.s_worker + 131072e-9)
+    # R measured in situ per load: interpolated at the KV each R-worker holds, flat past the measured loads
+    loaded = predict_step(CURVE, {32768: 2e-6, 65536: 3e-6}, TRIP, 30, 256, 131072, 2, True, cores=16)
+    heavier = predict_step(CURVE, {32768: 2e-6, 65536: 3e-6}, TRIP, 30, 256, 262144, 2, True, cores=16)
+    assert loaded.r_worker == pytest.approx(3e-6 * 65536 + 60 * ask.r)
+    assert heavier.r_worker == pytest.approx(3e-6 * 131072 + 60 * ask.r)
     with pytest.raises(ValueError):
         predict_step(CURVE, 2e-6, {}, 30, 256, 1, 2, True, 2)
 
