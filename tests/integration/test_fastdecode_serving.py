@@ -22,7 +22,14 @@ from aiollm.model.sampling import SamplingParams
 from aiollm.sched.sls import SLSConfig
 from aiollm.workers.backend import GenerateRequest
 from aiollm.workers.cluster_client import ClusterClient
-from aiollm.workers.fastdecode_messages import Admit, Attend, GetRLoad, GetTrace, Release
+from aiollm.workers.fastdecode_messages import (
+    Admit,
+    Attend,
+    GetRLoad,
+    GetTrace,
+    Release,
+    Synthetic,
+)
 from aiollm.workers.s_worker import SWorker, SWorkerConfig
 from tests.unit.tiny_llama import write_hf_dir
 
@@ -89,6 +96,21 @@ async def test_tokens_equal_colocated_generate_with_and_without_pipeline_and_sch
         client = ClusterClient(s.url)
         await driver.spawn(client, "client-bf16")
         assert await _generate(client, PROMPTS, params) == expected
+        # each side reports its CPU seconds (the step model's measured terms come from them)
+        trace = await s.ask(GetTrace())
+        assert len(trace.cpu_s) == len(trace.step_s) and sum(trace.cpu_s) > 0
+        assert all(load.cpu_s > 0 for load in await asyncio.gather(*(graph.ref(u).ask(GetRLoad()) for u in urls)))
+        # an S-worker stopped mid-generation releases what it holds on the R-workers, which outlive it
+        await s.ask(Synthetic([5, 9, 30], 10_000))
+        held = await asyncio.gather(*(graph.ref(u).ask(GetRLoad()) for u in urls))
+        assert sum(load.sequences for load in held) == 3
+        await driver.stop_actor("s-bf16")
+        for _ in range(50):  # Release is a tell
+            loads = await asyncio.gather(*(graph.ref(u).ask(GetRLoad()) for u in urls))
+            if all(load.sequences == 0 for load in loads):
+                break
+            await asyncio.sleep(0.05)
+        assert all(load.sequences == 0 and load.blocks_used == 0 for load in loads)
 
 
 @pytest.mark.slow
