@@ -7,8 +7,8 @@ computes its layer-l S-part on this thread, and the other way round. Each half's
 the same as without the split (rows are independent), so the tokens are the same.
 
 Within a half, rows are ordered by R-worker, so each R-worker's q/k/v are one contiguous slice of
-one [rows, q + 2 kv heads, head_dim] tensor (one copy per layer, one buffer per ask) and each reply's
-attention output is received straight into its slice of the half's output tensor (`ask(into=)`: no
+one [rows, q + 2 kv heads, head_dim] tensor (the QKV projection's own output, no copy; one buffer per ask)
+and each reply's attention output is received straight into its slice of the half's output tensor (`ask(into=)`: no
 concatenation, no allocation per layer). Each half samples its rows as soon as its logits exist, while
 the other half's last layers are still with the R-workers, and the logits are never gathered into one
 [batch, vocab] tensor (at B=256 that gather alone copied 50 MB a step). The pure helpers (`place`,
@@ -107,26 +107,45 @@ async def _minibatch(model: LlamaModel, workers: Sequence[ActorRef], all_rows: S
     attn = torch.empty(len(rows), c.n_heads, c.head_dim, dtype=out_dtype)
     # each R-worker's reply lands in its rows of `attn`; reused by every layer (a layer's reply is asked for only
     # after the previous layer's output was consumed)
-    into = [[attn[s].view(torch.uint8).numpy()] for _, s in bounds]
-    # inference mode only around code without awaits: the other mini-batch runs in between
+    outs = [attn[s] for _, s in bounds]
+    into = [[out.view(torch.uint8).numpy()] for out in outs]
+    ptrs = [out.data_ptr() for out in outs]
+    # inference mode only around code without awaits (the other mini-batch runs in between): one block per layer,
+    # layer l's post-attention and layer l+1's pre-attention together (entering it costs ~2 us a time)
     with torch.inference_mode():
         rope = model.rope(positions)
         h = model.embed([r.token for r in rows])
+        qkv = _packed(*model.pre_attention(0, h, positions, rope))
     for layer in range(c.n_layers):
-        with torch.inference_mode():
-            q, k, v = model.pre_attention(layer, h, positions, rope)
-            qkv = torch.cat((q, k, v), dim=1)
         replies = await _all_or_cancel([
             _attend(workers, w, Attend(group, layer, seqs[s] if layer == 0 else None, qkv[s],
                                        held[s] if layer == 0 else None), into[i])
             for i, (w, s) in enumerate(bounds)])
         with torch.inference_mode():
-            for reply, (_, s) in zip(replies, bounds):
-                if reply.o.data_ptr() != attn[s].data_ptr():  # an R-worker in this process: its tensor as-is
-                    attn[s].copy_(reply.o)
+            for reply, out, ptr in zip(replies, outs, ptrs):
+                if reply.o.data_ptr() != ptr:  # an R-worker in this process: its tensor as-is
+                    out.copy_(reply.o)
             h = model.post_attention(layer, h, attn)
+            if layer + 1 < c.n_layers:
+                qkv = _packed(*model.pre_attention(layer + 1, h, positions, rope))
     with torch.inference_mode():
         return sample(indices, model.logits(h))
+
+
+def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q, k, v as one [rows, q + 2 kv heads, head_dim] tensor: a view when they are consecutive heads of one
+    tensor already (LlamaModel.pre_attention's fused path returns views of its qkv projection), else a copy.
+
+    The view saves a copy and an allocation per ask (a bare torch.cat of 32 bf16 rows of smollm2 takes ~6 us, more
+    in a step's cold caches); the check takes ~3 us."""
+    n, hq, d = q.shape
+    hk = k.shape[1]
+    step = q.element_size() * d
+    packed = ((hq + 2 * hk) * d, d, 1)
+    if (q.stride() == packed and k.stride() == packed and v.stride() == packed and q.dtype == k.dtype == v.dtype
+            and k.data_ptr() == q.data_ptr() + hq * step and v.data_ptr() == k.data_ptr() + hk * step):
+        return q.as_strided((n, hq + 2 * hk, d), packed)
+    return torch.cat((q, k, v), dim=1)
 
 
 async def _attend(workers: Sequence[ActorRef], worker: int, msg: Attend, into: list) -> Attended:

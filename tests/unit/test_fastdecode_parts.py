@@ -4,11 +4,12 @@ import argparse
 
 import numpy as np
 import pytest
+import torch
 
 from aiollm.errors import KVCacheFull
 from aiollm.kv.pool import KVConfig
 from aiollm.sched.sls import SLSConfig
-from aiollm.workers.pipeline import _worker_slices, minibatches, place
+from aiollm.workers.pipeline import _packed, _worker_slices, minibatches, place
 from aiollm.workers.r_worker import SequenceStore, parse_size
 from aiollm.workers.s_worker import SWorkerConfig, config_from_args, r_worker_urls
 
@@ -42,6 +43,18 @@ def test_minibatches_give_every_worker_rows_in_both_halves():
 
 def _store(n_blocks=8):
     return SequenceStore(KVConfig(n_layers=2, n_blocks=n_blocks, n_kv_heads=1, head_dim=4, block_size=4, dtype="fp32"))
+
+
+def test_packed_views_adjacent_qkv_and_copies_otherwise():
+    qkv = torch.randn(5, 9 + 2 * 3, 4, dtype=torch.bfloat16)
+    q, k, v = qkv[:, :9], qkv[:, 9:12], qkv[:, 12:]
+    packed = _packed(q, k, v)
+    assert packed.data_ptr() == qkv.data_ptr() and torch.equal(packed, qkv)  # a view, no copy
+    for args in ((q.clone(), k, v), (q, v, k), (q, k, v.float().to(torch.bfloat16))):
+        copied = _packed(*args)
+        assert copied.data_ptr() != qkv.data_ptr() and torch.equal(copied, torch.cat(args, dim=1))
+    rows = qkv[::2]  # strided rows: not the packed layout
+    assert torch.equal(_packed(rows[:, :9], rows[:, 9:12], rows[:, 12:]), rows)
 
 
 def test_store_reserves_whole_life_and_refuses_all_or_nothing():
