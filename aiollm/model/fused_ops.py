@@ -10,8 +10,12 @@ Python a layer was ~12 calls with their checks and allocations (~0.1 ms a layer,
 
 `native(x)` says whether a tensor can take this path (CPU, fp32 or bf16); callers keep PyTorch otherwise
 (CUDA, fp16). Every argument is checked here before the C call (ValueError naming it); C checks sizes
-and positions again and returns a status code.
+and positions again and returns a status code. The half-layer calls check their weights and RoPE tables
+once per combination (fixed after load) and only the activations on every call: their generic checks were
+~50 us of Python a layer, about what a small-batch layer's GEMMs take.
 """
+import threading
+
 import torch
 
 from aiollm._native import ffi, lib
@@ -135,21 +139,102 @@ def argmax(logits: torch.Tensor, n_threads: int | None = None) -> torch.Tensor:
 
 
 def _whole(x, dtype: torch.dtype, shape: tuple[int, int]) -> bool:
-    """A contiguous CPU tensor of exactly this dtype and shape (checked with few attribute reads: these
-    calls run 60 times a decode step)."""
+    """A contiguous CPU tensor of exactly this dtype and shape."""
     return isinstance(x, torch.Tensor) and x.dtype is dtype and tuple(x.shape) == shape and x.is_contiguous() \
-        and x.device.type == "cpu"
+        and x.is_cpu
 
 
 def _check_whole(x, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> None:
     if not _whole(x, dtype, shape):
         raise ValueError(f"{name}: expected a contiguous CPU tensor {shape} of {dtype}, got "
-                         f"{getattr(x, 'shape', type(x).__name__)} of {getattr(x, 'dtype', None)}")
+                         f"{getattr(x, 'shape', type(x).__name__)} of {getattr(x, 'dtype', None)}"
+                         f"{'' if not isinstance(x, torch.Tensor) or x.is_contiguous() else ' (not contiguous)'}"
+                         f"{'' if not isinstance(x, torch.Tensor) or x.is_cpu else f' on {x.device}'}")
 
 
 def _packed(w, name: str, dtype: torch.dtype, shape: tuple[int, int]) -> None:
     if not isinstance(w, PackedWeight) or w.dtype != dtype or tuple(w.shape) != shape:
         raise ValueError(f"{name}: expected a PackedWeight {shape} of {dtype}, got {w!r}")
+
+
+# The per-layer constants (weights, norm weights, RoPE tables) are fixed after load, so each combination is
+# checked once and its pointers kept: the key holds ids, the value holds the objects themselves, so an id
+# cannot be reused by another object while its entry lives. Bounded so that callers passing fresh tensors
+# every call (tests, one-off use) cannot grow it without limit.
+_CHECKED: dict[tuple, tuple] = {}
+_CHECKED_MAX = 1024
+
+
+def _remember(key: tuple, value: tuple) -> tuple:
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.clear()
+    _CHECKED[key] = value
+    return value
+
+
+class _Scratch(threading.local):
+    """Each thread's reused scratch (the half-layers' xn, gate_up, act never leave the C call): a fresh
+    torch.empty of a few hundred KB per call is a fresh mmap whose pages fault in every time."""
+    buf: torch.Tensor | None = None
+
+
+_SCRATCH = _Scratch()
+
+
+def _scratch(nbytes: int) -> int:
+    """Address of at least nbytes of this thread's scratch, 64-byte aligned (valid until its next call here)."""
+    buf = _SCRATCH.buf
+    if buf is None or buf.numel() < nbytes:
+        buf = _SCRATCH.buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+    return buf.data_ptr()
+
+
+def _up64(nbytes: int) -> int:
+    return (nbytes + 63) & ~63
+
+
+def _pre_constants(norm_weight, w_qkv, head_dim: int, cos, sin) -> tuple:
+    """(dtype, hidden, n_qkv, norm ptr, w_qkv ptr, cos ptr, sin ptr, n_positions, dtype code), checked once."""
+    key = (id(norm_weight), id(w_qkv), id(cos), id(sin), head_dim)
+    hit = _CHECKED.get(key)
+    if hit is not None:
+        return hit[4:]
+    if not isinstance(w_qkv, PackedWeight):
+        raise ValueError(f"w_qkv: expected a PackedWeight, got {w_qkv!r}")
+    dtype, (n_qkv, hidden) = w_qkv.dtype, w_qkv.shape
+    _check_whole(norm_weight.view(1, -1) if isinstance(norm_weight, torch.Tensor) else norm_weight, "norm_weight",
+                 dtype, (1, hidden))
+    if not isinstance(cos, torch.Tensor) or cos.dim() != 2 or cos.shape[1] != head_dim:
+        raise ValueError(f"cos: expected a table (n_positions, {head_dim}), got {getattr(cos, 'shape', cos)}")
+    _check_whole(cos, "cos", dtype, tuple(cos.shape))
+    _check_whole(sin, "sin", dtype, tuple(cos.shape))
+    return _remember(key, (norm_weight, w_qkv, cos, sin, dtype, hidden, n_qkv, _ptr(norm_weight), w_qkv._ptr,
+                           _ptr(cos), _ptr(sin), cos.shape[0], _DT[dtype]))[4:]
+
+
+def _post_constants(w_o, norm_weight, w_gate_up, w_down) -> tuple:
+    """(dtype, hidden, q_size, ffn, w_o ptr, norm ptr, w_gate_up ptr, w_down ptr, dtype code), checked once."""
+    key = (id(w_o), id(norm_weight), id(w_gate_up), id(w_down))
+    hit = _CHECKED.get(key)
+    if hit is not None:
+        return hit[4:]
+    if not isinstance(w_o, PackedWeight):
+        raise ValueError(f"w_o: expected a PackedWeight, got {w_o!r}")
+    dtype, (hidden, q_size) = w_o.dtype, w_o.shape
+    ffn = w_gate_up.shape[0] // 2 if isinstance(w_gate_up, PackedWeight) else -1
+    _packed(w_gate_up, "w_gate_up", dtype, (2 * ffn, hidden))
+    _packed(w_down, "w_down", dtype, (hidden, ffn))
+    _check_whole(norm_weight.view(1, -1) if isinstance(norm_weight, torch.Tensor) else norm_weight, "norm_weight",
+                 dtype, (1, hidden))
+    return _remember(key, (w_o, norm_weight, w_gate_up, w_down, dtype, hidden, q_size, ffn, w_o._ptr,
+                           _ptr(norm_weight), w_gate_up._ptr, w_down._ptr, _DT[dtype]))[4:]
+
+
+def _activation(x, name: str, dtype: torch.dtype, n: int, width: int) -> None:
+    """Check a per-call activation with direct attribute reads (these calls run 60 times a decode step)."""
+    if not (type(x) is torch.Tensor and x.dtype is dtype and x.is_cpu and x.is_contiguous() and x.dim() == 2
+            and x.shape[0] == n and x.shape[1] == width):
+        _check_whole(x, name, dtype, (n, width))
 
 
 def layer_pre(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, w_qkv: PackedWeight, n_q_heads: int,
@@ -159,37 +244,36 @@ def layer_pre(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, w_qkv: Pac
 
     h [n, hidden] contiguous, of the weights' dtype; positions int64 [n]; cos, sin as for `rope_qk`; q_out
     [n, n_q_heads * head_dim] contiguous (fp32 or h's dtype) receives q (None: q stays in place in qkv).
-    Returns (qkv [n, n_qkv], q_out or None). Bits equal rms_norm, gemm and rope_qk called one by one."""
-    n, hidden = h.shape if isinstance(h, torch.Tensor) and h.dim() == 2 else (-1, -1)
-    dtype = w_qkv.dtype if isinstance(w_qkv, PackedWeight) else None
-    _check_whole(h, "h", dtype, (n, hidden))
-    n_qkv = w_qkv.shape[0]
-    _packed(w_qkv, "w_qkv", dtype, (n_qkv, hidden))
-    _check_whole(norm_weight.view(1, -1) if isinstance(norm_weight, torch.Tensor) else norm_weight, "norm_weight",
-                 dtype, (1, hidden))
-    _check_whole(positions.view(1, -1) if isinstance(positions, torch.Tensor) else positions, "positions",
-                 torch.int64, (1, n))
-    if not isinstance(cos, torch.Tensor) or cos.dim() != 2 or cos.shape[1] != head_dim:
-        raise ValueError(f"cos: expected a table (n_positions, {head_dim}), got {getattr(cos, 'shape', cos)}")
-    _check_whole(cos, "cos", dtype, tuple(cos.shape))
-    _check_whole(sin, "sin", dtype, tuple(cos.shape))
+    Returns (qkv [n, n_qkv], q_out or None). Bits equal rms_norm, gemm and rope_qk called one by one.
+    The weights and tables are checked on their first call (they must not be resized or moved afterwards);
+    h, positions and q_out on every call."""
+    dtype, hidden, n_qkv, p_norm, p_w, p_cos, p_sin, n_positions, code = _pre_constants(norm_weight, w_qkv,
+                                                                                       head_dim, cos, sin)
+    n = h.shape[0] if isinstance(h, torch.Tensor) and h.dim() == 2 else -1
+    _activation(h, "h", dtype, n, hidden)
+    if not (type(positions) is torch.Tensor and positions.dtype is torch.int64 and positions.is_cpu
+            and positions.dim() == 1 and positions.shape[0] == n and positions.is_contiguous()):
+        _check_whole(positions.view(1, -1) if isinstance(positions, torch.Tensor) else positions, "positions",
+                     torch.int64, (1, n))
     q_size = n_q_heads * head_dim
     qkv = torch.empty((n, n_qkv), dtype=dtype)
-    if q_out is not None:
+    if q_out is None:
+        target, stride, target_code = qkv, n_qkv, code
+    else:
         if not (isinstance(q_out, torch.Tensor) and q_out.dtype in (torch.float32, dtype)):
             raise ValueError(f"q_out: expected float32 or {dtype}, got {getattr(q_out, 'dtype', type(q_out).__name__)}")
-        _check_whole(q_out, "q_out", q_out.dtype, (n, q_size))
-    target, stride = (qkv, n_qkv) if q_out is None else (q_out, q_size)
-    xn = torch.empty((n, hidden), dtype=dtype)
-    status = lib.aiollm_layer_pre(_ptr(h), n, hidden, _ptr(norm_weight), float(eps), w_qkv._ptr, n_qkv, _ptr(xn),
-                                  _ptr(qkv), n_q_heads, n_kv_heads, head_dim,
-                                  ffi.cast("int64_t *", positions.data_ptr()), _ptr(cos), _ptr(sin), cos.shape[0],
-                                  _ptr(target), stride, _DT[target.dtype], _DT[dtype],
+        _activation(q_out, "q_out", q_out.dtype, n, q_size)
+        target, stride, target_code = q_out, q_size, _DT[q_out.dtype]
+    status = lib.aiollm_layer_pre(_ptr(h), n, hidden, p_norm, eps, p_w, n_qkv,
+                                  ffi.cast("void *", _scratch(n * hidden * h.element_size())), _ptr(qkv), n_q_heads,
+                                  n_kv_heads, head_dim, ffi.cast("int64_t *", positions.data_ptr()), p_cos, p_sin,
+                                  n_positions, _ptr(target), stride, target_code, code,
                                   n_threads or torch.get_num_threads())
-    if status == lib.AIOLLM_ERR_ARG and n and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
-        raise ValueError(f"positions: expected positions in [0, {cos.shape[0]}) (the model context), got "
-                         f"{int(positions.min())}..{int(positions.max())}")
-    _ensure(status, "layer_pre")
+    if status != lib.AIOLLM_OK:
+        if status == lib.AIOLLM_ERR_ARG and n and (int(positions.min()) < 0 or int(positions.max()) >= n_positions):
+            raise ValueError(f"positions: expected positions in [0, {n_positions}) (the model context), got "
+                             f"{int(positions.min())}..{int(positions.max())}")
+        _ensure(status, "layer_pre")
     return qkv, q_out
 
 
@@ -199,24 +283,23 @@ def layer_post(h: torch.Tensor, attn: torch.Tensor, w_o: PackedWeight, norm_weig
     """A layer's S-part after attention in one native call: h2 = h + attn @ w_o.T, then
     h2 + silu_mul(RMSNorm(h2) @ w_gate_up.T) @ w_down.T, into `out` (may be h; None: a new tensor).
 
-    h [n, hidden] and attn [n, q_size] contiguous, of the weights' dtype. Bits equal the ops called one by one."""
-    n, hidden = h.shape if isinstance(h, torch.Tensor) and h.dim() == 2 else (-1, -1)
-    dtype = w_o.dtype if isinstance(w_o, PackedWeight) else None
-    _check_whole(h, "h", dtype, (n, hidden))
-    q_size = w_o.shape[1]
-    _packed(w_o, "w_o", dtype, (hidden, q_size))
-    _check_whole(attn, "attn", dtype, (n, q_size))
-    ffn = w_gate_up.shape[0] // 2 if isinstance(w_gate_up, PackedWeight) else -1
-    _packed(w_gate_up, "w_gate_up", dtype, (2 * ffn, hidden))
-    _packed(w_down, "w_down", dtype, (hidden, ffn))
-    _check_whole(norm_weight.view(1, -1) if isinstance(norm_weight, torch.Tensor) else norm_weight, "norm_weight",
-                 dtype, (1, hidden))
+    h [n, hidden] and attn [n, q_size] contiguous, of the weights' dtype. Bits equal the ops called one by one.
+    The weights are checked on their first call (they must not be resized or moved afterwards); h, attn and
+    out on every call."""
+    dtype, hidden, q_size, ffn, p_o, p_norm, p_gate_up, p_down, code = _post_constants(w_o, norm_weight, w_gate_up,
+                                                                                      w_down)
+    n = h.shape[0] if isinstance(h, torch.Tensor) and h.dim() == 2 else -1
+    _activation(h, "h", dtype, n, hidden)
+    _activation(attn, "attn", dtype, n, q_size)
     if out is None:
         out = torch.empty((n, hidden), dtype=dtype)
     else:
-        _check_whole(out, "out", dtype, (n, hidden))
-    xn, gate_up, act = (torch.empty((n, width), dtype=dtype) for width in (hidden, 2 * ffn, ffn))
-    _ensure(lib.aiollm_layer_post(_ptr(h), _ptr(attn), _ptr(out), n, hidden, q_size, ffn, w_o._ptr, _ptr(norm_weight),
-                                  float(eps), w_gate_up._ptr, w_down._ptr, _ptr(xn), _ptr(gate_up), _ptr(act), _DT[dtype],
+        _activation(out, "out", dtype, n, hidden)
+    size = h.element_size()
+    xn_bytes, gate_up_bytes = _up64(n * hidden * size), _up64(n * 2 * ffn * size)
+    base = _scratch(xn_bytes + gate_up_bytes + n * ffn * size)
+    _ensure(lib.aiollm_layer_post(_ptr(h), _ptr(attn), _ptr(out), n, hidden, q_size, ffn, p_o, p_norm, eps,
+                                  p_gate_up, p_down, ffi.cast("void *", base), ffi.cast("void *", base + xn_bytes),
+                                  ffi.cast("void *", base + xn_bytes + gate_up_bytes), code,
                                   n_threads or torch.get_num_threads()), "layer_post")
     return out

@@ -65,6 +65,7 @@ class LlamaModel:
         self._fused_layers = self.device.type == "cpu" and self.rotary.cos.dtype == dtype and all(
             isinstance(m, PackedWeight) and m.dtype == dtype and w.attn_norm.dtype == w.mlp_norm.dtype == dtype
             for w in weights.layers for m in (w.qkv, w.o, w.gate_up, w.down))
+        self._qkv_heads = (config.n_heads, config.n_kv_heads, config.n_kv_heads)
 
     # ---- S-part -------------------------------------------------------------------------------------
 
@@ -97,9 +98,9 @@ class LlamaModel:
             flat_q = None if q_out is None else q_out.view(n, c.q_size)
             qkv, _ = fused_ops.layer_pre(h.contiguous(), w.attn_norm, c.rms_eps, w.qkv, c.n_heads, c.n_kv_heads,
                                          c.head_dim, rope.positions, rope.table.cos, rope.table.sin, flat_q)
-            qkv = qkv.view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
-            q = qkv[:, :c.n_heads] if q_out is None else q_out
-            return q, qkv[:, c.n_heads:c.n_heads + c.n_kv_heads], qkv[:, c.n_heads + c.n_kv_heads:]
+            # one split_with_sizes makes the three views in one ATen call (three slices cost ~8 us a layer)
+            q, k, v = qkv.view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim).split_with_sizes(self._qkv_heads, 1)
+            return (q if q_out is None else q_out), k, v
         qkv = linear(rms_norm(h, w.attn_norm, c.rms_eps), w.qkv).view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
         q = rope.rotate_qk(qkv, c.n_heads, c.n_kv_heads, q_out)  # k rotated in place
         return q, qkv[:, c.n_heads:c.n_heads + c.n_kv_heads], qkv[:, c.n_heads + c.n_kv_heads:]

@@ -118,3 +118,55 @@ def test_layer_calls_reject_bad_arguments_naming_them():
         fused_ops.layer_post(h, attn[:3], p["o"], norm_w, EPS, p["gate_up"], p["down"])
     with pytest.raises(ValueError, match="w_down"):
         fused_ops.layer_post(h, attn, p["o"], norm_w, EPS, p["gate_up"], p["o"])
+
+
+def test_checked_weights_still_reject_bad_activations_on_later_calls():
+    """The weights are checked once and cached; h, positions, q_out, attn and out are checked on every call,
+    and the message names the argument with the expected and the actual shape or dtype."""
+    dtype = DTYPES[0]
+    table, h, norm_w, _, packed, positions = _pre_setup(dtype, 4)
+    fused_ops.layer_pre(h, norm_w, EPS, packed, N_Q, N_KV, HEAD_DIM, positions, table.cos, table.sin)  # cached
+    other = torch.float64
+    with pytest.raises(ValueError, match=rf"h: expected .*\(4, {HIDDEN}\) of {dtype}, got .* of {other}"):
+        fused_ops.layer_pre(h.to(other), norm_w, EPS, packed, N_Q, N_KV, HEAD_DIM, positions, table.cos, table.sin)
+    wide = torch.cat([h, h], 1)[:, :HIDDEN]
+    with pytest.raises(ValueError, match="h: .*not contiguous"):
+        fused_ops.layer_pre(wide, norm_w, EPS, packed, N_Q, N_KV, HEAD_DIM, positions, table.cos, table.sin)
+    with pytest.raises(ValueError, match="positions: .*torch.int64, got .*torch.int32"):
+        fused_ops.layer_pre(h, norm_w, EPS, packed, N_Q, N_KV, HEAD_DIM, positions.int(), table.cos, table.sin)
+    with pytest.raises(ValueError, match=r"positions: expected .*\(1, 4\)"):
+        fused_ops.layer_pre(h, norm_w, EPS, packed, N_Q, N_KV, HEAD_DIM, positions[:3], table.cos, table.sin)
+    with pytest.raises(ValueError, match=rf"q_out: expected .*\(4, {N_Q * HEAD_DIM}\)"):
+        fused_ops.layer_pre(h, norm_w, EPS, packed, N_Q, N_KV, HEAD_DIM, positions, table.cos, table.sin,
+                            torch.empty(3, N_Q * HEAD_DIM))
+    with pytest.raises(ValueError, match="norm_weight"):  # a new weight object is checked on its first use
+        fused_ops.layer_pre(h, norm_w[:-1], EPS, packed, N_Q, N_KV, HEAD_DIM, positions, table.cos, table.sin)
+    with pytest.raises(ValueError, match="cos"):
+        fused_ops.layer_pre(h, norm_w, EPS, packed, N_Q, N_KV, HEAD_DIM, positions, table.cos.double(), table.sin)
+    h, attn, norm_w, _, p = _post_setup(dtype, 4)
+    fused_ops.layer_post(h, attn, p["o"], norm_w, EPS, p["gate_up"], p["down"])  # cached
+    with pytest.raises(ValueError, match=rf"attn: expected .*\(4, {N_Q * HEAD_DIM}\) of {dtype}, got .* of {other}"):
+        fused_ops.layer_post(h, attn.to(other), p["o"], norm_w, EPS, p["gate_up"], p["down"])
+    with pytest.raises(ValueError, match=rf"out: expected .*\(4, {HIDDEN}\)"):
+        fused_ops.layer_post(h, attn, p["o"], norm_w, EPS, p["gate_up"], p["down"], out=torch.empty(4, 3, dtype=dtype))
+    with pytest.raises(ValueError, match="h: "):
+        fused_ops.layer_post(h.t(), attn, p["o"], norm_w, EPS, p["gate_up"], p["down"])
+    with pytest.raises(ValueError, match="norm_weight"):
+        fused_ops.layer_post(h, attn, p["o"], norm_w.double(), EPS, p["gate_up"], p["down"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reused_scratch_gives_the_same_bits_at_every_size(dtype):
+    """The half-layers' scratch is kept per thread and grown as needed: a big call, then a small one, then a
+    big one again give the bits of fresh calls (nothing of the previous call leaks into the next)."""
+    h, attn, norm_w, _, p = _post_setup(dtype, 300)
+    table, hp, norm_p, _, packed, positions = _pre_setup(dtype, 300)
+    expected = {}
+    for n in (300, 1, 64, 300, 5):
+        post = fused_ops.layer_post(h[:n], attn[:n], p["o"], norm_w, EPS, p["gate_up"], p["down"])
+        pre, _ = fused_ops.layer_pre(hp[:n], norm_p, EPS, packed, N_Q, N_KV, HEAD_DIM, positions[:n], table.cos,
+                                     table.sin)
+        if n in expected:
+            assert torch.equal(post, expected[n][0]) and torch.equal(pre, expected[n][1])
+        expected[n] = (post, pre)
+    assert torch.equal(expected[5][0], expected[300][0][:5]) and torch.equal(expected[1][1], expected[300][1][:1])
