@@ -102,6 +102,11 @@ int aiollm_set_int8_path(int32_t path);
  * threads of the pool and returns the fp32 sum of the data (so the reads cannot be optimised away). */
 double aiollm_read_sum(const void *buf, int64_t nbytes, int32_t n_threads);
 
+/* Run this thread's later aiollm_decode_attention calls on its OpenMP team (the one its GEMMs and torch ops
+ * use; 1) or on the library's pool (0, the default); returns the previous setting. Where the process has no
+ * team the pool runs them anyway, and AIOLLM_ATTN_POOL=1 (read once) keeps every call on the pool. */
+int aiollm_set_attn_team(int32_t on);
+
 /* Threads the pool has started so far (it grows on demand up to AIOLLM_MAX_THREADS - 1 workers + caller). */
 int aiollm_pool_size(void);
 

@@ -16,12 +16,14 @@ default from `set_num_threads`, initially the CPUs this process may run on) sets
 uses; the pool's workers sleep between calls. PyTorch's libgomp team spin-waits after each parallel region
 instead, which slowed attention running next to torch GEMMs ~2x here unless OMP_WAIT_POLICY=PASSIVE. The rule
 (README, "Native attention kernels"): never run both concurrently on the same cores, and in a process that
-runs both set OMP_WAIT_POLICY=PASSIVE before importing torch.
+runs both set OMP_WAIT_POLICY=PASSIVE before importing torch. A thread that interleaves attention with its
+own torch ops (the colocated decode step) instead runs it on its OpenMP team inside `on_gemm_team()`.
 
 ISA: probed once (AVX-512 > AVX2+FMA+F16C > portable C); the environment variable AIOLLM_ATTN_ISA=ref|avx2|
 avx512, read once at the first call, overrides it; `force_isa` switches at run time (tests). int8 KV on AVX-512
 runs as fp32 math or VNNI dot products (`int8_path`; AIOLLM_ATTN_INT8=fp32|vnni or `force_int8_path`).
 """
+import contextlib
 import math
 import os
 
@@ -56,6 +58,19 @@ def set_num_threads(n: int) -> None:
 
 def get_num_threads() -> int:
     return _num_threads
+
+
+@contextlib.contextmanager
+def on_gemm_team():
+    """Within the block, this thread's attention calls run on its OpenMP team (the threads its GEMMs and torch
+    ops run on) instead of the library's pool: in a step that interleaves them, torch's workers spin after each
+    op and attention on the pool shared the cores with them (SmolLM2 fp32 batch 32: ~13 vs ~7 ms of attention
+    per step). Where there is no team the pool runs them anyway; AIOLLM_ATTN_POOL=1 keeps them on the pool."""
+    prev = lib.aiollm_set_attn_team(1)
+    try:
+        yield
+    finally:
+        lib.aiollm_set_attn_team(prev)
 
 
 def isa() -> str:
@@ -364,6 +379,6 @@ def pool_size() -> int:
     return lib.aiollm_pool_size()
 
 
-__all__ = ["DecodeStep", "decode_attention", "kv_write", "read_sum", "set_num_threads", "get_num_threads", "isa",
+__all__ = ["DecodeStep", "decode_attention", "on_gemm_team", "kv_write", "read_sum", "set_num_threads", "get_num_threads", "isa",
            "int8_path", "supported_int8_paths", "force_int8_path",
            "supported_isas", "force_isa", "pool_size"]

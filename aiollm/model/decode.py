@@ -2,8 +2,8 @@
 colocated engine (`aiollm.model.engine`) and the serving runner (`aiollm.workers.runner`).
 
 Each sequence feeds one token; every layer runs its S-part (`pre_attention`, `post_attention`) and its
-R-part (write the new K/V, attend with the native kernel). The step's index arrays are checked once
-(`KVPool.prepare_decode`), the positions once (`model.rope`), and two buffers serve all layers: RoPE writes
+R-part (write the new K/V, attend with the native kernel, on the same OpenMP team as the GEMMs). The step's
+index arrays are checked once (`KVPool.prepare_decode`), the positions once (`model.rope`), and two buffers serve all layers: RoPE writes
 each layer's q straight into the fp32 buffer the attention kernel reads (no `q.float()` copy in bf16),
 and the kernel writes its output into the other, in the model dtype.
 """
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from aiollm.kv.attention import on_gemm_team
 from aiollm.kv.pool import KVPool
 from aiollm.model.attention import step_decode_attention
 from aiollm.model.llama import LlamaModel
@@ -26,7 +27,7 @@ def decode_logits(model: LlamaModel, pool: KVPool, token_ids: Sequence[int], pos
     """
     c = model.config
     step = pool.prepare_decode(slot_mapping, block_tables, seq_lens)
-    with torch.inference_mode():
+    with torch.inference_mode(), on_gemm_team():  # attention on the GEMMs' OpenMP team, not the pool
         rope = model.rope(positions)
         h = model.embed(token_ids)
         out_dtype = model.dtype if model.dtype in (torch.float32, torch.bfloat16) else torch.float32

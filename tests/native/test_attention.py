@@ -1,4 +1,5 @@
-"""decode_attention against a float64 reference, over every ISA path, storage dtype, head_dim and GQA ratio."""
+"""decode_attention against a float64 reference, over every ISA path, storage dtype, head_dim and GQA ratio,
+on the library's pool and on the OpenMP team (`on_gemm_team`)."""
 import itertools
 
 import numpy as np
@@ -25,6 +26,17 @@ GRID = [(isa, dtype, d, g, path)
         for path in (INT8_PATHS if (isa, dtype) == ("avx512", "int8") else [None])]
 
 
+@pytest.fixture(params=["pool", "team"])
+def runner(request):
+    """Run the test's attention calls on the pool, or on torch's OpenMP team (torch loaded, so the team exists)."""
+    if request.param == "pool":
+        yield
+        return
+    import torch  # noqa: F401  (loads libgomp, which the team path needs)
+    with attention.on_gemm_team():
+        yield
+
+
 @pytest.fixture
 def int8_forced():
     """Force an int8 path for one test and restore the probed choice afterwards."""
@@ -46,7 +58,7 @@ def _case(rng, dtype, head_dim, group, lens, n_kv_heads=2, block_size=16):
 
 
 @pytest.mark.parametrize("isa,dtype,head_dim,group,int8_path", GRID)
-def test_matches_float64_reference(isa_forced, int8_forced, isa, dtype, head_dim, group, int8_path):
+def test_matches_float64_reference(isa_forced, int8_forced, runner, isa, dtype, head_dim, group, int8_path):
     rng = np.random.default_rng(hash((isa, dtype, head_dim, group)) % 2**32)
     # every awkward length appears in each sequence set; the grid rotates which lengths share a batch
     lens = AWKWARD_LENGTHS[GRID.index((isa, dtype, head_dim, group, int8_path)) % 3::3]
@@ -66,7 +78,7 @@ def test_matches_float64_reference(isa_forced, int8_forced, isa, dtype, head_dim
 @pytest.mark.parametrize("isa,int8_path", [(isa, None) for isa in ISAS] + [("avx512", p) for p in INT8_PATHS
                                                                           if "avx512" in ISAS])
 @pytest.mark.parametrize("dtype,block_size", [("fp16", 8), ("fp16", 32), ("int8", 32), ("int8", 6)])
-def test_other_block_sizes(isa_forced, int8_forced, isa, int8_path, dtype, block_size):
+def test_other_block_sizes(isa_forced, int8_forced, runner, isa, int8_path, dtype, block_size):
     """block_size 8 is not a multiple of 16 (reference path); 32 has two 16-token chunks per block; int8 with 6
     has a last group of 2 tokens in its interleaved V layout."""
     rng = np.random.default_rng(7)

@@ -118,6 +118,33 @@ def test_concurrent_calls_from_python_threads():
         np.testing.assert_array_equal(out, expected)
 
 
+def test_on_the_gemm_team_results_equal_the_pools():
+    pool, q, table, lens = _big_case(3)
+    expected = pool.attend(0, q, table, lens, n_threads=1)
+    with attention.on_gemm_team():
+        outs = [pool.attend(0, q, table, lens, n_threads=n) for n in (1, 2, 3, 8)]
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:  # other threads stay on the pool (or use their team)
+            outs += list(ex.map(lambda _: pool.attend(0, q, table, lens, n_threads=2), range(3)))
+    for out in outs:
+        np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("forced_pool", [False, True])
+def test_on_the_gemm_team_leaves_the_pool_unstarted(forced_pool):
+    """In a fresh process with torch's OpenMP runtime loaded, attention on the team starts no pool worker;
+    AIOLLM_ATTN_POOL=1 sends it back to the pool."""
+    code = ("import torch; import numpy as np; from aiollm.kv import attention; "
+            "from tests.native.test_kv_write_and_threads import _big_case\n"
+            "pool, q, table, lens = _big_case(4)\n"
+            "with attention.on_gemm_team(): pool.attend(0, q, table, lens, n_threads=2)\n"
+            "print(attention.pool_size())")
+    env = {k: v for k, v in os.environ.items() if k not in ("AIOLLM_ATTN_POOL", "AIOLLM_GEMM_POOL")}
+    if forced_pool:
+        env["AIOLLM_ATTN_POOL"] = "1"
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert got.strip() == ("2" if forced_pool else "1")
+
+
 def _attend_in_child(conn):
     pool, q, table, lens = _big_case(2)
     conn.send(pool.attend(0, q, table, lens, n_threads=2))
