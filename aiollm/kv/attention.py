@@ -379,6 +379,6 @@ def pool_size() -> int:
     return lib.aiollm_pool_size()
 
 
-__all__ = ["DecodeStep", "decode_attention", "on_gemm_team", "kv_write", "read_sum", "set_num_threads", "get_num_threads", "isa",
-           "int8_path", "supported_int8_paths", "force_int8_path",
-           "supported_isas", "force_isa", "pool_size"]
+__all__ = ["DecodeStep", "decode_attention", "on_gemm_team", "kv_write", "read_sum", "set_num_threads",
+           "get_num_threads", "isa", "supported_isas", "force_isa", "int8_path", "supported_int8_paths",
+           "force_int8_path", "pool_size"]

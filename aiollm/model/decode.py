@@ -3,9 +3,9 @@ colocated engine (`aiollm.model.engine`) and the serving runner (`aiollm.workers
 
 Each sequence feeds one token; every layer runs its S-part (`pre_attention`, `post_attention`) and its
 R-part (write the new K/V, attend with the native kernel, on the same OpenMP team as the GEMMs). The step's
-index arrays are checked once (`KVPool.prepare_decode`), the positions once (`model.rope`), and two buffers serve all layers: RoPE writes
-each layer's q straight into the fp32 buffer the attention kernel reads (no `q.float()` copy in bf16),
-and the kernel writes its output into the other, in the model dtype.
+index arrays are checked once (`KVPool.prepare_decode`), the positions once (`model.rope`), and two buffers
+serve all layers: RoPE writes each layer's q straight into the fp32 buffer the attention kernel reads (no
+`q.float()` copy in bf16), and the kernel writes its output into the other, in the model dtype.
 """
 from collections.abc import Sequence
 
