@@ -122,7 +122,7 @@ int aiollm_pool_size(void);
  *   rounded to dtype even into an fp32 q_out (it equals the dtype q widened).
  * aiollm_silu_mul: out[:, i] = silu(gate_up[:, i]) * gate_up[:, dim + i], i < dim.
  * aiollm_argmax_rows: out[r] = index of the first maximum of fp32 row r (of the first NaN if any), rows
- *   spread over n_threads threads of the pool. */
+ *   spread over n_threads threads (the GEMMs' OpenMP team where the process has one, else the pool). */
 int aiollm_rms_norm(const void *x, int64_t x_stride, const void *weight, void *out, int64_t out_stride,
                     int64_t n_rows, int32_t dim, float eps, int32_t dtype);
 int aiollm_rope_qk(void *qkv, int64_t row_stride, int64_t n_rows, int32_t n_q_heads, int32_t n_kv_heads,
@@ -146,6 +146,14 @@ int aiollm_layer_pre(const void *h, int64_t n_rows, int32_t hidden, const void *
                      int32_t head_dim, const int64_t *positions, const void *cos, const void *sin,
                      int64_t n_positions, void *q_out, int64_t q_out_stride, int32_t q_out_dtype, int32_t dtype,
                      int32_t n_threads);
+/* aiollm_layer_pre, then each row's rotated k and its v stored into cache layer kv at slots[row], as
+ * aiollm_kv_write does, by the thread that rotated the row (kv NULL: nothing stored). Slots must be distinct
+ * (a decode step's are); every slot and the cache's geometry are checked before anything runs. */
+int aiollm_layer_pre_kv(const void *h, int64_t n_rows, int32_t hidden, const void *norm_weight, float eps,
+                        const void *w_qkv, int32_t n_qkv, void *xn, void *qkv, int32_t n_q_heads, int32_t n_kv_heads,
+                        int32_t head_dim, const int64_t *positions, const void *cos, const void *sin,
+                        int64_t n_positions, void *q_out, int64_t q_out_stride, int32_t q_out_dtype, int32_t dtype,
+                        const aiollm_kv_layer *kv, const int64_t *slots, int32_t n_threads);
 int aiollm_layer_post(const void *h, const void *attn, void *h_out, int64_t n_rows, int32_t hidden, int32_t q_size,
                       int32_t ffn, const void *w_o, const void *norm_weight, float eps, const void *w_gate_up,
                       const void *w_down, void *xn, void *gate_up, void *act, int32_t dtype, int32_t n_threads);

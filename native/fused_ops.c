@@ -284,7 +284,7 @@ int aiollm_argmax_rows(const float *x, int64_t row_stride, int64_t n_rows, int32
     if (n_rows == 0) return AIOLLM_OK;
     if (!x || !out || row_stride < n_cols) return AIOLLM_ERR_ARG;
     argmax_job job = {x, row_stride, n_cols, out, use_avx512() ? argmax_avx512 : argmax_ref};
-    pool_run(n_threads, n_rows, argmax_task, &job);
+    gemm_run(n_threads < n_rows ? n_threads : (int)n_rows, n_rows, argmax_task, &job);
     return AIOLLM_OK;
 }
 
@@ -352,6 +352,8 @@ typedef struct {
     const int64_t *positions;
     rope_table t;
     int32_t n_q_heads, n_kv_heads, q_dt, dt;
+    const aiollm_kv_layer *kv; /* NULL: leave k and v in qkv only */
+    const int64_t *slots;
 } rope_ctx;
 
 static void rope_rows(void *ctx, int64_t r0, int64_t r1) {
@@ -368,6 +370,11 @@ static void rope_rows(void *ctx, int64_t r0, int64_t r1) {
             rope_token_ref(c->qkv, xi, c->q_out, r * c->qs, c->q_dt, c->n_q_heads, &c->t, c->positions[r], c->dt);
             rope_token_ref(c->qkv, xi + q_size, c->qkv, xi + q_size, c->dt, c->n_kv_heads, &c->t, c->positions[r],
                            c->dt);
+        }
+        if (c->kv) { /* this row's k and v into the cache while they are in L1 (checked by the caller) */
+            const char *k = (const char *)c->qkv + (size_t)(xi + q_size) * elem_size(c->dt);
+            const char *v = k + (size_t)c->n_kv_heads * c->t.head_dim * elem_size(c->dt);
+            aiollm_kv_write(c->kv, c->slots + r, 1, k, c->rs, v, c->rs, c->dt);
         }
     }
 }
@@ -390,11 +397,37 @@ static void silu_rows(void *ctx, int64_t r0, int64_t r1) {
         silu_mul_ref(gu, c->is, out, c->os, r1 - r0, c->dim, c->dt);
 }
 
+/* The cache layer and slots aiollm_layer_pre_kv may write: every check aiollm_kv_write makes, done once up
+ * front so the per-row writes inside the row tasks cannot fail. */
+static int check_kv_target(const aiollm_kv_layer *kv, const int64_t *slots, int64_t n_rows, int32_t n_kv_heads,
+                           int32_t head_dim) {
+    if (!slots || !kv->k || !kv->v || kv->block_size < 1 || kv->n_blocks < 0 || kv->n_kv_heads != n_kv_heads ||
+        kv->head_dim != head_dim || head_dim > AIOLLM_MAX_HEAD_DIM)
+        return AIOLLM_ERR_ARG;
+    if (kv->dtype != AIOLLM_DT_F32 && kv->dtype != AIOLLM_DT_F16 && kv->dtype != AIOLLM_DT_I8)
+        return AIOLLM_ERR_UNSUPPORTED;
+    if (kv->dtype == AIOLLM_DT_I8 && (!kv->k_scale || !kv->v_scale)) return AIOLLM_ERR_ARG;
+    const int64_t n_slots = kv->n_blocks * kv->block_size;
+    for (int64_t r = 0; r < n_rows; r++)
+        if (slots[r] < 0 || slots[r] >= n_slots) return AIOLLM_ERR_SLOT;
+    return AIOLLM_OK;
+}
+
 int aiollm_layer_pre(const void *h, int64_t n_rows, int32_t hidden, const void *norm_weight, float eps,
                      const void *w_qkv, int32_t n_qkv, void *xn, void *qkv, int32_t n_q_heads, int32_t n_kv_heads,
                      int32_t head_dim, const int64_t *positions, const void *cos, const void *sin,
                      int64_t n_positions, void *q_out, int64_t q_out_stride, int32_t q_out_dtype, int32_t dtype,
                      int32_t n_threads) {
+    return aiollm_layer_pre_kv(h, n_rows, hidden, norm_weight, eps, w_qkv, n_qkv, xn, qkv, n_q_heads, n_kv_heads,
+                               head_dim, positions, cos, sin, n_positions, q_out, q_out_stride, q_out_dtype, dtype,
+                               NULL, NULL, n_threads);
+}
+
+int aiollm_layer_pre_kv(const void *h, int64_t n_rows, int32_t hidden, const void *norm_weight, float eps,
+                        const void *w_qkv, int32_t n_qkv, void *xn, void *qkv, int32_t n_q_heads, int32_t n_kv_heads,
+                        int32_t head_dim, const int64_t *positions, const void *cos, const void *sin,
+                        int64_t n_positions, void *q_out, int64_t q_out_stride, int32_t q_out_dtype, int32_t dtype,
+                        const aiollm_kv_layer *kv, const int64_t *slots, int32_t n_threads) {
     if (n_rows < 0 || n_rows > INT32_MAX || hidden < 1 || !(eps >= 0.0f) || n_q_heads < 0 || n_kv_heads < 0 || head_dim < 2 ||
         head_dim % 2 || n_positions < 0 || (int64_t)(n_q_heads + n_kv_heads) * head_dim > n_qkv)
         return AIOLLM_ERR_ARG;
@@ -407,6 +440,10 @@ int aiollm_layer_pre(const void *h, int64_t n_rows, int32_t hidden, const void *
         return AIOLLM_ERR_ARG;
     for (int64_t r = 0; r < n_rows; r++)
         if (positions[r] < 0 || positions[r] >= n_positions) return AIOLLM_ERR_ARG;
+    if (kv) {
+        const int status = check_kv_target(kv, slots, n_rows, n_kv_heads, head_dim);
+        if (status != AIOLLM_OK) return status;
+    }
     if (n_threads < 1) n_threads = 1;
     norm_ctx norm = {h, norm_weight, xn, hidden, hidden, hidden, dtype, eps};
     run_rows(n_threads, n_rows, hidden, norm_rows, &norm);
@@ -414,7 +451,7 @@ int aiollm_layer_pre(const void *h, int64_t n_rows, int32_t hidden, const void *
                                    n_threads);
     if (status != AIOLLM_OK) return status;
     rope_ctx rope = {qkv, q_out, n_qkv, q_out_stride, positions, {cos, sin, head_dim, dtype},
-                     n_q_heads, n_kv_heads, q_out_dtype, dtype};
+                     n_q_heads, n_kv_heads, q_out_dtype, dtype, kv, slots};
     run_rows(n_threads, n_rows, n_qkv, rope_rows, &rope);
     return AIOLLM_OK;
 }

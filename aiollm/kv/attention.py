@@ -322,6 +322,12 @@ class DecodeStep:
                                     ka.strides[0] if n > 1 else row, ffi.cast("void *", va.ptr),
                                     va.strides[0] if n > 1 else row, _DT[ka.dtype]))
 
+    def native_write_target(self, layer: int):
+        """(layer `layer`'s C descriptor `aiollm_kv_layer *`, this step's slots `int64_t *`, n_seqs): for a native
+        call that stores the step's new K/V itself, as `write` does (the model's fused pre-attention call,
+        aiollm_layer_pre_kv). Valid while this step lives; the slots are checked, the descriptor is the pool's."""
+        return self._desc(layer), self._slots_ptr, self.n_seqs
+
     def attend(self, layer: int, q, out, *, scale: float | None = None, n_threads: int | None = None):
         """`decode_attention` of q fp32 [n_seqs, n_q_heads, head_dim] over layer `layer` into `out` (fp32,
         fp16 or bf16, contiguous, q's shape); returns out."""

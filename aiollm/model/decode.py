@@ -2,7 +2,8 @@
 colocated engine (`aiollm.model.engine`) and the serving runner (`aiollm.workers.runner`).
 
 Each sequence feeds one token; every layer runs its S-part (`pre_attention`, `post_attention`) and its
-R-part (write the new K/V, attend with the native kernel, on the same OpenMP team as the GEMMs). The step's
+R-part (attend with the native kernel, on the same OpenMP team as the GEMMs). `pre_attention` also stores the
+new K/V: on the fused path inside its native call, each row by the thread that just rotated it. The step's
 index arrays are checked once (`KVPool.prepare_decode`), the positions once (`model.rope`), and two buffers
 serve all layers: RoPE writes each layer's q straight into the fp32 buffer the attention kernel reads (no
 `q.float()` copy in bf16), and the kernel writes its output into the other, in the model dtype.
@@ -13,7 +14,6 @@ import torch
 
 from aiollm.kv.attention import on_gemm_team
 from aiollm.kv.pool import KVPool
-from aiollm.model.attention import step_decode_attention
 from aiollm.model.llama import LlamaModel
 
 
@@ -34,6 +34,6 @@ def decode_logits(model: LlamaModel, pool: KVPool, token_ids: Sequence[int], pos
         out = torch.empty((len(token_ids), c.n_heads, c.head_dim), dtype=out_dtype)  # every layer's output
         q32 = torch.empty((len(token_ids), c.n_heads, c.head_dim), dtype=torch.float32)  # every layer's q
         for layer in range(c.n_layers):
-            q, k, v = model.pre_attention(layer, h, positions, rope, q_out=q32)
-            h = model.post_attention(layer, h, step_decode_attention(step, layer, q, k, v, out, n_threads))
+            q, _, _ = model.pre_attention(layer, h, positions, rope, q_out=q32, kv_step=step)  # K/V stored too
+            h = model.post_attention(layer, h, step.attend(layer, q.float(), out, n_threads=n_threads))
         return model.logits(h)

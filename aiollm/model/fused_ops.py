@@ -3,7 +3,7 @@
 Through PyTorch these small ops cost several ATen calls each (fp32 RMSNorm is six), every one with its
 dispatch, a temporary and an OpenMP fork/join: measured in a SmolLM2 decode step, fp32 batch 64, norms
 + RoPE + SiLU*up + argmax took ~15 ms of a ~170 ms step. Natively each is one call on the calling
-thread (argmax on the library's pool), writing into a buffer the caller may reuse.
+thread (argmax on the GEMMs' OpenMP team), writing into a buffer the caller may reuse.
 
 `layer_pre` / `layer_post` run a whole half-layer (norm, GEMMs, RoPE or SiLU, residuals) as one call: through
 Python a layer was ~12 calls with their checks and allocations (~0.1 ms a layer, a few ms a 30-layer step).
@@ -23,6 +23,7 @@ from aiollm.kv.attention import get_num_threads
 from aiollm.model.gemm import PackedWeight
 
 _DT = {torch.float32: lib.AIOLLM_DT_F32, torch.bfloat16: lib.AIOLLM_DT_BF16}
+_NULL = ffi.NULL
 
 
 def native(x: torch.Tensor) -> bool:
@@ -239,11 +240,16 @@ def _activation(x, name: str, dtype: torch.dtype, n: int, width: int) -> None:
 
 def layer_pre(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, w_qkv: PackedWeight, n_q_heads: int,
               n_kv_heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              q_out: torch.Tensor | None = None, n_threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              q_out: torch.Tensor | None = None, n_threads: int | None = None,
+              kv_target=None) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's S-part before attention in one native call: qkv = RMSNorm(h) @ w_qkv.T, then `rope_qk` on it.
 
     h [n, hidden] contiguous, of the weights' dtype; positions int64 [n]; cos, sin as for `rope_qk`; q_out
     [n, n_q_heads * head_dim] contiguous (fp32 or h's dtype) receives q (None: q stays in place in qkv).
+    kv_target (optional): `DecodeStep.native_write_target(layer)` of a step over these n rows; each row's
+    rotated k and its v are then also stored in that cache layer, as `DecodeStep.write` stores them, by the
+    thread that rotated the row while it is in cache (a separate write reached the rows from memory, ~5 ms
+    of a SmolLM2 fp32 batch-64 step).
     Returns (qkv [n, n_qkv], q_out or None). Bits equal rms_norm, gemm and rope_qk called one by one.
     The weights and tables are checked on their first call (they must not be resized or moved afterwards);
     h, positions and q_out on every call."""
@@ -264,12 +270,20 @@ def layer_pre(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, w_qkv: Pac
             raise ValueError(f"q_out: expected float32 or {dtype}, got {getattr(q_out, 'dtype', type(q_out).__name__)}")
         _activation(q_out, "q_out", q_out.dtype, n, q_size)
         target, stride, target_code = q_out, q_size, _DT[q_out.dtype]
-    status = lib.aiollm_layer_pre(_ptr(h), n, hidden, p_norm, eps, p_w, n_qkv,
-                                  ffi.cast("void *", _scratch(n * hidden * h.element_size())), _ptr(qkv), n_q_heads,
-                                  n_kv_heads, head_dim, ffi.cast("int64_t *", positions.data_ptr()), p_cos, p_sin,
-                                  n_positions, _ptr(target), stride, target_code, code,
-                                  n_threads or torch.get_num_threads())
+    kv, slots = _NULL, _NULL
+    if kv_target is not None:
+        kv, slots, n_slots = kv_target
+        if n_slots != n or kv.n_kv_heads != n_kv_heads or kv.head_dim != head_dim:
+            raise ValueError(f"kv_target: expected {n} slots of a cache with {n_kv_heads} heads of {head_dim}, got "
+                             f"{n_slots} slots, {kv.n_kv_heads} heads of {kv.head_dim}")
+    status = lib.aiollm_layer_pre_kv(_ptr(h), n, hidden, p_norm, eps, p_w, n_qkv,
+                                     ffi.cast("void *", _scratch(n * hidden * h.element_size())), _ptr(qkv),
+                                     n_q_heads, n_kv_heads, head_dim, ffi.cast("int64_t *", positions.data_ptr()),
+                                     p_cos, p_sin, n_positions, _ptr(target), stride, target_code, code, kv, slots,
+                                     n_threads or torch.get_num_threads())
     if status != lib.AIOLLM_OK:
+        if status == lib.AIOLLM_ERR_SLOT:
+            raise ValueError("kv_target: a slot lies outside the cache layer")
         if status == lib.AIOLLM_ERR_ARG and n and (int(positions.min()) < 0 or int(positions.max()) >= n_positions):
             raise ValueError(f"positions: expected positions in [0, {n_positions}) (the model context), got "
                              f"{int(positions.min())}..{int(positions.max())}")

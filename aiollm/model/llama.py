@@ -81,14 +81,16 @@ class LlamaModel:
         return Rotation(self.rotary, torch.as_tensor(positions, dtype=torch.long, device=self.device))
 
     def pre_attention(self, layer: int, h: torch.Tensor, positions, rope: Rotation | None = None,
-                      q_out: torch.Tensor | None = None):
+                      q_out: torch.Tensor | None = None, kv_step=None):
         """RMSNorm, QKV projection and RoPE of layer `layer` for packed hidden states h [n, hidden].
 
         `positions` are the tokens' positions in their own sequences (1-D, length n); pass `rope` from
         `self.rope(positions)` to check them once per step. Returns q [n, n_heads, d], k and v [n, n_kv_heads, d]:
         views whose heads and dims are contiguous (each token's row has a stride; `.contiguous()` if needed).
         `q_out` [n, n_heads, d] (fp32 or the model dtype, e.g. the buffer decode attention reads) receives q
-        instead, and is returned as q.
+        instead, and is returned as q. `kv_step` (a decode step over these n tokens, `KVPool.prepare_decode`)
+        also stores this layer's k and v in its pool, as `kv_step.write(layer, k, v)` does (the fused path
+        does it inside its native call).
         """
         w = self.weights.layers[layer]
         c = self.config
@@ -97,13 +99,17 @@ class LlamaModel:
         if self._fused_layers and h.dtype == self.dtype and (q_out is None or q_out.is_contiguous()):
             flat_q = None if q_out is None else q_out.view(n, c.q_size)
             qkv, _ = fused_ops.layer_pre(h.contiguous(), w.attn_norm, c.rms_eps, w.qkv, c.n_heads, c.n_kv_heads,
-                                         c.head_dim, rope.positions, rope.table.cos, rope.table.sin, flat_q)
+                                         c.head_dim, rope.positions, rope.table.cos, rope.table.sin, flat_q,
+                                         kv_target=None if kv_step is None else kv_step.native_write_target(layer))
             # one split_with_sizes makes the three views in one ATen call (three slices cost ~8 us a layer)
             q, k, v = qkv.view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim).split_with_sizes(self._qkv_heads, 1)
             return (q if q_out is None else q_out), k, v
         qkv = linear(rms_norm(h, w.attn_norm, c.rms_eps), w.qkv).view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
         q = rope.rotate_qk(qkv, c.n_heads, c.n_kv_heads, q_out)  # k rotated in place
-        return q, qkv[:, c.n_heads:c.n_heads + c.n_kv_heads], qkv[:, c.n_heads + c.n_kv_heads:]
+        k, v = qkv[:, c.n_heads:c.n_heads + c.n_kv_heads], qkv[:, c.n_heads + c.n_kv_heads:]
+        if kv_step is not None:
+            kv_step.write(layer, k, v)
+        return q, k, v
 
     def post_attention(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection + residual, RMSNorm, SiLU-gated MLP + residual. attn_out [n, n_heads, d] (any float)."""

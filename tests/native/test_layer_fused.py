@@ -170,3 +170,59 @@ def test_reused_scratch_gives_the_same_bits_at_every_size(dtype):
             assert torch.equal(post, expected[n][0]) and torch.equal(pre, expected[n][1])
         expected[n] = (post, pre)
     assert torch.equal(expected[5][0], expected[300][0][:5]) and torch.equal(expected[1][1], expected[300][1][:1])
+
+
+def _pools(kv_dtype, n):
+    """Two empty pools (2 layers) of the test geometry and one step over n distinct, shuffled slots."""
+    from aiollm.kv.pool import KVConfig, KVPool
+    config = KVConfig(n_layers=2, n_blocks=n // 16 + 3, block_size=16, n_kv_heads=N_KV, head_dim=HEAD_DIM,
+                      dtype=kv_dtype)
+    slots = torch.randperm(config.n_blocks * 16, generator=torch.Generator().manual_seed(9))[:n]
+    tables, lens = np.zeros((n, 1), np.int32), np.ones(n, np.int32)
+    return [(pool, pool.prepare_decode(slots, tables, lens)) for pool in (KVPool(config), KVPool(config))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("n", ROWS)
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_layer_pre_stores_kv_as_a_separate_write_does(dtype, kv_dtype, n, n_threads):
+    """With kv_target, layer_pre also stores each row's rotated k and v: the pool's bytes (and int8 scales)
+    equal those of the call without it followed by DecodeStep.write, its outputs are unchanged, and no
+    other layer is touched."""
+    table, h, norm_w, _, packed, positions = _pre_setup(dtype, n)
+    (fused, fused_step), (separate, separate_step) = _pools(kv_dtype, n)
+    args = (h, norm_w, EPS, packed, N_Q, N_KV, HEAD_DIM, positions, table.cos, table.sin)
+    qkv, q = fused_ops.layer_pre(*args, torch.empty(n, N_Q * HEAD_DIM), n_threads=n_threads,
+                                 kv_target=fused_step.native_write_target(1))
+    ref_qkv, ref_q = fused_ops.layer_pre(*args, torch.empty(n, N_Q * HEAD_DIM), n_threads=n_threads)
+    assert torch.equal(qkv, ref_qkv) and torch.equal(q, ref_q)
+    kv = ref_qkv.view(n, N_Q + 2 * N_KV, HEAD_DIM)
+    separate_step.write(1, kv[:, N_Q:N_Q + N_KV], kv[:, N_Q + N_KV:])
+    for name in ("k", "v", "k_scale", "v_scale"):
+        got, want = getattr(fused, name), getattr(separate, name)
+        if want is not None:
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), name
+            assert not got[0].any(), f"{name}: layer 0 was written"
+    assert fused.k[1].any() and fused.v[1].any()
+
+
+def test_layer_pre_rejects_a_kv_target_that_does_not_fit():
+    dtype = DTYPES[0]
+    table, h, norm_w, _, packed, positions = _pre_setup(dtype, 4)
+    args = (h, norm_w, EPS, packed, N_Q, N_KV, HEAD_DIM, positions, table.cos, table.sin)
+    (_, step), _ = _pools("fp32", 3)
+    with pytest.raises(ValueError, match="kv_target: expected 4 slots .* got 3 slots"):
+        fused_ops.layer_pre(*args, kv_target=step.native_write_target(0))
+    from aiollm.kv.pool import KVConfig, KVPool
+    wide = KVPool(KVConfig(n_layers=1, n_blocks=2, block_size=16, n_kv_heads=N_KV, head_dim=2 * HEAD_DIM))
+    step = wide.prepare_decode(np.arange(4), np.zeros((4, 1), np.int32), np.ones(4, np.int32))
+    with pytest.raises(ValueError, match=f"kv_target: .*got 4 slots, {N_KV} heads of {2 * HEAD_DIM}"):
+        fused_ops.layer_pre(*args, kv_target=step.native_write_target(0))
+    assert not wide.k.any()
+    from aiollm._native import ffi
+    (_, step), _ = _pools("fp32", 4)  # kept alive: desc points into its pool
+    desc, _, _ = step.native_write_target(0)
+    outside = ffi.new("int64_t[]", [0, 1, 2, desc.n_blocks * desc.block_size])  # C checks every slot first
+    with pytest.raises(ValueError, match="kv_target: a slot lies outside"):
+        fused_ops.layer_pre(*args, kv_target=(desc, outside, 4))
