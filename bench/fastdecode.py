@@ -46,6 +46,7 @@ from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
 from aiollm.planner.fastdecode import (
     AskCost,
+    TimeShared,
     balanced_seq_len,
     long_step_terms,
     predict_step,
@@ -183,12 +184,12 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
         str(b): {"s": 1e3 * t.s, "r": 1e3 * t.r, "wait": 1e3 * t.wait} for b, t in c.items()}
         for pipe, by_p in trips.items() for p, c in by_p.items()}
     sizing = size(curve, r_of[1]["fp16"], seq_len, round_trip=trips[True], n_layers=model.config.n_layers,
-                  cores=c_eff, s_per_token=s_tok)
-    print("\n-- sizing model (aiollm.planner.fastdecode, fed this run's T(B), R in situ, the pipelined steps' ask "
-          "costs and effective cores)\n" + sizing.explain())
-    figures.update(sizing_batch=sizing.batch, sizing_workers=sizing.workers)
-    # the configuration it chose, run as chosen (pipelined, spread contexts over [16, S)): the honest check
-    chosen = uvloop.run(_chosen_row(model, sizing.batch, sizing.workers, seq_len))
+                  cores=c_eff, s_per_token=s_tok, time_shared=TimeShared(curve_shared, trips[False]))
+    print("\n-- sizing model (aiollm.planner.fastdecode, fed this run's T(B) on one core and on all, R in situ, the "
+          "pipelined and unpipelined steps' ask costs and effective cores)\n" + sizing.explain())
+    figures.update(sizing_batch=sizing.batch, sizing_workers=sizing.workers, sizing_mode=sizing.mode)
+    # the configuration it chose, run as chosen (its mode, spread contexts over [16, S)): the honest check
+    chosen = uvloop.run(_chosen_row(model, sizing.batch, sizing.workers, seq_len, sizing.mode == "time-shared"))
     rows.append(chosen)
     # every row's step predicted from the inputs measured above (no fitting to the measured steps)
     def at(by_workers: dict, n: int):  # inputs measured with the most R-workers up to n
@@ -246,7 +247,7 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
                    predicted_vs_measured_worst=max(ratios, key=lambda x: abs(x - 1)),
                    predicted_within_15pct=sum(abs(x - 1) <= 0.15 for x in ratios) / len(ratios))
     print(f"\n-- predicted vs measured step for the sizing model's choice (B={chosen['batch']}, "
-          f"{chosen['r_workers']} R-worker(s), {'pipelined' if chosen['pipelined'] else 'unpipelined'}): "
+          f"{chosen['r_workers']} R-worker(s), {sizing.mode}): "
           f"{chosen['predicted_ms']:.1f} ms vs {chosen['step_ms']:.1f} ms (its CPU: S-worker {chosen['s_cpu_ms']:.0f} "
           f"ms, R-workers {chosen['r_cpu_ms']:.0f} ms, {chosen['busy']:.2f} of {c_eff:.2f} cores busy over the step; "
           f"the model's bounds price CPU, so a step that leaves cores idle is under-predicted by that idle time); "
@@ -255,11 +256,13 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
           f"{figures['predicted_vs_measured_worst']:.2f}, {100 * figures['predicted_within_15pct']:.0f} % within 15 %")
 
 
-async def _chosen_row(model, batch: int, workers: int, seq_len: int) -> dict:
-    """The sizing model's configuration (B, P, pipelined), run as it chose it."""
+async def _chosen_row(model, batch: int, workers: int, seq_len: int, time_shared: bool) -> dict:
+    """The sizing model's configuration (B, P, pipelined or time-shared), run as it chose it."""
     async with Graph(startup_timeout=120.0) as graph:
         urls = await _r_workers(graph, workers)
-        return {**await _synthetic_step(graph, model, urls, batch, seq_len, "s-chosen", pipeline=batch >= 2),
+        threads = len(os.sched_getaffinity(0)) if time_shared else 1
+        return {**await _synthetic_step(graph, model, urls, batch, seq_len, "s-chosen",
+                                        pipeline=not time_shared and batch >= 2, s_threads=threads),
                 "kv": "fp16", "sizing": True}
 
 

@@ -51,13 +51,16 @@ class Sizing:
     reasoning: list[str] = field(default_factory=list)
     # the step predicted with communication and core sharing (0 when only the classic formula was used)
     predicted_step: float = 0.0
+    # how the chosen configuration runs: "pipelined" (two mini-batches, the S-part on one thread beside the
+    # R-workers) or "time-shared" (one mini-batch, the S-part on every core, then the attention)
+    mode: str = "pipelined"
 
     def to_json(self) -> dict:
         return asdict(self)
 
     def explain(self) -> str:
         step = f", predicted step {self.predicted_step*1e3:.1f} ms" if self.predicted_step else ""
-        return "\n".join(self.reasoning + [f"=> B = {self.batch}, P = {self.workers} R-workers "
+        return "\n".join(self.reasoning + [f"=> B = {self.batch}, P = {self.workers} R-workers, {self.mode} "
                                            f"(formula alone {self.workers_exact:.3g}){step}, "
                                            f"~{self.tokens_per_s:.0f} tokens/s"])
 
@@ -81,6 +84,18 @@ class AskCost:
     def even(cls, seconds: float) -> AskCost:
         """A round trip known only as a total: its CPU charged half to each side, no wait."""
         return cls(seconds / 2, seconds / 2, 0.0)
+
+
+@dataclass(frozen=True)
+class TimeShared:
+    """What `size` needs to price the time-shared mode: no pipeline, the S-part on every core while the
+    R-workers wait, then their attention while the S-worker waits. On few cores this can beat the pipeline
+    (each phase has the machine to itself instead of the processes competing for it), so the sizing weighs both."""
+
+    # T(B) with the S-part on every core
+    t_of_b: dict[int, float]
+    # unpipelined steps' ask costs, {P: {rows per ask: AskCost}} (`step_costs` with pipeline=False)
+    round_trip: dict[int, dict[int, AskCost]]
 
 
 @dataclass(frozen=True)
@@ -201,15 +216,16 @@ def interpolate(curve: dict[int, float], batch: float) -> float:
 
 def size(t_of_b: dict[int, float], r_per_token: float | dict[int, float], seq_len: int, latency_target: float | None = None,
          round_trip: dict[int, dict[int, AskCost]] | None = None, n_layers: int = 0, cores: float = 0.0,
-         s_per_token: dict[int, float] | None = None) -> Sizing:
+         s_per_token: dict[int, float] | None = None, time_shared: TimeShared | None = None) -> Sizing:
     """Pick B from the measured T(B) curve, then P = B*S*R / (2*T(B)); with the ask costs measured per R-worker
     count ({P: {rows per ask: AskCost}}, see `step_costs`; a P not measured uses the largest measured one below
     it), the model's layer count and the cores the roles share, P is instead the fewest R-workers whose
     `predict_step` is within 5 % of the best, and the predicted step is the one reported. s_per_token: the
     S-worker's CPU per streamed KV entry, {P: seconds} like round_trip (default none).
 
-    Every option is pipelined (B >= 2), so round_trip should hold the pipelined steps' costs (`step_costs` with
-    pipeline=True)."""
+    The pipelined options use round_trip, which should hold the pipelined steps' costs (`step_costs` with
+    pipeline=True). With `time_shared` the same B and P are also priced time-shared (its T(B) on every core, its
+    unpipelined ask costs), and the faster mode at the chosen P is the one reported (`Sizing.mode`)."""
     if not t_of_b or any(b <= 0 or t <= 0 for b, t in t_of_b.items()):
         raise ValueError("t_of_b: need measured {batch: seconds} with positive values")
     r_curve = r_per_token
@@ -268,14 +284,24 @@ def size(t_of_b: dict[int, float], r_per_token: float | dict[int, float], seq_le
     options = {p: predict_step(t_of_b, r_curve, measured(p, round_trip), n_layers, batch, batch * seq_len / 2, p,
                                pipelined, cores, s_per_token=measured(p, streamed))
                for p in range(1, max(2 * workers, math.ceil(cores) + 2, 4) + 1)}
-    best = min(o.step for o in options.values())
-    chosen = min(p for p, o in options.items() if o.step <= 1.05 * best)
-    for p, o in options.items():
-        lines.append(f"  P={p}: {o.explain()}")
+    modes = {"pipelined": options}
+    if time_shared is not None:
+        modes["time-shared"] = {p: predict_step(time_shared.t_of_b, r_curve, measured(p, time_shared.round_trip),
+                                                n_layers, batch, batch * seq_len / 2, p, False, cores,
+                                                s_per_token=measured(p, streamed)) for p in options}
+    best = min(o.step for by_p in modes.values() for o in by_p.values())
+    chosen = min(p for by_p in modes.values() for p, o in by_p.items() if o.step <= 1.05 * best)
+    mode = min(modes, key=lambda m: modes[m][chosen].step)
+    for name, by_p in modes.items():
+        if len(modes) > 1:
+            lines.append(f" {name}:")
+        for p, o in by_p.items():
+            lines.append(f"  P={p}: {o.explain()}")
     lines.append(f"P = {chosen}: the fewest R-workers within 5 % of the best predicted step; past it, more "
-                 f"R-workers add asks (communication) and processes competing for the {cores:.3g} cores, not speed")
-    step = options[chosen].step
-    return Sizing(batch, t, r_per_token, seq_len, exact, chosen, batch / step, lines, predicted_step=step)
+                 f"R-workers add asks (communication) and processes competing for the {cores:.3g} cores, not speed"
+                 + (f"; {mode}, the faster mode there" if len(modes) > 1 else ""))
+    step = modes[mode][chosen].step
+    return Sizing(batch, t, r_per_token, seq_len, exact, chosen, batch / step, lines, predicted_step=step, mode=mode)
 
 
 def read_t_of_b(path: str | Path, key: str = "t_of_b") -> dict[int, float]:

@@ -6,6 +6,7 @@ import pytest
 
 from aiollm.planner.fastdecode import (
     AskCost,
+    TimeShared,
     balanced_seq_len,
     interpolate,
     interpolate_cost,
@@ -134,3 +135,21 @@ def test_sizing_with_communication_and_few_cores_takes_fewer_workers_than_the_fo
     assert dearer.workers == 1 and "with 2 R-worker(s): C(8)=5.00 ms" in dearer.explain()
     with pytest.raises(ValueError, match="n_layers"):
         size(CURVE, 2e-6, 1024, round_trip={1: TRIP})
+
+
+def test_sizing_weighs_the_time_shared_mode():
+    pipelined = size(CURVE, 2e-6, 1024, round_trip={1: TRIP}, n_layers=30, cores=2)
+    assert pipelined.mode == "pipelined" and "time-shared" not in pipelined.explain()
+    # the S-part on every core at a quarter of the one-thread T(B), cheap unpipelined asks: the time-shared step
+    # (S-part, then attention) beats the pipelined one, and is the one reported at the chosen P
+    fast = TimeShared({b: t / 4 for b, t in CURVE.items()}, {1: {8: AskCost.even(1e-5), 128: AskCost.even(2e-5)}})
+    shared = size(CURVE, 2e-6, 1024, round_trip={1: TRIP}, n_layers=30, cores=2, time_shared=fast)
+    expected = predict_step(fast.t_of_b, 2e-6, fast.round_trip[1], 30, shared.batch, shared.batch * 512,
+                            shared.workers, False, 2)
+    assert shared.mode == "time-shared" and shared.predicted_step == pytest.approx(expected.step)
+    assert shared.predicted_step < pipelined.predicted_step
+    assert " time-shared:" in shared.explain() and "time-shared, the faster mode there" in shared.explain()
+    # the S-part no faster on every core and dear unpipelined asks: the pipeline stays
+    slow = TimeShared(dict(CURVE), {1: {8: AskCost.even(0.005), 128: AskCost.even(0.01)}})
+    kept = size(CURVE, 2e-6, 1024, round_trip={1: TRIP}, n_layers=30, cores=2, time_shared=slow)
+    assert kept.mode == "pipelined" and kept.predicted_step == pytest.approx(pipelined.predicted_step)
