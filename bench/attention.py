@@ -5,9 +5,16 @@ One layer of each shape is measured: SmolLM2 (9 q heads / 3 kv heads, d=64) and 
 2 threads (KV bytes read per second and tokens/s), with int8 storage, and torch
 `scaled_dot_product_attention` in bf16 and fp32 in its fastest GQA form (enable_gqa=True or the q heads of
 a group folded into the query-length axis; never repeat_interleave). The read bandwidth comes from the
-library's own STREAM-like read kernel on a 1 GiB array, on 1 and 2 threads of the same pool, measured
-interleaved with each kernel figure (`paired`): on this shared VM it drifts by up to 2x within minutes, so a
-reference taken once at the start made the ratios swing with the neighbours' load rather than the kernel.
+library's own STREAM-like read kernel (with the same two-level software prefetch as the fp16 kernel, so the
+kernel is never compared with a read it can outrun) on a 1 GiB array, on 1 and 2 threads of the same pool,
+measured interleaved with each kernel figure (`paired`): on this shared VM it drifts by up to 2x within minutes,
+so a reference taken once at the start made the ratios swing with the neighbours' load rather than the kernel.
+Each round times every entry once (the read and each kernel, in alternating order, each over ~1 GiB of calls
+with the per-call overhead inside); pct_read is the median over rounds of the kernel / read ratio of the same
+round, pct_read_best the best kernel round over the best read round (both in the JSON, the headline from the
+paired median). Rows whose KV is smaller than the 1 GiB array are also paired with the read kernel over an
+array of the KV's own size (read_same_gbs, pct_read_same): the 48 MiB rows are read partly from L3, faster than
+DRAM, by the kernel and by that probe alike.
 
 Block tables are contiguous per sequence (what a freshly admitted batch gets from BlockAllocator); the
 fp16 2-thread figure is also given for shuffled tables (a fragmented pool). Shapes whose fp16 KV exceeds
@@ -30,7 +37,8 @@ from bench.report import table
 SHAPES = {"smollm2": (9, 3, 64), "llama7b": (32, 32, 128)}
 BLOCK = 16
 COLUMNS = ["shape", "batch", "ctx", "run_batch", "kv_mib", "read_1t_gbs", "fp16_1t_gbs", "pct_read_1t", "read_gbs",
-           "fp16_gbs", "pct_read", "fp16_shuf_gbs", "pct_read_shuf", "fp16_tok_s", "int8_tok_s", "int8_x_fp16", "sdpa_bf16_tok_s", "sdpa_fp32_tok_s",
+           "fp16_gbs", "pct_read", "pct_read_best", "read_same_gbs", "pct_read_same", "fp16_shuf_gbs", "pct_read_shuf",
+           "fp16_tok_s", "int8_tok_s", "int8_x_fp16", "int8_x_fp16_paired", "sdpa_bf16_tok_s", "sdpa_fp32_tok_s",
            "x_sdpa_bf16", "x_sdpa_fp32", "sdpa_bf16_gbs", "sdpa_fp32_gbs", "ceil_x_sdpa_bf16", "ceil_x_sdpa_fp32"]
 
 
@@ -61,37 +69,39 @@ def _cache(batch: int, ctx: int, n_kv: int, d: int, dtype: str):
     return k, v, scales, np.arange(n_blocks, dtype=np.int32).reshape(batch, ctx // BLOCK)
 
 
-def paired(kernels, read, rounds: int) -> tuple[list[float], float]:
-    """([GB/s of each kernel], GB/s of read), measured the same way and interleaved: each round times one read
-    of the 1 GiB array, then for each (fn, nbytes) in kernels back-to-back calls of fn covering as many bytes;
-    the best round of each. All see the same machine state (this VM's memory bandwidth drifts by up to 2x within
-    minutes while other tenants run), and all are timed over a ~1 GiB window with the per-call Python overhead
-    inside, so their ratios compare like with like."""
-    read.fn()
-    for fn, _ in kernels:
+WINDOW = 1 << 30  # bytes each entry reads per round
+
+
+def paired(entries, rounds: int) -> list[list[float]]:
+    """GB/s per round of each (fn, nbytes) entry, all measured the same way and interleaved: each round times
+    every entry once, as back-to-back calls covering ~WINDOW bytes (the per-call overhead inside), in forward
+    order on even rounds and reverse order on odd ones. Within a round all see the same machine state (this VM's
+    memory bandwidth drifts by up to 2x within minutes while other tenants run)."""
+    for fn, _ in entries:
         fn()  # warm-up: page faults, thread start-up
-    kern, ref = [[] for _ in kernels], []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        read.fn()
-        ref.append(read.nbytes / (time.perf_counter() - t0) / 1e9)
-        for (fn, nbytes), got in zip(kernels, kern):
-            calls = max(1, -(-read.nbytes // nbytes))
+    got = [[] for _ in entries]
+    for r in range(rounds):
+        order = list(range(len(entries)))
+        for i in order if r % 2 == 0 else order[::-1]:
+            fn, nbytes = entries[i]
+            calls = max(1, -(-WINDOW // nbytes))
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
-            got.append(calls * nbytes / (time.perf_counter() - t0) / 1e9)
-    return [max(g) for g in kern], max(ref)
+            got[i].append(calls * nbytes / (time.perf_counter() - t0) / 1e9)
+    return got
 
 
-class Reader:
-    """The library's read kernel over buf (1 GiB: far beyond the caches) on n_threads."""
+def paired_ratio(kern: list[float], ref: list[float]) -> float:
+    """Median over rounds of kern / ref in the same round."""
+    return float(np.median(np.asarray(kern) / np.asarray(ref)))
 
-    def __init__(self, buf: np.ndarray, n_threads: int) -> None:
-        from aiollm.kv import attention
 
-        self.nbytes = buf.nbytes
-        self.fn = lambda: attention.read_sum(buf, n_threads)
+def reader(buf: np.ndarray, n_threads: int):
+    """(fn, bytes) of the library's read kernel over buf on n_threads."""
+    from aiollm.kv import attention
+
+    return (lambda: attention.read_sum(buf, n_threads)), buf.nbytes
 
 
 def kernel(k, v, scales, tables, q, n_threads: int):
@@ -105,21 +115,36 @@ def kernel(k, v, scales, tables, q, n_threads: int):
                                                n_threads=n_threads)), nbytes
 
 
-def kernel_figures(row: dict, shape: tuple, n_threads: int, read1, readn, rounds: int) -> None:
+def kernel_figures(row: dict, shape: tuple, n_threads: int, big: np.ndarray, rounds: int) -> None:
     """fp16 on 1 thread beside the 1-thread read; fp16 (contiguous and shuffled tables) and int8 on n_threads
-    interleaved with each other and the n-thread read (int8 vs fp16 is then a ratio under the same conditions)."""
+    interleaved with each other and the n-thread reads (int8 vs fp16 is then a ratio under the same conditions).
+    Rates are each entry's best round; pct_* the paired medians (see the module docstring)."""
     batch, ctx, n_q, n_kv, d = shape
     k, v, _, tables = _cache(batch, ctx, n_kv, d, "fp16")
     shuffled = np.random.default_rng(0).permutation(tables.size).astype(np.int32).reshape(tables.shape)
     k8, v8, scales, _ = _cache(batch, ctx, n_kv, d, "int8")
     q = np.random.default_rng(1).standard_normal((batch, n_q, d)).astype(np.float32)
-    (row["fp16_1t_gbs"],), row["read_1t_gbs"] = paired([kernel(k, v, None, tables, q, 1)], read1, rounds)
+    fp16_1t, read_1t = paired([kernel(k, v, None, tables, q, 1), reader(big, 1)], rounds)
+    row["fp16_1t_gbs"], row["read_1t_gbs"] = max(fp16_1t), max(read_1t)
+    row["pct_read_1t"] = 100 * paired_ratio(fp16_1t, read_1t)
     fp16 = kernel(k, v, None, tables, q, n_threads)
     int8 = kernel(k8, v8, scales, tables, q, n_threads)
-    (row["fp16_gbs"], row["fp16_shuf_gbs"], int8_gbs), row["read_gbs"] = paired(
-        [fp16, kernel(k, v, None, shuffled, q, n_threads), int8], readn, rounds)
+    entries = [fp16, kernel(k, v, None, shuffled, q, n_threads), int8, reader(big, n_threads)]
+    same = np.ones((k.nbytes + v.nbytes) // 4, np.float32) if k.nbytes + v.nbytes < big.nbytes else None
+    if same is not None:
+        entries.append(reader(same, n_threads))
+    got = paired(entries, rounds)
+    fp16_r, shuf_r, int8_r, read_r = got[:4]
+    row["fp16_gbs"], row["fp16_shuf_gbs"], row["read_gbs"] = max(fp16_r), max(shuf_r), max(read_r)
+    row["pct_read"] = 100 * paired_ratio(fp16_r, read_r)
+    row["pct_read_best"] = 100 * row["fp16_gbs"] / row["read_gbs"]
+    row["pct_read_shuf"] = 100 * paired_ratio(shuf_r, read_r)
+    same_r = got[4] if same is not None else read_r
+    row["read_same_gbs"] = max(same_r)
+    row["pct_read_same"] = 100 * paired_ratio(fp16_r, same_r)
     row["fp16_tok_s"] = row["fp16_gbs"] * 1e9 / fp16[1] * batch
-    row["int8_tok_s"] = int8_gbs * 1e9 / int8[1] * batch
+    row["int8_tok_s"] = max(int8_r) * 1e9 / int8[1] * batch
+    row["int8_x_fp16_paired"] = paired_ratio([g / int8[1] for g in int8_r], [g / fp16[1] for g in fp16_r])
 
 
 def sdpa(batch, ctx, n_q, n_kv, d, dtype, n_threads, reps) -> float:
@@ -203,9 +228,9 @@ def run(args) -> dict:
     reps = 2 if args.quick else 3
     rounds = 3 if args.quick else 5
     nt = args.threads
-    buf = np.ones(1 << 28, np.float32)
-    read1, readn = Reader(buf, 1), Reader(buf, nt)
-    print(f"kernel {attention.isa()}; read bandwidth measured beside each kernel figure (1 GiB, 1 and {nt} threads)")
+    buf = np.ones(WINDOW // 4, np.float32)
+    print(f"kernel {attention.isa()}; read bandwidth measured beside each kernel figure (1 GiB, 1 and {nt} threads; "
+          f"pct_* = median over {rounds} rounds of the same round's ratio)")
     inter = torch_interaction(nt, reps)
     print("attention next to torch (SmolLM2 64x1024, ms/call): " + ", ".join(f"{k} {v:.2f}" for k, v in inter.items()))
     rows = []
@@ -215,14 +240,11 @@ def run(args) -> dict:
         row = {"shape": name, "batch": batch, "ctx": ctx, "run_batch": run_batch,
                "kv_mib": round(run_batch * per_seq / 2**20)}
         s = (run_batch, ctx, n_q, n_kv, d)
-        kernel_figures(row, s, nt, read1, readn, rounds)
+        kernel_figures(row, s, nt, buf, rounds)
         gc.collect()
         row["sdpa_bf16_tok_s"] = sdpa(*s, "bf16", nt, reps)
         row["sdpa_fp32_tok_s"] = sdpa(*s, "fp32", nt, reps)
         gc.collect()
-        row["pct_read_1t"] = 100 * row["fp16_1t_gbs"] / row["read_1t_gbs"]
-        row["pct_read"] = 100 * row["fp16_gbs"] / row["read_gbs"]
-        row["pct_read_shuf"] = 100 * row["fp16_shuf_gbs"] / row["read_gbs"]
         row["x_sdpa_bf16"] = row["fp16_tok_s"] / row["sdpa_bf16_tok_s"]
         row["x_sdpa_fp32"] = row["fp16_tok_s"] / row["sdpa_fp32_tok_s"]
         row["int8_x_fp16"] = row["int8_tok_s"] / row["fp16_tok_s"]
@@ -236,6 +258,10 @@ def run(args) -> dict:
     print()
     print(table(rows, COLUMNS))
     long = [r for r in rows if r["ctx"] >= 1024]
+    low = min(long, key=lambda r: r["pct_read"])
+    print(f"lowest fp16 / read bandwidth ({nt} threads): {low['pct_read']:.1f} % on {low['shape']} "
+          f"{low['batch']}x{low['ctx']} (best rounds {low['pct_read_best']:.1f} %, vs a read of its own size "
+          f"{low['pct_read_same']:.1f} %)")
     ceil_bf16 = min(rows, key=lambda r: r["ceil_x_sdpa_bf16"])
     ceil_fp32 = min(rows, key=lambda r: r["ceil_x_sdpa_fp32"])
     for name, r in (("bf16", ceil_bf16), ("fp32", ceil_fp32)):
@@ -250,11 +276,14 @@ def run(args) -> dict:
         "rows": rows,
         **{f"torch_{k}": v for k, v in inter.items()},
         "ratio_fp16_vs_read_bw": min(r["pct_read"] for r in long) / 100,
+        "ratio_fp16_vs_read_bw_best": min(r["pct_read_best"] for r in long) / 100,
+        "ratio_fp16_vs_read_bw_same_size": min(r["pct_read_same"] for r in long) / 100,
         "ratio_fp16_1t_vs_read_bw_1t": min(r["pct_read_1t"] for r in long) / 100,
         "ratio_fp16_shuffled_vs_read_bw": min(r["pct_read_shuf"] for r in long) / 100,
         "ratio_fp16_vs_sdpa_bf16": min(r["x_sdpa_bf16"] for r in rows),
         "ratio_fp16_vs_sdpa_fp32": min(r["x_sdpa_fp32"] for r in rows),
         "ratio_int8_vs_fp16": min(r["int8_x_fp16"] for r in rows),
+        "ratio_int8_vs_fp16_paired": min(r["int8_x_fp16_paired"] for r in rows),
         "ceiling_fp16_vs_sdpa_bf16": ceil_bf16["ceil_x_sdpa_bf16"],
         "ceiling_fp16_vs_sdpa_fp32": ceil_fp32["ceil_x_sdpa_fp32"],
     }

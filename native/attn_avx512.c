@@ -26,13 +26,25 @@ void attn_item_avx512(const attn_args *a, int32_t seq, int32_t h0, int32_t h1) {
     }
 }
 
+/* The read-bandwidth probe. It prefetches the way the fp16 kernel does (1 KiB ahead into L1, 8 KiB ahead into
+ * L2), so the bench compares the kernel with the best plain read found, not with one the kernel can outrun:
+ * without it the probe read 26.3 GB/s (2 threads, median; 13.9 on 1) where with it 28.0 (14.4), and the kernel
+ * with two-level prefetch read more than the plain probe. */
+#define READ_NEAR_64 16  /* lines ahead into L1 */
+#define READ_FAR_64 128  /* lines ahead into L2 */
 T512 double read_sum_avx512(const void *buf, int64_t n64) {
     const float *p = (const float *)buf;
     __m512 s[8];
     int64_t i = 0;
     for (int j = 0; j < 8; j++) s[j] = _mm512_setzero_ps();
-    for (; i + 8 <= n64; i += 8)
+    for (; i + 8 <= n64; i += 8) {
+        if (i + 8 + READ_FAR_64 <= n64)
+            for (int j = 0; j < 8; j++) {
+                _mm_prefetch((const char *)(p + (i + j + READ_NEAR_64) * 16), _MM_HINT_T0);
+                _mm_prefetch((const char *)(p + (i + j + READ_FAR_64) * 16), _MM_HINT_T1);
+            }
         for (int j = 0; j < 8; j++) s[j] = _mm512_add_ps(s[j], _mm512_loadu_ps(p + (i + j) * 16));
+    }
     for (; i < n64; i++) s[0] = _mm512_add_ps(s[0], _mm512_loadu_ps(p + i * 16));
     for (int j = 1; j < 8; j++) s[0] = _mm512_add_ps(s[0], s[j]);
     return (double)_mm512_reduce_add_ps(s[0]);

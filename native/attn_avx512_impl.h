@@ -33,14 +33,24 @@ T512 INLINE __m512 exp512_fast(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
-#define PF_DIST 2 /* tiles ahead in the item's order (heads inner, blocks outer); the block table gives the address */
-#define PF_DIST_I8 4 /* int8 tiles are half the bytes: twice as many ahead keeps as many bytes in flight */
+/* Software prefetch, in tiles ahead in the item's order (heads inner, blocks outer; the block table gives the
+ * address, which the hardware prefetcher cannot follow across blocks). fp16/fp32 prefetch on two levels, each
+ * line asked for while the same line of the current tile is read (K lines in the score loop, V lines in the
+ * V loop, so the requests are spread over the whole chunk): PF_NEAR tiles ahead into L1 and PF_FAR tiles ahead
+ * into L2. The L2 requests keep many more lines in flight than L1's fill buffers allow, and the L1 requests then
+ * hit L2. Against one level (2 tiles ahead into L1, K and V lines both during the score loop), alternating
+ * in-process A/B from DRAM, medians of paired ratios to the read kernel (itself with the same two-level
+ * prefetch, attn_avx512.c), 1 / 2 threads: SmolLM2 64 x 4096 0.85 -> 0.89 / 0.79 -> 0.86, 256 x 1024
+ * 0.84 -> 0.93 / 0.83 -> 0.92, Llama 32 x 2048 0.81 -> 0.95 / 0.77 -> 0.86 (far 4 and 8 within noise; a burst
+ * of far prefetches at each item's start gained nothing). int8 measured slower with a far level (SmolLM2
+ * 64 x 4096 int8 / fp16 1.97 -> 1.82): it is compute-bound, the extra prefetches are extra instructions. */
+#define PF_NEAR 1
+#define PF_FAR 8
+#define PF_DIST_I8 4 /* int8 (compute-bound): one level, int8 tiles are half the bytes: 4 ahead into L1 */
 
-/* Software prefetch spread over the score loop: each iteration that consumes `bytes` of this K tile asks for
- * the same share of the K and V tiles PF_DIST ahead, so one chunk's loop covers both next tiles. Asking for a
- * whole tile at once at the start of each tile (the earlier scheme) left the memory idle during the compute:
- * measured time = memory time + compute time; spread, the two overlap (SmolLM2 256 x 4096 fp16, C harness:
- * 1 thread 10.0 -> 15.6 GB/s, 2 threads 20.4 -> 29.4 GB/s against a 16.6 / 30.1 GB/s read kernel). */
+/* int8: each score-loop iteration that consumes `bytes` of this K tile asks for the same share of the K and V
+ * tiles PF_DIST_I8 ahead, so one chunk's loop covers both next tiles. Asking for a whole tile at once at the
+ * start of each tile left the memory idle during the compute (time = memory time + compute time). */
 static inline void spread_prefetch(const char **pk, const char **pv, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) {
         _mm_prefetch(*pk + o, _MM_HINT_T0);
@@ -49,18 +59,30 @@ static inline void spread_prefetch(const char **pk, const char **pv, int64_t byt
     *pk += bytes, *pv += bytes;
 }
 
+/* Prefetch `bytes` from *p (when set) with `hint`, and advance *p past them. */
+INLINE void prefetch_walk(const char **p, int64_t bytes, int hint) {
+    if (!*p) return;
+    for (int64_t o = 0; o < bytes; o += 64) {
+        if (hint == _MM_HINT_T0) _mm_prefetch(*p + o, _MM_HINT_T0);
+        else _mm_prefetch(*p + o, _MM_HINT_T1);
+    }
+    *p += bytes;
+}
+
 /* Scores of 16 tokens (chunk column `col` of a K tile) for GB q heads, NP partial sums each to hide FMA
  * latency (4 cycles, 2 ports: GB * NP >= 8 chains, else the chunk is latency-bound; 12 for GQA 3 measured
- * faster than 6). Pointer walks, not index arithmetic: the loop body is loads and FMAs only. */
+ * faster than 6). Pointer walks, not index arithmetic: the loop body is loads and FMAs only. pk / pkf: the K
+ * tiles PF_NEAR / PF_FAR ahead (NULL: none), walked in step with this tile's rows. */
 T512 INLINE void scores(int dt, const char *kt, int64_t col, int64_t BS, int D, const float *qs, int GB, int NP,
-                        __m512 *out, const char *pk, const char *pv) {
+                        __m512 *out, const char *pk, const char *pkf) {
     const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1, step = BS * es;
     const char *kp = kt + col * es;
     __m512 acc[4][8];
     for (int g = 0; g < GB; g++)
         for (int p = 0; p < NP; p++) acc[g][p] = _mm512_setzero_ps();
     for (int d = 0; d < D; d += NP, kp += NP * step) {
-        if (pk) spread_prefetch(&pk, &pv, NP * step);
+        prefetch_walk(&pk, NP * step, _MM_HINT_T0);
+        prefetch_walk(&pkf, NP * step, _MM_HINT_T1);
         for (int p = 0; p < NP; p++) {
             const __m512 k = ld16(dt, kp + p * step, 0);
             for (int g = 0; g < GB; g++)
@@ -125,11 +147,14 @@ T512 INLINE void scores_vnni(const char *kt, int64_t col, int64_t BS, int D, con
 }
 #endif
 
-/* acc[g][16*(dv..dv+VC)] = alpha[g] * acc + sum over the chunk's nv tokens of pb[g][t] * V row t. */
+/* acc[g][16*(dv..dv+VC)] = alpha[g] * acc + sum over the chunk's nv tokens of pb[g][t] * V row t. pv / pvf:
+ * the V tiles PF_NEAR / PF_FAR ahead (NULL: none); each token's slab of them is prefetched as it is read here. */
 T512 INLINE void vaccum(int dt, const char *vt, int64_t row0, int nv, int D, int dv, int VC, const float *pb,
-                        const float *alpha, float *acc, int GB) {
-    const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1;
-    const char *vp = vt + (row0 * D + dv * 16) * es;
+                        const float *alpha, float *acc, int GB, const char *pv, const char *pvf) {
+    const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1, at = (row0 * D + dv * 16) * es;
+    const char *vp = vt + at;
+    if (pv) pv += at;
+    if (pvf) pvf += at;
     __m512 r[4][8];
     int same = 1; /* after the first chunks the max rarely moves: no rescale, the loads feed the FMAs directly */
     for (int g = 0; g < GB; g++) same &= alpha[g] == 1.0f;
@@ -139,6 +164,10 @@ T512 INLINE void vaccum(int dt, const char *vt, int64_t row0, int nv, int D, int
             r[g][v] = same ? x : _mm512_mul_ps(x, _mm512_set1_ps(alpha[g]));
         }
     for (int t = 0; t < nv; t++, vp += D * es) {
+        prefetch_walk(&pv, VC * 16 * es, _MM_HINT_T0);
+        prefetch_walk(&pvf, VC * 16 * es, _MM_HINT_T1);
+        if (pv) pv += D * es - VC * 16 * es;
+        if (pvf) pvf += D * es - VC * 16 * es;
         __m512 w[4];
         for (int g = 0; g < GB; g++) w[g] = _mm512_set1_ps(pb[g * 16 + t]);
         for (int v = 0; v < VC; v++) {
@@ -218,7 +247,8 @@ T512 INLINE void vaccum_vnni(const char *vt, int64_t row0, int D, int dv, int VC
 
 /* First half of one 16-token chunk of one kv head: scores and the online-softmax update; the weights go to
  * pb (16 per q head) and the rescale factors to alpha, for chunk_values. m: running max per q head; l: 16 lane
- * partial sums of the softmax denominator per q head (l + g * 16). */
+ * partial sums of the softmax denominator per q head (l + g * 16). Prefetch: int8 spreads the K and V tiles
+ * PF_DIST_I8 ahead (pk, pv) over the score loop; fp16/fp32 the K tiles PF_NEAR and PF_FAR ahead (pk, pv). */
 T512 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const float *vs, int c, int nv,
                               int G, int D, int BS, const float *qs, float *m, float *l,
                               const int32_t *q4, const int32_t *corr, const float *qsc, const char *pk, const char *pv,
@@ -282,9 +312,10 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const flo
     }
 }
 
-/* Second half: V accumulation of the chunk with chunk_scores' weights pb and rescale factors alpha. */
+/* Second half: V accumulation of the chunk with chunk_scores' weights pb and rescale factors alpha. pv / pvf:
+ * fp16/fp32 only, the V tiles to prefetch (see vaccum). */
 T512 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int D, const float *pb, const float *alpha,
-                              float *acc, int vnni) {
+                              float *acc, int vnni, const char *pv, const char *pvf) {
 #define VSLABS(call) /* call(VC, GB) over dims in slabs of 4 x 16 (then 1 x 16) and q heads in blocks of 4 */     \
     for (int g0 = 0; g0 < G; g0 += 4) {                                                                          \
         const int gb = G - g0 < 4 ? G - g0 : 4;                                                                  \
@@ -325,24 +356,25 @@ T512 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int 
     for (int g0 = 0; g0 < G; g0 += 4) {
         const int gb = G - g0 < 4 ? G - g0 : 4;
         const float *pg = pb + g0 * 16, *ag = alpha + g0;
+        const char *pvg = g0 ? NULL : pv, *pvfg = g0 ? NULL : pvf; /* the first q-head block carries the prefetch */
         float *accg = acc + g0 * D;
         int dv = 0;
         if (gb == 1)
-            for (; dv + 8 <= D / 16; dv += 8) vaccum(dt, vt, c * 16, nv, D, dv, 8, pg, ag, accg, 1);
+            for (; dv + 8 <= D / 16; dv += 8) vaccum(dt, vt, c * 16, nv, D, dv, 8, pg, ag, accg, 1, pvg, pvfg);
         for (; dv + 4 <= D / 16; dv += 4) {
             switch (gb) {
-            case 1: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 1); break;
-            case 2: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 2); break;
-            case 3: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 3); break;
-            default: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 4); break;
+            case 1: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 1, pvg, pvfg); break;
+            case 2: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 2, pvg, pvfg); break;
+            case 3: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 3, pvg, pvfg); break;
+            default: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 4, pvg, pvfg); break;
             }
         }
         for (; dv < D / 16; dv++) {
             switch (gb) {
-            case 1: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 1); break;
-            case 2: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 2); break;
-            case 3: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 3); break;
-            default: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 4); break;
+            case 1: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 1, pvg, pvfg); break;
+            case 2: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 2, pvg, pvfg); break;
+            case 3: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 3, pvg, pvfg); break;
+            default: vaccum(dt, vt, c * 16, nv, D, dv, 1, pg, ag, accg, 4, pvg, pvfg); break;
             }
         }
     }
@@ -411,14 +443,29 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                 const char *kt = (const char *)kv->k + kv_tile(kv, block, h0 + h) * es;
                 const float *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
                 const float *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
-                const char *pk = NULL, *pv = NULL; /* the tiles PF_DIST ahead in this item's order (heads inner) */
-                const int32_t tn = blk * NH + h + (dt == AIOLLM_DT_I8 ? PF_DIST_I8 : PF_DIST), nblk = tn / NH, nh = h0 + tn % NH;
-                if (c == 0 && nblk < n_used) { /* the first chunk's score loop covers the whole tile */
-                    const int64_t next = kv_tile(kv, table[nblk], nh) * es;
-                    pk = (const char *)kv->k + next, pv = (const char *)kv->v + next;
-                    if (dt == AIOLLM_DT_I8) {
+                /* Tiles ahead in this item's order (heads inner). The K tiles are prefetched by the first chunk's
+                 * score loop (it covers whole K rows); the V tiles by every chunk's V loop (its own rows). */
+                const char *pk = NULL, *pv = NULL, *vn = NULL, *vf = NULL;
+                const int32_t t0 = blk * NH + h;
+                if (dt == AIOLLM_DT_I8) {
+                    const int32_t nblk = (t0 + PF_DIST_I8) / NH, nh = h0 + (t0 + PF_DIST_I8) % NH;
+                    if (c == 0 && nblk < n_used) {
+                        const int64_t next = kv_tile(kv, table[nblk], nh) * es;
+                        pk = (const char *)kv->k + next, pv = (const char *)kv->v + next;
                         _mm_prefetch((const char *)(kv->k_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
                         _mm_prefetch((const char *)(kv->v_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
+                    }
+                } else {
+                    const int32_t nb = (t0 + PF_NEAR) / NH, fb = (t0 + PF_FAR) / NH;
+                    if (nb < n_used) {
+                        const int64_t at = kv_tile(kv, table[nb], h0 + (t0 + PF_NEAR) % NH) * es;
+                        vn = (const char *)kv->v + at;
+                        if (c == 0) pk = (const char *)kv->k + at;
+                    }
+                    if (fb < n_used) {
+                        const int64_t at = kv_tile(kv, table[fb], h0 + (t0 + PF_FAR) % NH) * es;
+                        vf = (const char *)kv->v + at;
+                        if (c == 0) pv = (const char *)kv->k + at; /* the far K tile rides in chunk_scores' pv */
                     }
                 }
                 float *mh = m + h * G, *lh = l + h * G * 16, *pbh = pb + h * G * 16, *alh = alpha + h * G;
@@ -427,12 +474,12 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                 chunk_scores(dt, kt, ks, vs, c, w, G, D, BS, qs + h * GD, mh, lh, q4h, ch, qh, pk, pv, pbh, alh);
                 if (!phased)
                     chunk_values(dt, (const char *)kv->v + kv_tile(kv, block, h0 + h) * es, c, w, G, D, pbh, alh,
-                                 acc + h * GD, vnni);
+                                 acc + h * GD, vnni, vn, vf);
             }
             for (int h = 0; phased && h < NH; h++) {
                 const char *vt = (const char *)kv->v + kv_tile(kv, block, h0 + h) * es;
                 const float *pbh = pb + h * G * 16, *alh = alpha + h * G;
-                chunk_values(dt, vt, c, w, G, D, pbh, alh, acc + h * GD, vnni);
+                chunk_values(dt, vt, c, w, G, D, pbh, alh, acc + h * GD, vnni, NULL, NULL);
             }
         }
     }
