@@ -80,6 +80,15 @@ def test_store_reserves_whole_life_and_refuses_all_or_nothing():
         store.admit(1, 5, 16)
 
 
+def test_store_hands_each_sequence_its_blocks_in_ascending_order():
+    store = _store()
+    store.admit(0, 3, 32)  # all 8 blocks
+    first = store.blocks[0].tolist()
+    store.release(0)  # freed in order: the allocator hands them back last-in first-out, i.e. reversed
+    store.admit(1, 3, 32)
+    assert first == store.blocks[1].tolist() == sorted(first)
+
+
 def test_store_stops_at_the_reserved_length():
     store = _store()
     store.admit(0, 3, 4)
