@@ -60,6 +60,7 @@ def cmd_distserve(args: argparse.Namespace) -> int:
 def cmd_fastdecode(args: argparse.Namespace) -> int:
     from aiollm.planner.fastdecode import (
         AskCost,
+        Overlap,
         measure_costs,
         measure_r,
         measure_t_of_b,
@@ -71,17 +72,22 @@ def cmd_fastdecode(args: argparse.Namespace) -> int:
     get_model(args.model)
     t_of_b = read_t_of_b(args.t_of_b, args.t_of_b_key) if args.t_of_b else measure_t_of_b(args.model, args.batches)
     r = args.r_per_token if args.r_per_token else measure_r(args.model, args.seq_len)
-    s_per_token = None
+    s_per_token = overlap = None
     if args.round_trip:
         round_trip = {1: {int(b): AskCost.even(float(ms) / 1e3)
                           for b, ms in (i.split(":") for i in args.round_trip.split(","))}}
+        if args.overlap_loss is not None:
+            overlap = {1: Overlap(args.overlap_loss, 0, 0, 1, 0.0, 0.0, 0.0, 0.0)}
     else:
-        round_trip, r_situ, streamed = measure_costs(args.model, [8, 32, 128], t_of_b, r, seq_len=args.seq_len)
+        round_trip, r_situ, streamed, measured = measure_costs(args.model, [8, 32, 128], t_of_b, r,
+                                                               seq_len=args.seq_len)
         s_per_token = {1: streamed}  # measured with the most R-workers, applied to every P
+        overlap = {1: measured}  # measured with one R-worker (balanced there), applied to every P
         r = args.r_per_token or r_situ
     cores = args.cores or len(os.sched_getaffinity(0))
     result = size(t_of_b, r, args.seq_len, args.latency_target, round_trip=round_trip,
-                  n_layers=model_config(args.model).n_layers, cores=cores, s_per_token=s_per_token)
+                  n_layers=model_config(args.model).n_layers, cores=cores, s_per_token=s_per_token,
+                  overlap=overlap)
     print(result.explain())
     if args.json:
         args.json.write_text(json.dumps(result.to_json(), indent=2))
@@ -143,6 +149,9 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--round-trip", help="C(b): a step's per-layer cost per Attend ask of b rows, ms, as ROWS:MS,... "
                                         "(instead of measuring it in real steps with 1 and 2 R-worker processes)")
     f.add_argument("--cores", type=float, help="cores the S-worker and R-workers share (default: this machine's)")
+    f.add_argument("--overlap-loss", type=float, help="with --round-trip: the pipeline's overlap loss, the idle a "
+                                                       "pipelined step adds as a fraction of its lesser side (0..1; "
+                                                       "measured by a balanced probe otherwise)")
     f.add_argument("--json", type=Path)
     f.set_defaults(func=cmd_fastdecode)
 

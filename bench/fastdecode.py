@@ -17,7 +17,9 @@ What it runs, in one process tree on this machine (SmolLM2-135M, bf16 weights, f
 - the sizing model's predicted step time against the measured one for every row: aiollm.planner.fastdecode's
   predict_step from this run's T(B), R, the Attend round trip C(b) at each row's rows-per-ask and the
   effective cores (the largest of the S-worker's work, the busiest R-worker's, one mini-batch's chain, and
-  all the work over the cores), W being the KV entries a step attends over.
+  all the work over the cores, plus the pipeline's overlap loss from a balanced probe per R-worker count),
+  W being the KV entries a step attends over; each row's T(B) re-measured right before it (the machine's
+  speed drifts by +-30 % over minutes), the first-measured curve's prediction kept beside it.
 Each section prints its wall time; `--parts` runs a subset (e.g. `--parts trace` while tuning the schedule).
 """
 from __future__ import annotations
@@ -46,9 +48,12 @@ from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
 from aiollm.planner.fastdecode import (
     AskCost,
+    Overlap,
     TimeShared,
+    balanced_context,
     balanced_seq_len,
     long_step_terms,
+    measure_overlap,
     predict_step,
     probe_step,
     schedule_gain,
@@ -165,8 +170,8 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
                    t_of_b_all_cores={str(b): t for b, t in curve_shared.items()}, r_per_token_s=r_of["fp16"],
                    r_per_token_int8_s=r_of["int8"], effective_cores=c_eff)
     check_batch = max([b for b in batches if b <= 256] or batches[:1])
-    rows, off, trips, ramp, situ = uvloop.run(_throughput(model, batches, seq_len, check_batch, curve, r_of,
-                                                          c_eff))
+    rows, off, trips, ramp, situ, overlap = uvloop.run(_throughput(model, batches, seq_len, check_batch, curve,
+                                                                   r_of, c_eff))
     # the kernel alone on a fresh pool vs real R-workers (per R-worker count: peers attending at once share the
     # memory bus): the step model uses the latter (int8 scaled alike)
     kernel = dict(r_of)
@@ -183,8 +188,12 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
     figures["ask_cost_ms"] = {f"{p}{'_pipelined' if pipe else ''}": {
         str(b): {"s": 1e3 * t.s, "r": 1e3 * t.r, "wait": 1e3 * t.wait} for b, t in c.items()}
         for pipe, by_p in trips.items() for p, c in by_p.items()}
+    figures["overlap"] = {str(p): {**vars(o)} for p, o in overlap.items()}
+    print("\n-- the pipeline's overlap loss: " + "; ".join(o.explain() for o in overlap.values()))
+    loss = {p: o.loss for p, o in overlap.items()}
     sizing = size(curve, r_of[1]["fp16"], seq_len, round_trip=trips[True], n_layers=model.config.n_layers,
-                  cores=c_eff, s_per_token=s_tok, time_shared=TimeShared(curve_shared, trips[False]))
+                  cores=c_eff, s_per_token=s_tok, time_shared=TimeShared(curve_shared, trips[False]),
+                  overlap=overlap)
     print("\n-- sizing model (aiollm.planner.fastdecode, fed this run's T(B) on one core and on all, R in situ, the "
           "pipelined and unpipelined steps' ask costs and effective cores)\n" + sizing.explain())
     figures.update(sizing_batch=sizing.batch, sizing_workers=sizing.workers, sizing_mode=sizing.mode)
@@ -197,10 +206,16 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
 
     for row in rows + [off]:
         n = row["r_workers"]
-        p = predict_step(curve if row["s_threads"] == 1 else curve_shared, at(r_of, n)[row["kv"]],
-                         at(trips[row["pipelined"]], n), model.config.n_layers, row["batch"], row["kv_tokens"], n,
-                         row["pipelined"], c_eff, s_per_token=at(s_tok, n))
+
+        def price(t_of_b: dict[int, float]):
+            return predict_step(t_of_b, at(r_of, n)[row["kv"]], at(trips[row["pipelined"]], n),
+                                model.config.n_layers, row["batch"], row["kv_tokens"], n, row["pipelined"], c_eff,
+                                s_per_token=at(s_tok, n), overlap=at(loss, n))
+        first = curve if row["s_threads"] == 1 else curve_shared
+        p = price({**first, **{int(b): t / 1e3 for b, t in row["t_local_ms"].items()}})
         row["predicted_ms"] = 1e3 * p.step
+        row["predicted_first_curve_ms"] = 1e3 * price(first).step
+        row["overlap_loss_ms"] = 1e3 * p.idle
         row["binding"] = max((("S", p.s_worker), ("R", p.r_worker), ("chain", p.chain),
                               ("cores", p.all_over_cores)), key=lambda kv: kv[1])[0]
     print(f"\n-- S-worker + R-worker processes, decode at context S={seq_len} (placeholder contexts over "
@@ -238,14 +253,16 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
                    ratio_pipeline_step=on["step_ms"] / without["step_ms"])
     _steady_state_schedule_gain(check, ramp, seq_len, figures, lambda w, n_cores, r_cores, pipe: predict_step(
         curve, r_of[2]["fp16"], trips[pipe][2], model.config.n_layers, check["batch"], w, 2, pipe, n_cores, r_cores,
-        s_tok[2]).step, c_eff)
+        s_tok[2], loss[2]).step, c_eff)
     ratios = [r["predicted_ms"] / r["step_ms"] for r in rows + [off]]
     figures.update(predicted_step_ms=chosen["predicted_ms"], measured_step_ms=chosen["step_ms"],
                    predicted_batch=chosen["batch"], predicted_r_workers=chosen["r_workers"],
                    ratio_predicted_vs_measured_step=chosen["predicted_ms"] / chosen["step_ms"],
                    predicted_vs_measured_check_row=check["predicted_ms"] / check["step_ms"],
                    predicted_vs_measured_worst=max(ratios, key=lambda x: abs(x - 1)),
-                   predicted_within_15pct=sum(abs(x - 1) <= 0.15 for x in ratios) / len(ratios))
+                   predicted_within_15pct=sum(abs(x - 1) <= 0.15 for x in ratios) / len(ratios),
+                   predicted_first_curve_within_15pct=sum(abs(r["predicted_first_curve_ms"] / r["step_ms"] - 1) <= 0.15
+                                                          for r in rows + [off]) / len(ratios))
     print(f"\n-- predicted vs measured step for the sizing model's choice (B={chosen['batch']}, "
           f"{chosen['r_workers']} R-worker(s), {sizing.mode}): "
           f"{chosen['predicted_ms']:.1f} ms vs {chosen['step_ms']:.1f} ms (its CPU: S-worker {chosen['s_cpu_ms']:.0f} "
@@ -253,7 +270,8 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
           f"the model's bounds price CPU, so a step that leaves cores idle is under-predicted by that idle time); "
           f"B={check['batch']} with 2 R-workers "
           f"{check['predicted_ms']:.1f} vs {check['step_ms']:.1f} ms; over all {len(ratios)} rows: worst ratio "
-          f"{figures['predicted_vs_measured_worst']:.2f}, {100 * figures['predicted_within_15pct']:.0f} % within 15 %")
+          f"{figures['predicted_vs_measured_worst']:.2f}, {100 * figures['predicted_within_15pct']:.0f} % within 15 % "
+          f"({100 * figures['predicted_first_curve_within_15pct']:.0f} % from the first-measured T(B) alone)")
 
 
 async def _chosen_row(model, batch: int, workers: int, seq_len: int, time_shared: bool) -> dict:
@@ -541,6 +559,8 @@ async def _synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_
     cores, cores sat idle (a side waiting on the other), which no bound of the step model prices."""
     torch.set_num_threads(s_threads)
     try:
+        # the S-part alone at this row's batch and half-batch, right before it: the model's T(B) at this moment
+        local = _t_of_b(model, sorted({batch, max(1, batch // 2)}))
         span = seq_len - PROMPT_LEN - steps - 3
         lens = [context or PROMPT_LEN + (i * span) // batch for i in range(batch)]
         step, s_cpu, r_cpus, held = await probe_step(graph.driver, model, urls, lens, steps, pipeline and batch >= 2,
@@ -549,7 +569,8 @@ async def _synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_
         torch.set_num_threads(1)
     return {"batch": batch, "r_workers": len(urls), "s_threads": s_threads, "pipelined": pipeline and batch >= 2,
             "step_ms": 1e3 * step, "tokens_per_s": batch / step, "kv_tokens": int(held),
-            "s_cpu_ms": 1e3 * s_cpu, "r_cpu_ms": 1e3 * sum(r_cpus), "busy": (s_cpu + sum(r_cpus)) / step}
+            "s_cpu_ms": 1e3 * s_cpu, "r_cpu_ms": 1e3 * sum(r_cpus), "busy": (s_cpu + sum(r_cpus)) / step,
+            "t_local_ms": {str(b): 1e3 * t for b, t in local.items()}}
 
 
 async def _wait_steps(s, steps: int) -> None:
@@ -563,14 +584,16 @@ async def _wait_steps(s, steps: int) -> None:
 
 async def _throughput(model, batches: list[int], seq_len: int, check: int, curve: dict[int, float],
                       r_of: dict[str, float], cores: float
-                      ) -> tuple[list[dict], dict, dict[bool, dict[int, dict[int, AskCost]]], list[dict], dict[int, tuple]]:
+                      ) -> tuple[list[dict], dict, dict[bool, dict[int, dict[int, AskCost]]], list[dict], dict[int, tuple],
+                                 dict[int, Overlap]]:
     """Rows for every (P, B), each with or without the pipeline as the step model predicts faster; with 2
     R-workers B=`check` once more the other way, and the same B at equal contexts from the prompt to S (an
     unscheduled batch's life). First, in the same processes, each side timed by its own CPU clock: {P: ask costs}
     at every rows-per-ask either mode uses (aiollm.planner.fastdecode.step_costs: real steps at short contexts)
     and {P: (R in situ, the S-worker's CPU per streamed KV entry)} (long_step_terms: a real unpipelined step of
-    B=`check` at context S/2; the kernel alone on a fresh pool is R's floor)."""
-    rows, off, trips, trips_pipe, ramp, situ = [], {}, {}, {}, [], {}
+    B=`check` at context S/2; the kernel alone on a fresh pool is R's floor), and {P: the pipeline's overlap loss}
+    (measure_overlap: a pipelined step of B=`check`/2 at the context where the model prices its sides equal)."""
+    rows, off, trips, trips_pipe, ramp, situ, overlap = [], {}, {}, {}, [], {}, {}
     layers = model.config.n_layers
     # time-shared rows: no pipeline, the S-part on every core while the R-workers wait, then the R-workers' attention
     # on every core while the S-worker waits (each phase alone on the machine instead of all three competing)
@@ -581,7 +604,7 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
     def pipelined(batch: int, n: int, r: float) -> bool:
         def step(pipe: bool) -> float:
             return predict_step(curve, r, (trips_pipe if pipe else trips)[n], layers, batch, batch * mean_w, n, pipe,
-                                cores, s_per_token=situ[n][1]).step
+                                cores, s_per_token=situ[n][1], overlap=overlap[n].loss).step
         return batch >= 2 and step(True) < step(False)
 
     for n in (1, 2):
@@ -597,6 +620,10 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
                                               r_of["fp16"]) for b in sorted({check, max(batches)})}
             situ[n] = ({b * (seq_len // 2 + 3) // n: r for b, (r, _) in terms.items()}, terms[check][1])
             r_situ = situ[n][0]
+            probe = max(2, check // 2)
+            context = balanced_context(lambda c: predict_step(curve, r_situ, trips_pipe[n], layers, probe, probe * c, n,
+                                                              True, cores, s_per_token=situ[n][1]), seq_len - 8)
+            overlap[n] = await measure_overlap(graph.driver, model, urls, probe, context, trips_pipe[n], cores)
             for batch in batches:
                 pipe = pipelined(batch, n, r_situ)
                 rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-{n}-{batch}",
@@ -626,7 +653,7 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
         batch = max(batches)
         rows.append({**await _synthetic_step(graph, model, urls[:1], batch, seq_len, "s-int8-p1",
                                              pipeline=pipelined(batch, 1, r_int8)), "kv": "int8"})
-    return rows, off, {False: trips, True: trips_pipe}, ramp, situ
+    return rows, off, {False: trips, True: trips_pipe}, ramp, situ, overlap
 
 
 async def _naive_threads(model, batch: int, seq_len: int, cores: int, pipeline: bool) -> dict:

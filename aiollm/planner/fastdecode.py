@@ -19,14 +19,22 @@ R-worker processes with their CPU clocks (`step_costs`, `long_step_terms`), not 
   their streaming evicts its weights from the shared cache);
 - core sharing: when the S-worker and the P R-workers have fewer cores than processes, no part overlaps for
   free: the step is at least all the CPU work over the cores.
+- the pipeline's overlap loss: two mini-batches overlap S-side and R-side only as far as each side's per-layer
+  work arrives in time for the other; where the two sides balance, every layer's jitter leaves one waiting
+  (measured here: pipelined steps 14-31 % above the busier side's CPU, most where the sides are equal). One
+  balanced probe (`measure_overlap`: a pipelined step whose S-side and R-side CPU the model prices equal) gives
+  the idle beyond the bounds as a fraction of the lesser side (`overlap_loss`), and a pipelined step is charged
+  that fraction of its own lesser side: nothing where one side dominates, the most where they balance.
 The step is the largest of four bounds: the S-worker's own work, the busiest R-worker's work, one mini-batch's
-dependency chain through the layers, and all the work over the cores.
+dependency chain through the layers, and all the work over the cores, with the overlap loss on the first, second
+and fourth when pipelined.
 """
 from __future__ import annotations
 
 import functools
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -110,12 +118,16 @@ class StepPrediction:
     # the communication included above (CPU of both sides and waits), and the ask cost it came from
     communication: float
     ask: AskCost
+    # the S-worker's CPU alone (s_worker less the waits), and the pipeline's overlap loss charged (0 unpipelined)
+    s_cpu: float = 0.0
+    idle: float = 0.0
 
     def explain(self) -> str:
         bounds = {"S-worker work": self.s_worker, "busiest R-worker": self.r_worker,
                   "one mini-batch's chain": self.chain, "all work / cores": self.all_over_cores}
         binding = max(bounds, key=bounds.get)
-        return (", ".join(f"{k} {v*1e3:.1f} ms" for k, v in bounds.items())
+        idle = (f" + overlap loss {self.idle*1e3:.1f} ms" if self.idle else "")
+        return (", ".join(f"{k} {v*1e3:.1f} ms" for k, v in bounds.items()) + idle
                 + f" -> {self.step*1e3:.1f} ms ({binding} binds; communication {self.communication*1e3:.1f} ms at "
                   f"{self.ask.total*1e3:.2f} ms per ask: S {self.ask.s*1e3:.2f}, R {self.ask.r*1e3:.2f}, "
                   f"wait {self.ask.wait*1e3:.2f})")
@@ -124,7 +136,7 @@ class StepPrediction:
 def predict_step(t_of_b: dict[int, float], r_per_token: float | dict[int, float], round_trip: dict[int, AskCost],
                  n_layers: int,
                  batch: int, kv_tokens: float, workers: int, pipelined: bool, cores: float,
-                 r_cores: float = 0.0, s_per_token: float = 0.0) -> StepPrediction:
+                 r_cores: float = 0.0, s_per_token: float = 0.0, overlap: float = 0.0) -> StepPrediction:
     """Predicted decode step of `batch` sequences holding `kv_tokens` KV entries in all, on `workers` R-workers.
 
     t_of_b: S-part seconds per batch size; r_per_token: attention seconds per KV entry (all layers, one
@@ -133,7 +145,9 @@ def predict_step(t_of_b: dict[int, float], r_per_token: float | dict[int, float]
     effective count when other load is on them); s_per_token: the S-worker's CPU per KV entry the R-workers
     stream. Rows are spread evenly over R-workers. r_cores > 0 is FastDecode's placement instead: the R-workers
     confined to `r_cores` cores of their own, the S-worker alone on the other `cores - r_cores` (its T(B)
-    measured there), so each side's work is bounded by its own cores and only the pipeline's overlap is left."""
+    measured there), so each side's work is bounded by its own cores and only the pipeline's overlap is left.
+    overlap: the pipeline's overlap loss (`overlap_loss`, 0..1): a pipelined step is the larger of the chain and
+    its largest other bound plus `overlap` times the lesser of the S-worker's CPU and the busiest R-worker's."""
     if batch <= 0 or workers <= 0 or n_layers <= 0 or cores <= 0 or kv_tokens < 0:
         raise ValueError(f"need batch, workers, n_layers, cores > 0 and kv_tokens >= 0, got {batch}, {workers}, "
                          f"{n_layers}, {cores}, {kv_tokens}")
@@ -141,6 +155,8 @@ def predict_step(t_of_b: dict[int, float], r_per_token: float | dict[int, float]
         raise ValueError(f"r_cores must be 0 (all shared) or in (0, cores={cores}), got {r_cores}")
     if not round_trip:
         raise ValueError("round_trip: need measured {rows: AskCost}")
+    if not 0 <= overlap <= 1:
+        raise ValueError(f"overlap must be in [0, 1] (a fraction of the lesser side), got {overlap}")
     groups = 2 if pipelined else 1
     half = batch / groups
     s_part = groups * interpolate(t_of_b, half)
@@ -150,7 +166,8 @@ def predict_step(t_of_b: dict[int, float], r_per_token: float | dict[int, float]
     ask = interpolate_cost(round_trip, rows)
     asks = n_layers * groups * workers
     # pipelined, the S-worker's timeline also holds the waits measured where it binds (a loop wake-up per reply)
-    s_worker = s_part + asks * (ask.s + (ask.wait if pipelined else 0.0)) + s_per_token * kv_tokens
+    s_cpu = s_part + asks * ask.s + s_per_token * kv_tokens
+    s_worker = s_cpu + (asks * ask.wait if pipelined else 0.0)
     r_each = attention / workers + n_layers * groups * ask.r
     # R-workers on cores of their own run side by side only as far as those cores go; sharing, see all_over_cores
     side_by_side = min(workers, r_cores or cores)
@@ -160,8 +177,56 @@ def predict_step(t_of_b: dict[int, float], r_per_token: float | dict[int, float]
     chain = (interpolate(t_of_b, half) + n_layers * workers * ask.s + s_per_token * kv_tokens / groups
              + n_layers * (ask.wait + workers * ask.r / side_by_side) + attention / (groups * side_by_side))
     all_over_cores = (s_worker + workers * r_each) / min(cores, workers + 1)
-    step = max(s_worker, r_worker, chain, all_over_cores)
-    return StepPrediction(step, s_worker, r_worker, chain, all_over_cores, asks * ask.total, ask)
+    idle = overlap * min(s_cpu, r_worker) if pipelined else 0.0
+    step = max(max(s_worker, r_worker, all_over_cores) + idle, chain)
+    return StepPrediction(step, s_worker, r_worker, chain, all_over_cores, asks * ask.total, ask, s_cpu, idle)
+
+
+def overlap_loss(step: float, s_cpu: float, r_cpus: list[float], cores: float, waits: float) -> float:
+    """The pipeline's overlap loss from one measured pipelined step: the time beyond the largest bound
+    `predict_step` prices from the same CPU (the S-worker's CPU plus `waits`, its measured per-ask waits summed;
+    the busiest R-worker's CPU; all of it over the cores the processes can use), as a fraction of the lesser of
+    the S-worker's and the busiest R-worker's CPU, clamped to [0, 1] (0: perfect overlap; 1: no overlap at all).
+    `predict_step` with this loss and these CPUs gives back `step` exactly, so the probe's configuration is
+    reproduced and others are priced by how balanced their sides are."""
+    if step <= 0 or s_cpu <= 0 or not r_cpus or min(r_cpus) < 0 or cores <= 0 or waits < 0:
+        raise ValueError(f"need step, s_cpu, cores > 0, R-worker CPUs and waits >= 0, got {step}, {s_cpu}, "
+                         f"{r_cpus}, {cores}, {waits}")
+    r_cpu = max(r_cpus)
+    if r_cpu <= 0:
+        return 0.0
+    bound = max(s_cpu + waits, r_cpu, (s_cpu + waits + sum(r_cpus)) / min(cores, len(r_cpus) + 1))
+    return min(1.0, max(0.0, (step - bound) / min(s_cpu, r_cpu)))
+
+
+def balanced_context(price: Callable[[int], StepPrediction], longest: int, shortest: int = 16) -> int:
+    """The context (a multiple of 16 in [shortest, longest]) at which `price(context)` (e.g. `predict_step` at
+    that context without overlap loss) has its S-worker CPU closest to its busiest R-worker's work: where the
+    overlap loss is largest, so the probe measures it best."""
+    contexts = range(shortest, longest + 1, 16)
+    if not contexts:
+        raise ValueError(f"need shortest <= longest, got {shortest}, {longest}")
+    return min(contexts, key=lambda c: abs((p := price(c)).s_cpu - p.r_worker))
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """One balanced probe's measurement and the overlap loss it yields (seconds, `overlap_loss`)."""
+
+    loss: float
+    batch: int
+    context: int
+    workers: int
+    step: float
+    s_cpu: float
+    r_cpu: float
+    waits: float
+
+    def explain(self) -> str:
+        return (f"overlap loss {self.loss:.3f} of the lesser side, from a balanced pipelined probe (B={self.batch} at "
+                f"context {self.context}, {self.workers} R-worker(s)): step {self.step*1e3:.1f} ms vs S-worker CPU "
+                f"{self.s_cpu*1e3:.1f} ms (+ {self.waits*1e3:.1f} ms measured waits), busiest R-worker CPU "
+                f"{self.r_cpu*1e3:.1f} ms")
 
 
 def per_entry(r_per_token: float | dict[int, float], entries: float) -> float:
@@ -216,7 +281,8 @@ def interpolate(curve: dict[int, float], batch: float) -> float:
 
 def size(t_of_b: dict[int, float], r_per_token: float | dict[int, float], seq_len: int, latency_target: float | None = None,
          round_trip: dict[int, dict[int, AskCost]] | None = None, n_layers: int = 0, cores: float = 0.0,
-         s_per_token: dict[int, float] | None = None, time_shared: TimeShared | None = None) -> Sizing:
+         s_per_token: dict[int, float] | None = None, time_shared: TimeShared | None = None,
+         overlap: dict[int, Overlap] | None = None) -> Sizing:
     """Pick B from the measured T(B) curve, then P = B*S*R / (2*T(B)); with the ask costs measured per R-worker
     count ({P: {rows per ask: AskCost}}, see `step_costs`; a P not measured uses the largest measured one below
     it), the model's layer count and the cores the roles share, P is instead the fewest R-workers whose
@@ -225,7 +291,8 @@ def size(t_of_b: dict[int, float], r_per_token: float | dict[int, float], seq_le
 
     The pipelined options use round_trip, which should hold the pipelined steps' costs (`step_costs` with
     pipeline=True). With `time_shared` the same B and P are also priced time-shared (its T(B) on every core, its
-    unpipelined ask costs), and the faster mode at the chosen P is the one reported (`Sizing.mode`)."""
+    unpipelined ask costs), and the faster mode at the chosen P is the one reported (`Sizing.mode`). overlap:
+    {P: `Overlap`} measured by `measure_overlap` (like round_trip; default none, a perfect overlap)."""
     if not t_of_b or any(b <= 0 or t <= 0 for b, t in t_of_b.items()):
         raise ValueError("t_of_b: need measured {batch: seconds} with positive values")
     r_curve = r_per_token
@@ -281,8 +348,11 @@ def size(t_of_b: dict[int, float], r_per_token: float | dict[int, float], seq_le
         return by_workers[max(m for m in by_workers if m <= p)]
 
     streamed = s_per_token or {1: 0.0}
+    for p, o in sorted((overlap or {}).items()):
+        lines.append(f"pipelined steps with {p} R-worker(s): {o.explain()}")
+    losses = {p: o.loss for p, o in (overlap or {1: Overlap(0.0, 0, 0, 1, 0.0, 0.0, 0.0, 0.0)}).items()}
     options = {p: predict_step(t_of_b, r_curve, measured(p, round_trip), n_layers, batch, batch * seq_len / 2, p,
-                               pipelined, cores, s_per_token=measured(p, streamed))
+                               pipelined, cores, s_per_token=measured(p, streamed), overlap=measured(p, losses))
                for p in range(1, max(2 * workers, math.ceil(cores) + 2, 4) + 1)}
     modes = {"pipelined": options}
     if time_shared is not None:
@@ -371,9 +441,9 @@ def measure_r(model_name: str, seq_len: int, batch: int = 16, repeats: int = 3) 
 
 def measure_costs(model_name: str, rows: list[int], t_of_b: dict[int, float], r_per_token: float,
                   workers: tuple[int, ...] = (1, 2), kv_dtype: str = "fp16", seq_len: int = 1024
-                  ) -> tuple[dict[int, dict[int, AskCost]], float, float]:
+                  ) -> tuple[dict[int, dict[int, AskCost]], float, float, Overlap]:
     """({P: ask costs} by `step_costs`, R in situ and the S-worker's CPU per streamed KV entry by `long_step_terms`
-    with the most R-workers) against R-worker processes started here for the purpose (`python -m aiollm.node
+    with the most R-workers, and the overlap loss by `measure_overlap` with one R-worker) against R-worker processes started here for the purpose (`python -m aiollm.node
     --role r-worker`, loopback TCP, as the S-worker talks to its R-workers)."""
     import asyncio
 
@@ -381,7 +451,7 @@ def measure_costs(model_name: str, rows: list[int], t_of_b: dict[int, float], r_
 
     _, model = _load_model(model_name)
 
-    async def run() -> tuple[dict[int, dict[int, AskCost]], float, float]:
+    async def run() -> tuple[dict[int, dict[int, AskCost]], float, float, Overlap]:
         async with Graph(startup_timeout=120.0) as graph:
             nodes = [await graph.start_node("r-worker", process=True, args=(
                 "--model", model_name, "--kv-memory", "4GiB", "--kv-dtype", kv_dtype, "--threads", "1"))
@@ -394,7 +464,13 @@ def measure_costs(model_name: str, rows: list[int], t_of_b: dict[int, float], r_
             plain = await step_costs(graph.driver, model, urls[:p], [max(rows)], t_of_b, r_per_token)
             terms = await long_step_terms(graph.driver, model, urls[:p], p * max(rows), seq_len // 2, t_of_b,
                                           plain, r_per_token)
-            return costs, *terms
+            p, cores = min(workers), len(os.sched_getaffinity(0))
+            batch = 2 * p * max(rows)
+            context = balanced_context(lambda c: predict_step(t_of_b, terms[0], costs[p], model.config.n_layers,
+                                                              batch, batch * c, p, True, cores,
+                                                              s_per_token=terms[1]), seq_len - 8)
+            loss = await measure_overlap(graph.driver, model, urls[:p], batch, context, costs[p], cores)
+            return costs, *terms, loss
 
     return asyncio.run(run())
 
@@ -437,6 +513,19 @@ async def probe_step(driver, model, r_workers: list[str], context_lens: list[int
     r_cpu = [(b - a) / max(1, last - first) for a, b in zip(before, after)]
     return (float(np.median(trace.step_s[1:])), float(np.median(trace.cpu_s[1:])), r_cpu,
             float(np.mean(trace.tokens[1:])))
+
+
+async def measure_overlap(driver, model, r_workers: list[str], batch: int, context: int,
+                          costs: dict[int, AskCost], cores: float, steps: int = 4) -> Overlap:
+    """The pipeline's overlap loss (`overlap_loss`) from one pipelined probe of `batch` sequences at `context`
+    entries on the R-workers at `r_workers` (choose it with `balanced_context`), each side timed by its own CPU
+    clock, the waits per ask taken from the pipelined `costs` (`step_costs`) as `predict_step` takes them."""
+    p = len(r_workers)
+    step, s_cpu, r_cpus, _ = await probe_step(driver, model, r_workers, [context] * batch, steps, pipeline=True,
+                                              name=f"overlap-probe-{p}")
+    waits = model.config.n_layers * 2 * p * interpolate_cost(costs, max(1.0, batch / (2 * p))).wait
+    return Overlap(overlap_loss(step, s_cpu, r_cpus, cores, waits), batch, context, p, step, s_cpu, max(r_cpus),
+                   waits)
 
 
 async def step_costs(driver, model, r_workers: list[str], rows: list[int], t_of_b: dict[int, float],

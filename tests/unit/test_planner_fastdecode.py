@@ -6,10 +6,13 @@ import pytest
 
 from aiollm.planner.fastdecode import (
     AskCost,
+    Overlap,
     TimeShared,
+    balanced_context,
     balanced_seq_len,
     interpolate,
     interpolate_cost,
+    overlap_loss,
     predict_step,
     read_t_of_b,
     schedule_gain,
@@ -153,3 +156,62 @@ def test_sizing_weighs_the_time_shared_mode():
     slow = TimeShared(dict(CURVE), {1: {8: AskCost.even(0.005), 128: AskCost.even(0.01)}})
     kept = size(CURVE, 2e-6, 1024, round_trip={1: TRIP}, n_layers=30, cores=2, time_shared=slow)
     assert kept.mode == "pipelined" and kept.predicted_step == pytest.approx(pipelined.predicted_step)
+
+
+def test_overlap_loss_is_the_idle_beyond_the_bounds_per_lesser_side():
+    # S-worker 100 ms CPU + 10 ms waits, one R-worker 80 ms, 2 cores: the bounds say 110 ms; measured 134 ms
+    assert overlap_loss(0.134, 0.100, [0.080], cores=2, waits=0.010) == pytest.approx(0.024 / 0.080)
+    # two R-workers on 2 cores: all the work over the cores (0.1 + 0.01 + 0.16) / 2 = 135 ms binds
+    assert overlap_loss(0.150, 0.100, [0.080, 0.080], cores=2, waits=0.010) == pytest.approx(0.015 / 0.080)
+    # a step at or under its bounds (noise) overlaps perfectly; no worse than no overlap at all
+    assert overlap_loss(0.105, 0.100, [0.080], 2, 0.010) == 0.0
+    assert overlap_loss(0.500, 0.100, [0.080], 2, 0.010) == 1.0
+    with pytest.raises(ValueError):
+        overlap_loss(0.1, 0.0, [0.08], 2, 0.0)
+
+
+def test_pipelined_step_charges_the_overlap_loss_most_where_the_sides_balance():
+    def at(kv: float, overlap: float = 0.0, pipelined: bool = True):
+        return predict_step(CURVE, 2e-6, TRIP, 30, 256, kv, 1, pipelined, cores=2, overlap=overlap)
+
+    # B=256 pipelined on one R-worker: the S-worker's CPU is fixed (no streamed-KV term), R grows with the KV
+    s_cpu = at(0).s_cpu
+    assert s_cpu == pytest.approx(2 * interpolate(CURVE, 128) + 60 * interpolate_cost(TRIP, 128).s)
+    balanced = balanced_context(lambda c: at(256 * c), 4096)
+    r_ask = 60 * interpolate_cost(TRIP, 128).r
+    # the R-worker's work 2e-6 * 256 * c + its asks equals the S-worker's CPU at c = (s_cpu - r_ask) / 5.12e-4
+    assert balanced == pytest.approx((s_cpu - r_ask) / (2e-6 * 256), abs=16)
+    for kv, lesser in ((256 * balanced, min(s_cpu, at(256 * balanced).r_worker)), (256 * 16, at(256 * 16).r_worker)):
+        plain, lossy = at(kv), at(kv, 0.3)
+        assert lossy.idle == pytest.approx(0.3 * lesser)
+        assert lossy.step == pytest.approx(max(plain.s_worker, plain.r_worker, plain.all_over_cores) + 0.3 * lesser)
+        assert "overlap loss" in lossy.explain() and "overlap loss" not in plain.explain()
+    # relative to the step, the loss is largest where the sides balance (0.3 of the CPU, 0.22 of a step that also
+    # holds 42 ms of measured waits) and small where S dominates
+    assert at(256 * balanced, 0.3).idle / at(256 * balanced).step > 0.2 > 0.1 > at(256 * 16, 0.3).idle / at(256 * 16).step
+    # one mini-batch has nothing to overlap
+    assert at(256 * balanced, 0.3, pipelined=False) == at(256 * balanced, pipelined=False)
+    with pytest.raises(ValueError, match="overlap"):
+        at(0, 1.5)
+
+
+def test_overlap_measured_on_a_probe_reproduces_that_probe():
+    # a synthetic probe: the model's own CPU for the probe's configuration, and a step 20 % of the lesser side above
+    # its bounds; the loss fitted from it prices that configuration at exactly the measured step
+    probe = predict_step(CURVE, 2e-6, TRIP, 30, 128, 128 * 600, 1, True, cores=2)
+    asks = 30 * 2
+    waits = asks * interpolate_cost(TRIP, 64).wait
+    measured = max(probe.s_worker, probe.r_worker, probe.all_over_cores) + 0.2 * min(probe.s_cpu, probe.r_worker)
+    loss = overlap_loss(measured, probe.s_cpu, [probe.r_worker], 2, waits)
+    assert loss == pytest.approx(0.2)
+    assert predict_step(CURVE, 2e-6, TRIP, 30, 128, 128 * 600, 1, True, 2, overlap=loss).step == pytest.approx(measured)
+
+
+def test_sizing_prices_the_measured_overlap_loss():
+    plain = size(CURVE, 2e-6, 1024, round_trip={1: TRIP}, n_layers=30, cores=2)
+    probe = Overlap(0.25, 128, 640, 1, 0.2, 0.15, 0.14, 0.002)
+    lossy = size(CURVE, 2e-6, 1024, round_trip={1: TRIP}, n_layers=30, cores=2, overlap={1: probe})
+    expected = predict_step(CURVE, 2e-6, TRIP, 30, lossy.batch, lossy.batch * 512, lossy.workers, True, 2,
+                            overlap=0.25)
+    assert lossy.predicted_step == pytest.approx(expected.step) and lossy.predicted_step > plain.predicted_step
+    assert "overlap loss 0.250 of the lesser side" in lossy.explain() and "B=128 at context 640" in lossy.explain()
