@@ -209,7 +209,8 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
 
         def price(t_of_b: dict[int, float]):
             return predict_step(t_of_b, at(r_of, n)[row["kv"]], at(trips[row["pipelined"]], n),
-                                model.config.n_layers, row["batch"], row["kv_tokens"], n, row["pipelined"], c_eff,
+                                model.config.n_layers, row["batch"], row["kv_tokens"], n, row["pipelined"],
+                                row["cores_local"],
                                 s_per_token=at(s_tok, n), overlap=at(loss, n))
         first = curve if row["s_threads"] == 1 else curve_shared
         p = price({**first, **{int(b): t / 1e3 for b, t in row["t_local_ms"].items()}})
@@ -279,7 +280,8 @@ async def _chosen_row(model, batch: int, workers: int, seq_len: int, time_shared
     async with Graph(startup_timeout=120.0) as graph:
         urls = await _r_workers(graph, workers)
         threads = len(os.sched_getaffinity(0)) if time_shared else 1
-        return {**await _synthetic_step(graph, model, urls, batch, seq_len, "s-chosen",
+        cores = await asyncio.to_thread(_effective_cores, len(os.sched_getaffinity(0)))
+        return {"cores_local": cores, **await _synthetic_step(graph, model, urls, batch, seq_len, "s-chosen",
                                         pipeline=not time_shared and batch >= 2, s_threads=threads),
                 "kv": "fp16", "sizing": True}
 
@@ -607,9 +609,14 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
                                 cores, s_per_token=situ[n][1], overlap=overlap[n].loss).step
         return batch >= 2 and step(True) < step(False)
 
+    def here(row: dict) -> dict:  # the effective cores measured next to the row, for its prediction
+        return {**row, "cores_local": cores}
+
     for n in (1, 2):
         async with Graph(startup_timeout=120.0) as graph:
             urls = await _r_workers(graph, n)
+            # effective cores again next to this group's probes and rows (the machine drifts over minutes)
+            cores = await asyncio.to_thread(_effective_cores, cores_n)
             per_ask = {max(1, b // d) for b in batches for d in (n, 2 * n)}
             trips[n] = await step_costs(graph.driver, model, urls, sorted(per_ask), curve, r_of["fp16"])
             trips_pipe[n] = await step_costs(graph.driver, model, urls, sorted({max(1, b // (2 * n)) for b in batches}),
@@ -626,15 +633,15 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
             overlap[n] = await measure_overlap(graph.driver, model, urls, probe, context, trips_pipe[n], cores)
             for batch in batches:
                 pipe = pipelined(batch, n, r_situ)
-                rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-{n}-{batch}",
-                                                     pipeline=pipe), "kv": "fp16"})
+                rows.append(here({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-{n}-{batch}",
+                                                          pipeline=pipe), "kv": "fp16"}))
             if n == 2:
                 for batch in shared:
-                    rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-shared-{batch}",
-                                                         pipeline=False, s_threads=cores_n), "kv": "fp16"})
+                    rows.append(here({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-shared-{batch}",
+                                                              pipeline=False, s_threads=cores_n), "kv": "fp16"}))
                 pipe = pipelined(check, n, r_situ)
-                off = {**await _synthetic_step(graph, model, urls, check, seq_len, "s-other", pipeline=not pipe),
-                       "kv": "fp16"}
+                off = here({**await _synthetic_step(graph, model, urls, check, seq_len, "s-other",
+                                                    pipeline=not pipe), "kv": "fp16"})
                 # without the schedule a batch that starts together holds equal contexts that grow from the
                 # prompt to S: the same B at equal contexts over that life
                 for i, context in enumerate(np.linspace(PROMPT_LEN, seq_len - 8, 4).astype(int).tolist()):
@@ -643,16 +650,17 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
     r_int8 = {w: r * r_of["int8"] / r_of["fp16"] for w, r in situ[2][0].items()}
     async with Graph(startup_timeout=120.0) as graph:  # int8 KV halves the bytes the R-part reads
         urls = await _r_workers(graph, 2, kv_dtype="int8")
+        cores = await asyncio.to_thread(_effective_cores, cores_n)
         for batch in [b for b in batches if b >= 256] or batches[-1:]:
-            rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-int8-{batch}",
-                                                 pipeline=pipelined(batch, 2, r_int8)), "kv": "int8"})
+            rows.append(here({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-int8-{batch}",
+                                                      pipeline=pipelined(batch, 2, r_int8)), "kv": "int8"}))
         for batch in shared:
-            rows.append({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-int8-shared-{batch}",
-                                                 pipeline=False, s_threads=cores_n), "kv": "int8"})
+            rows.append(here({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-int8-shared-{batch}",
+                                                      pipeline=False, s_threads=cores_n), "kv": "int8"}))
         # and one R-worker at the largest batch (the other process idles: S-worker and R-worker get a core each)
         batch = max(batches)
-        rows.append({**await _synthetic_step(graph, model, urls[:1], batch, seq_len, "s-int8-p1",
-                                             pipeline=pipelined(batch, 1, r_int8)), "kv": "int8"})
+        rows.append(here({**await _synthetic_step(graph, model, urls[:1], batch, seq_len, "s-int8-p1",
+                                                  pipeline=pipelined(batch, 1, r_int8)), "kv": "int8"}))
     return rows, off, {False: trips, True: trips_pipe}, ramp, situ, overlap
 
 
