@@ -359,7 +359,7 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
         out = uvloop.run(_traces(model, batch, args, curve, r_cpus, 512 if quick else 1024, len(earlier) // 2))
     finally:
         _pin(previous)
-    traces, trips, r_situ, seq, schedule, price, windows = out
+    traces, trips, r_situ, seq, schedule, price, windows, overlap, price_perfect = out
     stamp = time.strftime("%H:%M UTC", time.gmtime())
     summary = earlier + [{**_summarise(name, trace, *window), "run": stamp}
                          for (name, trace), window in zip(traces, windows)]
@@ -399,6 +399,8 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
                    sls_t_of_b={str(b): t for b, t in curve.items()},
                    ratio_sls_max_step=pooled["with"]["max_step_ms"] / pooled["without"]["max_step_ms"],
                    ratio_sls_tokens=pooled["with"]["tokens_per_s"] / pooled["without"]["tokens_per_s"])
+    figures.update(sls_overlap={**vars(overlap)},
+                   sls_predicted_gain_perfect_overlap=schedule_gain(price_perfect, batch, PROMPT_LEN, seq))
     _sls_gain_explained(traces, windows, price, batch, seq, figures)
 
 
@@ -427,8 +429,19 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
         trips = await step_costs(graph.driver, model, urls, [max(1, batch // 2)], curve, r_kernel, pipeline=True)
         cores, r_cores = 1 + len(r_cpus), len(r_cpus)
 
+        def priced(w: float, b: int = batch, loss: float = 0.0):
+            return predict_step(curve, r_situ, trips, layers, b, w, 1, b >= 2, cores, r_cores, s_per_token, loss)
+
+        # the pipeline's overlap loss in this placement, from a balanced probe of the trace's own batch: holding W
+        # pays most where the sides balance, which is where the two mini-batches' chains overlap worst
+        context = balanced_context(lambda c: priced(batch * c), longest - 8)
+        overlap = await measure_overlap(graph.driver, model, urls, batch, context, trips, cores)
+
         def price(w: float, b: int = batch) -> float:
-            return predict_step(curve, r_situ, trips, layers, b, w, 1, b >= 2, cores, r_cores, s_per_token).step
+            return priced(w, b, overlap.loss).step
+
+        def price_perfect(w: float, b: int = batch) -> float:
+            return priced(w, b).step
 
         # the longest S whose pair of runs (without: a life; with: ramp-up and a quarter life) the step model
         # expects to fit the trace's time budget: a bench-lock hold must stay short
@@ -443,8 +456,10 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
               f"steps' cost per ask at {batch // 2} rows S {ask.s * 1e3:.2f} + R {ask.r * 1e3:.2f} + wait {ask.wait * 1e3:.2f} "
               f"ms, R in situ {r_situ * 1e9:.0f} ns/entry (kernel alone {r_kernel * 1e9:.0f}), S-worker "
               f"{s_per_token * 1e9:.2f} ns per streamed entry; predicted step at W=0 {price(0) * 1e3:.0f} ms -> S = "
-              f"{seq} (predicted gain {schedule_gain(price, batch, PROMPT_LEN, seq):.3f}; the balanced S searched up "
-              f"to {affordable}, the longest whose runs fit --trace-budget {args.trace_budget:.0f} s)", flush=True)
+              f"{seq} (predicted gain {schedule_gain(price, batch, PROMPT_LEN, seq):.3f} with the measured "
+              f"{overlap.explain()}; {schedule_gain(price_perfect, batch, PROMPT_LEN, seq):.3f} with a perfect "
+              f"overlap; the balanced S searched up to {affordable}, the longest whose runs fit --trace-budget "
+              f"{args.trace_budget:.0f} s)", flush=True)
         window = schedule.interval * max(1, round(life / 4 / schedule.interval))
         traces, windows = [], []
         for rep in range(args.trace_repeats):
@@ -461,7 +476,7 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
                 windows.append((first, last))
                 print(f"   trace {name} the schedule: {steps} steps in {trace['ended'][-1] - trace['ended'][0]:.0f} s",
                       flush=True)
-    return traces, trips, r_situ, seq, schedule, price, windows
+    return traces, trips, r_situ, seq, schedule, price, windows, overlap, price_perfect
 
 
 def _sls_gain_explained(traces: list, windows: list, price, batch: int, seq: int, figures: dict) -> None:
@@ -491,7 +506,7 @@ def _sls_gain_explained(traces: list, windows: list, price, batch: int, seq: int
                    sls_step_by_w_without=[{"w": w, "step_ms": 1e3 * t, "predicted_ms": 1e3 * price(w)}
                                           for w, t in quartiles],
                    sls_step_with={"w": with_w, "step_ms": 1e3 * with_step, "predicted_ms": 1e3 * price(with_w)})
-    print(f"\n-- schedule gain by the step model (predict_step, S-worker and R-worker on cores of their own) over "
+    print(f"\n-- schedule gain by the step model (predict_step with the measured overlap loss, S-worker and R-worker on cores of their own) over "
           f"these windows' (batch, W): with/without {ratio:.3f} (its schedule_gain at B={batch}, S={seq}: {ideal:.3f});"
           f" measured {figures['ratio_sls_tokens']:.3f}\n   decode step (median, prefills excluded) vs W: without, by "
           f"quartile of its life: " + ", ".join(f"W={w:.0f}: {1e3 * t:.0f} ms (model {1e3 * price(w):.0f})"
