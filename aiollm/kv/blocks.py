@@ -48,7 +48,9 @@ class BlockAllocator:
             seen.add(i)
         for i in ids:
             self._used[i] = 0
-            self._free.append(i)
+        # pushed in reverse, so a later allocation pops them in the order given: a freed sequence's blocks come
+        # back in its (ascending) table order, the order attention reads them fastest
+        self._free.extend(reversed(ids))
 
 
 class BlockTable:
