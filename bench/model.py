@@ -5,8 +5,10 @@ norms, projections and MLP, final norm and logits; attention left out): the curv
 planner sizes the S-worker batch with. Decode compares the colocated engine (paged KV pool, native
 attention; KV fp32 for fp32 weights, fp16 for bf16 ones, as transformers' cache follows the model dtype)
 with transformers' `generate` on the same GGUF, same batch, same dtype, same prompts
-(equal lengths, so transformers needs no padding), 128 new tokens each, prefill included in both, in the
-same process with the same torch threads.
+(equal lengths, so transformers needs no padding), 128 new tokens each, greedy, prefill included in both,
+in the same process with the same torch threads. The two alternate in rounds (order swapped each round) and
+each row's `ratio` is the median of the rounds' own ratios, so a drift of the machine's speed between two
+rows' timings does not enter it (`round_ratios` lists them; `elapsed_s` is the whole run's wall time).
 
 Beside each decode row, the limit: `gemm_floor_tokens_per_s` is the batch divided by the time of the
 step's 121 matrix products alone (every layer's QKV, O, gate/up and down, plus the lm_head, back to back,
@@ -29,6 +31,7 @@ add to the bare matrix products), attention beside the mean step's KV read at th
 """
 import copy
 import os
+import statistics
 import time
 
 import torch
@@ -50,6 +53,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32,bf16")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--gemm-only", action="store_true", help="only the GEMM rows (native kernel vs oneDNN)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds of ours and transformers' generate per decode batch >= 8")
 
 
 def _timed(fn, min_seconds: float, max_reps: int) -> float:
@@ -183,9 +188,15 @@ def prefill(model, hf, lengths: list[int]) -> list[dict]:
 
 
 def decode(model, hf, batches: list[int], new_tokens: int, prompt: list[int], bandwidth: float,
-           peak: float, floors: dict[int, float]) -> list[dict]:
+           peak: float, floors: dict[int, float], rounds: int = 3) -> list[dict]:
     """floors: a step's GEMM time per batch measured earlier in the run (the GEMM rows); the floor is the
-    lower of that and the one measured beside the row (both are best-of-a-few on a shared machine)."""
+    lower of that and the one measured beside the row (both are best-of-a-few on a shared machine).
+
+    Ours and transformers' generate calls alternate in `rounds` rounds per batch (batch >= 8; one round at
+    batch 1, outside the target), the order swapped every round (ours first, then theirs first, ...), and
+    `ratio` is the median of the rounds' own ratios (theirs / ours of the same round): this machine's speed
+    drifts by up to +-30 % over seconds to minutes, so two rows timed minutes apart could land in different
+    phases. `tokens_per_s` and `transformers_tokens_per_s` are the medians of each side's rounds."""
     rows = []
     # KV in 16 bits for a bf16 model, as transformers keeps its cache in the model dtype (fp32 KV read 2x the bytes)
     kv_dtype = "fp32" if model.dtype == torch.float32 else "fp16"
@@ -194,33 +205,64 @@ def decode(model, hf, batches: list[int], new_tokens: int, prompt: list[int], ba
     engine = ColocatedEngine(model, kv_dtype=kv_dtype, n_blocks=max(batches) * ((len(prompt) + new_tokens) // 16 + 2))
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    for b in batches:
-        timers = StepTimers(engine)
+    hf_kwargs = {"do_sample": False, "pad_token_id": model.config.eos_ids[0]}
+
+    def ours(b: int) -> float:
         started = time.perf_counter()
         engine.generate([prompt] * b, params)
-        ours = time.perf_counter() - started
+        return time.perf_counter() - started
+
+    def theirs(b: int) -> float:
+        ids = torch.tensor([prompt] * b)
+        with torch.inference_mode():
+            started = time.perf_counter()
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens, **hf_kwargs)
+            return time.perf_counter() - started
+
+    for b in batches:
+        n_rounds = 1 if hf is None or b < 8 else rounds
+        if hf is not None:
+            ids = torch.tensor([prompt] * b)
+            with torch.inference_mode():  # warm-up at this batch
+                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, **hf_kwargs)
+        timers = StepTimers(engine)
+        ours_s, theirs_s = [], []
+        for r in range(n_rounds):
+            if r % 2 == 0 or hf is None:
+                ours_s.append(ours(b))
+                if hf is not None:
+                    theirs_s.append(theirs(b))
+            else:
+                theirs_s.append(theirs(b))
+                ours_s.append(ours(b))
         timers.remove()
+        ours_med = statistics.median(ours_s)
         floor = min(gemm_floor(model, b), floors.get(b, float("inf")))
         bound = generate_bound(model, b, len(prompt), new_tokens, floor, kv_bytes_per_token, peak * 1e9, bandwidth)
-        row = {"batch": b, "new_tokens": new_tokens, "kv_dtype": kv_dtype, "tokens_per_s": b * new_tokens / ours,
+        row = {"batch": b, "new_tokens": new_tokens, "kv_dtype": kv_dtype, "rounds": n_rounds,
+               "tokens_per_s": b * new_tokens / ours_med,
                "gemm_floor_tokens_per_s": b / floor, "bound_tokens_per_s": b * new_tokens / bound,
-               "of_bound": bound / ours, **timers.row(), "gemm_floor_ms": 1e3 * floor,
+               "of_bound": bound / ours_med, **timers.row(), "gemm_floor_ms": 1e3 * floor,
                # the mean decode step's KV cache (prompt + half the new tokens) read once at the read bandwidth
                "kv_read_ms": 1e3 * b * (len(prompt) + new_tokens / 2) * kv_bytes_per_token / bandwidth}
         if hf is not None:
-            ids = torch.tensor([prompt] * b)
-            kwargs = {"do_sample": False, "pad_token_id": model.config.eos_ids[0]}
-            with torch.inference_mode():
-                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, **kwargs)  # warm-up
-                started = time.perf_counter()
-                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                            min_new_tokens=new_tokens, **kwargs)
-            theirs = time.perf_counter() - started
-            row.update(transformers_tokens_per_s=b * new_tokens / theirs, ratio=theirs / ours,
-                       ceiling_ratio=row["gemm_floor_tokens_per_s"] * theirs / (b * new_tokens),
-                       bound_ratio=theirs / bound)
+            theirs_med = statistics.median(theirs_s)
+            round_ratios = [t / o for t, o in zip(theirs_s, ours_s)]
+            row.update(transformers_tokens_per_s=b * new_tokens / theirs_med, ratio=statistics.median(round_ratios),
+                       round_ratios=round_ratios,
+                       ceiling_ratio=row["gemm_floor_tokens_per_s"] * theirs_med / (b * new_tokens),
+                       bound_ratio=theirs_med / bound)
         rows.append(row)
     return rows
+
+
+def _shown(row: dict) -> dict:
+    """A decode row for the first table: the step breakdown left to the second, the rounds' ratios joined."""
+    shown = {k: v for k, v in row.items() if k not in _STEP_COLUMNS and k != "round_ratios"}
+    if "round_ratios" in row:
+        shown["round_ratios"] = "/".join(f"{r:.2f}" for r in row["round_ratios"])
+    return shown
 
 
 _STEP_COLUMNS = ["step_ms", "s_part_ms", "gemm_floor_ms", "attention_ms", "kv_read_ms", "sampling_ms", "other_ms",
@@ -232,12 +274,13 @@ class StepTimers:
     calls (the model's pre_attention / post_attention / logits, the decode step's attention, sampling) as
     instance attributes, ~0.5 us a call (~50 us of a 30-layer step, <0.1 % at batch >= 8). Per decode step:
     s_part_ms (norms, projections, RoPE, the K/V store, MLP, logits), attention_ms, sampling_ms, other_ms
-    (the rest of the step: Python glue, block tables, embedding); prefill_ms for the whole prefill."""
+    (the rest of the step: Python glue, block tables, embedding); prefill_ms for a generate call's whole prefill
+    (the mean over the calls timed)."""
 
     def __init__(self, engine: ColocatedEngine) -> None:
         self.engine = engine
         self.spent = dict.fromkeys(("s_part", "attention", "sampling", "step", "prefill"), 0.0)
-        self.steps = 0
+        self.calls = dict.fromkeys(self.spent, 0)
         self._in_step = False
         model = engine.model
         for name in ("pre_attention", "post_attention", "logits"):
@@ -263,9 +306,9 @@ class StepTimers:
                 return fn(*args, **kwargs)
             finally:
                 self.spent[key] += time.perf_counter() - started
+                self.calls[key] += 1
                 if marks_step:
                     self._in_step = False
-                    self.steps += 1
         return run
 
     def remove(self) -> None:
@@ -277,12 +320,12 @@ class StepTimers:
                 delattr(obj, name)
 
     def row(self) -> dict:
-        n = max(self.steps, 1)
+        n = max(self.calls["step"], 1)
         s = {k: 1e3 * v for k, v in self.spent.items()}
         return {"step_ms": s["step"] / n, "s_part_ms": s["s_part"] / n, "attention_ms": s["attention"] / n,
                 "sampling_ms": s["sampling"] / n,
                 "other_ms": (s["step"] - s["s_part"] - s["attention"] - s["sampling"]) / n,
-                "prefill_ms": s["prefill"]}
+                "prefill_ms": s["prefill"] / max(self.calls["prefill"], 1)}
 
 
 def _load_transformers(dtype: torch.dtype, cache: dict):
@@ -298,6 +341,7 @@ def _load_transformers(dtype: torch.dtype, cache: dict):
 
 
 def run(args) -> dict:
+    run_started = time.perf_counter()
     quick = args.quick
     batches_t = [2 ** i for i in range(7 if quick else 11)]
     lengths = [128] if quick else [128, 512, 2048]
@@ -331,7 +375,7 @@ def run(args) -> dict:
         peak = peak_gflops(model)
         figures[f"peak_gflops_{name}"] = peak
         floors = {r["batch"]: r["ours_ms"] / 1e3 for r in gemms if r["shape"] == "step"}
-        dec = decode(model, hf, decode_batches, new_tokens, prompt, bandwidth, peak, floors)
+        dec = decode(model, hf, decode_batches, new_tokens, prompt, bandwidth, peak, floors, args.rounds)
         weight_bytes = model.config.n_params * torch.finfo(dtype).bits // 8
         figures[f"weight_read_ms_{name}"] = 1e3 * weight_bytes / bandwidth
         key = "t_of_b" if name == "fp32" else f"t_of_b_{name}"
@@ -343,7 +387,7 @@ def run(args) -> dict:
         print(f"\n-- {name}: colocated decode, {new_tokens} new tokens, prompt {len(prompt)} tokens "
               f"(weights {weight_bytes / 2 ** 20:.0f} MiB: {figures[f'weight_read_ms_{name}']:.1f} ms a step at "
               f"{bandwidth / 1e9:.1f} GB/s; bound: prefill at {peak:.0f} GFLOPS, GEMM floor, KV at read "
-              f"bandwidth)\n{table([{k: v for k, v in r.items() if k not in _STEP_COLUMNS} for r in dec])}")
+              f"bandwidth; ratio: median of the rounds' paired ratios)\n{table([_shown(r) for r in dec])}")
         print(f"\n-- {name}: where our decode step goes (ms per step of the run above; s_part: norms, projections, "
               f"RoPE, K/V store, MLP, logits, beside the step's GEMM floor; attention beside the mean step's KV read "
               f"at {bandwidth / 1e9:.1f} GB/s)\n{table(dec, ['batch', *_STEP_COLUMNS])}")
@@ -354,4 +398,5 @@ def run(args) -> dict:
             ratios.append(ratio)
     if ratios:
         figures["ratio_decode_vs_transformers"] = min(ratios)
+    figures["elapsed_s"] = time.perf_counter() - run_started
     return figures
