@@ -62,6 +62,7 @@ def cmd_fastdecode(args: argparse.Namespace) -> int:
         AskCost,
         Overlap,
         measure_costs,
+        measure_effective_cores,
         measure_r,
         measure_t_of_b,
         read_t_of_b,
@@ -85,6 +86,9 @@ def cmd_fastdecode(args: argparse.Namespace) -> int:
         overlap = {1: measured}  # measured with one R-worker (balanced there), applied to every P
         r = args.r_per_token or r_situ
     cores = args.cores or len(os.sched_getaffinity(0))
+    if not args.cores and not args.round_trip:  # measuring: the cores this run really gets (others' load lowers it)
+        cores = measure_effective_cores(cores)
+        print(f"effective cores: {cores:.2f} of {len(os.sched_getaffinity(0))} (median of 3 paired rounds)")
     result = size(t_of_b, r, args.seq_len, args.latency_target, round_trip=round_trip,
                   n_layers=model_config(args.model).n_layers, cores=cores, s_per_token=s_per_token,
                   overlap=overlap)
@@ -148,7 +152,8 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--batches", default="1,4,16,64,256", help="batch sizes to measure T(B) at")
     f.add_argument("--round-trip", help="C(b): a step's per-layer cost per Attend ask of b rows, ms, as ROWS:MS,... "
                                         "(instead of measuring it in real steps with 1 and 2 R-worker processes)")
-    f.add_argument("--cores", type=float, help="cores the S-worker and R-workers share (default: this machine's)")
+    f.add_argument("--cores", type=float, help="cores the S-worker and R-workers share (default: measured, see "
+                                               "measure_effective_cores; with --round-trip this machine's count)")
     f.add_argument("--overlap-loss", type=float, help="with --round-trip: the pipeline's overlap loss, the idle a "
                                                        "pipelined step adds as a fraction of its lesser side (0..1; "
                                                        "measured by a balanced probe otherwise)")

@@ -18,8 +18,10 @@ What it runs, in one process tree on this machine (SmolLM2-135M, bf16 weights, f
   predict_step from this run's T(B), R, the Attend round trip C(b) at each row's rows-per-ask and the
   effective cores (the largest of the S-worker's work, the busiest R-worker's, one mini-batch's chain, and
   all the work over the cores, plus the pipeline's overlap loss from a balanced probe per R-worker count),
-  W being the KV entries a step attends over; each row's T(B) re-measured right before it (the machine's
-  speed drifts by +-30 % over minutes), the first-measured curve's prediction kept beside it.
+  W being the KV entries a step attends over; each row's T(B) re-measured right before and after it (median of
+  interleaved readings: the machine's speed drifts by up to 2x in phases of seconds), the first-measured
+  curve's prediction kept beside it. The sizing's B, P and mode are the ones it predicts the most tokens/s for.
+  The throughput part runs in a process started with OMP_WAIT_POLICY=passive (libgomp reads it once).
 Each section prints its wall time; `--parts` runs a subset (e.g. `--parts trace` while tuning the schedule).
 """
 from __future__ import annotations
@@ -53,6 +55,7 @@ from aiollm.planner.fastdecode import (
     balanced_context,
     balanced_seq_len,
     long_step_terms,
+    measure_effective_cores,
     measure_overlap,
     predict_step,
     probe_step,
@@ -69,6 +72,12 @@ from bench.model import s_part_step
 from bench.report import table
 
 PROMPT_LEN = 16
+# libgomp (torch's OpenMP) reads OMP_WAIT_POLICY once, when torch loads: setting it later reaches the R-worker
+# processes started afterwards but not this process's own S-part threads, which then spin ~20 ms after every
+# parallel region (measured: a 2-thread bf16 GEMM loop with 5 ms sleeps used 0.55-0.65 s CPU without, 0.30 s
+# with passive set before torch loaded), i.e. through every attention wait of a time-shared step, on the core the
+# R-workers need. So the throughput part runs in a process started with it (`_throughput_in_child`).
+OMP_PASSIVE_AT_START = os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive"
 # the bundled model every part of this benchmark runs
 MODEL = "smollm2"
 
@@ -136,7 +145,9 @@ def run(args) -> dict:
             f"{p} (finished {figures.get(f'finished_{p}', '?')})" for p in kept))
     for part in parts:
         started = time.perf_counter()
-        if part == "throughput":
+        if part == "throughput" and not OMP_PASSIVE_AT_START:
+            figures.update(_throughput_in_child(args))
+        elif part == "throughput":
             _throughput_part(model, batches, seq_len, cores, figures)
         elif part == "baselines":
             _baselines_part(model, seq_len, cores, quick, args.no_transformers, figures)
@@ -155,17 +166,36 @@ def run(args) -> dict:
     return figures
 
 
+def _throughput_in_child(args) -> dict:
+    """The throughput part's figures, measured by `python -m bench fastdecode --parts throughput` in a process
+    started with OMP_WAIT_POLICY=passive (see OMP_PASSIVE_AT_START); the other parts stay in this one (the
+    baselines at their own best policy)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "throughput.json"
+        argv = [sys.executable, "-m", "bench", "fastdecode", "--parts", "throughput", "--json", str(out)]
+        argv += ["--quick"] if args.quick else []
+        argv += ["--seq-len", str(args.seq_len)] if args.seq_len else []
+        argv += ["--batches", args.batches] if args.batches else []
+        print("throughput part: in a process started with OMP_WAIT_POLICY=passive: " + " ".join(argv[1:]), flush=True)
+        subprocess.run(argv, env={**os.environ, "OMP_WAIT_POLICY": "passive"}, check=True)
+        figures = json.loads(out.read_text())
+    return {k: v for k, v in figures.items() if not k.startswith(("seconds_", "finished_"))}
+
+
 def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figures: dict) -> None:
     """Sizing inputs, tokens/s per (P, B, KV dtype), the pipeline and thread-policy effects, predicted steps."""
     sizes = {max(1, b // 2) for b in batches} | {max(1, b // 4) for b in batches}
-    curve = _t_of_b(model, sorted({1, *batches, *sizes}))
+    curve = _t_median(model, sorted({1, *batches, *sizes}))
     torch.set_num_threads(cores)  # T(B) of the time-shared rows' S-part, on every core
-    curve_shared = _t_of_b(model, sorted({1, *batches}))
+    curve_shared = _t_median(model, sorted({1, *batches}))
     torch.set_num_threads(1)
     r_of = {"fp16": _measure_r(model, seq_len), "int8": _measure_r(model, seq_len, "int8")}
-    c_eff = _effective_cores(cores)
-    print(f"\n-- effective cores: {c_eff:.2f} of {cores} (a fixed single-threaded job in {cores} processes at once "
-          f"vs alone; other users of this machine lower it)")
+    c_eff = measure_effective_cores(cores)
+    print(f"\n-- effective cores: {c_eff:.2f} of {cores} (aiollm.planner.fastdecode.measure_effective_cores: a fixed "
+          f"single-threaded GEMM loop as {cores} processes at once vs alone, median of 3 paired rounds; other users "
+          f"of this machine lower it)")
     figures.update(t_of_b={str(b): t for b, t in curve.items()},
                    t_of_b_all_cores={str(b): t for b, t in curve_shared.items()}, r_per_token_s=r_of["fp16"],
                    r_per_token_int8_s=r_of["int8"], effective_cores=c_eff)
@@ -240,7 +270,8 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
     naive = uvloop.run(_naive_threads(model, deliberate["batch"], seq_len, cores, deliberate["pipelined"]))
     print(f"\n-- threads when sharing {cores} cores (B={naive['batch']}, 2 R-workers): deliberate "
           f"{deliberate['step_ms']:.1f} ms/step vs naive {naive['step_ms']:.1f} ms/step "
-          f"(S-worker {cores} torch threads, R-workers {cores} attention threads each, OMP_WAIT_POLICY=active)")
+          f"(S-worker {cores} torch threads, R-workers {cores} attention threads each, OMP_WAIT_POLICY=active; the "
+          f"S-worker's own torch threads keep the policy its process started with, passive: libgomp reads it once)")
     figures.update(naive_threads_step_ms=naive["step_ms"], deliberate_threads_step_ms=deliberate["step_ms"],
                    ratio_naive_vs_deliberate_threads_step=naive["step_ms"] / deliberate["step_ms"])
 
@@ -280,7 +311,7 @@ async def _chosen_row(model, batch: int, workers: int, seq_len: int, time_shared
     async with Graph(startup_timeout=120.0) as graph:
         urls = await _r_workers(graph, workers)
         threads = len(os.sched_getaffinity(0)) if time_shared else 1
-        cores = await asyncio.to_thread(_effective_cores, len(os.sched_getaffinity(0)))
+        cores = await asyncio.to_thread(measure_effective_cores, len(os.sched_getaffinity(0)))
         return {"cores_local": cores, **await _synthetic_step(graph, model, urls, batch, seq_len, "s-chosen",
                                         pipeline=not time_shared and batch >= 2, s_threads=threads),
                 "kv": "fp16", "sizing": True}
@@ -539,6 +570,29 @@ def _t_of_b(model, sizes: list[int], repeats: int = 5) -> dict[int, float]:
     return curve
 
 
+def _t_samples(model, sizes: list[int], rounds: int, warm: bool = True) -> dict[int, list[float]]:
+    """S-part step times (bench.model.s_part_step) per batch size, `rounds` rounds over all sizes (after a warm-up
+    of each unless `warm` is False): interleaved, so a slow phase of this machine (up to 2x, lasting seconds)
+    falls on every size alike."""
+    out: dict[int, list[float]] = {b: [] for b in sizes}
+    with torch.inference_mode():
+        inputs = {b: (torch.randint(0, model.config.vocab, (b,)), model.rope(torch.arange(b) % 1024 + 64))
+                  for b in sizes}
+        for rnd in range(rounds + warm):
+            for b, (ids, rope) in inputs.items():
+                started = time.perf_counter()
+                s_part_step(model, model.embed(ids), rope)
+                if rnd >= warm:
+                    out[b].append(time.perf_counter() - started)
+    return out
+
+
+def _t_median(model, sizes: list[int], rounds: int = 5) -> dict[int, float]:
+    """T(B) as the median of interleaved rounds (`_t_samples`): the min of one size's back-to-back repeats took
+    the fastest phase, or a whole slow one, while a row's median step sits at the typical speed."""
+    return {b: statistics.median(t) for b, t in _t_samples(model, sizes, rounds).items()}
+
+
 def _measure_r(model, seq_len: int, dtype: str = "fp16", batch: int = 16) -> float:
     """R: seconds of attention per context entry, all layers, one thread (one R-worker)."""
     c = model.config
@@ -576,12 +630,16 @@ async def _synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_
     cores, cores sat idle (a side waiting on the other), which no bound of the step model prices."""
     torch.set_num_threads(s_threads)
     try:
-        # the S-part alone at this row's batch and half-batch, right before it: the model's T(B) at this moment
-        local = _t_of_b(model, sorted({batch, max(1, batch // 2)}))
+        # the S-part alone at this row's batch and half-batch, right before and right after it (median of both):
+        # the model's T(B) at this moment, bracketing the row against the machine's drift
+        sizes = sorted({batch, max(1, batch // 2)})
+        before = _t_samples(model, sizes, 2)
         span = seq_len - PROMPT_LEN - steps - 3
         lens = [context or PROMPT_LEN + (i * span) // batch for i in range(batch)]
         step, s_cpu, r_cpus, held = await probe_step(graph.driver, model, urls, lens, steps, pipeline and batch >= 2,
                                                      name)
+        after = _t_samples(model, sizes, 2, warm=False)
+        local = {b: statistics.median(before[b] + after[b]) for b in sizes}
     finally:
         torch.set_num_threads(1)
     return {"batch": batch, "r_workers": len(urls), "s_threads": s_threads, "pipelined": pipeline and batch >= 2,
@@ -627,15 +685,19 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
     def here(row: dict) -> dict:  # the effective cores measured next to the row, for its prediction
         return {**row, "cores_local": cores}
 
+    def s_part_now(b: int) -> float:  # T(b) read around each cost probe (step_costs)
+        return _t_samples(model, [b], 1)[b][0]
+
     for n in (1, 2):
         async with Graph(startup_timeout=120.0) as graph:
             urls = await _r_workers(graph, n)
             # effective cores again next to this group's probes and rows (the machine drifts over minutes)
-            cores = await asyncio.to_thread(_effective_cores, cores_n)
+            cores = await asyncio.to_thread(measure_effective_cores, cores_n)
             per_ask = {max(1, b // d) for b in batches for d in (n, 2 * n)}
-            trips[n] = await step_costs(graph.driver, model, urls, sorted(per_ask), curve, r_of["fp16"])
+            trips[n] = await step_costs(graph.driver, model, urls, sorted(per_ask), curve, r_of["fp16"],
+                                        s_part_now=s_part_now)
             trips_pipe[n] = await step_costs(graph.driver, model, urls, sorted({max(1, b // (2 * n)) for b in batches}),
-                                             curve, r_of["fp16"], pipeline=True)
+                                             curve, r_of["fp16"], pipeline=True, s_part_now=s_part_now)
             # R in situ at two loads per R-worker (the check batch and the largest at context S/2, as the rows'
             # spread contexts hold): per KV entry it rises with the KV an R-worker holds
             terms = {b: await long_step_terms(graph.driver, model, urls, b, seq_len // 2, curve, trips[n],
@@ -665,7 +727,7 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
     r_int8 = {w: r * r_of["int8"] / r_of["fp16"] for w, r in situ[2][0].items()}
     async with Graph(startup_timeout=120.0) as graph:  # int8 KV halves the bytes the R-part reads
         urls = await _r_workers(graph, 2, kv_dtype="int8")
-        cores = await asyncio.to_thread(_effective_cores, cores_n)
+        cores = await asyncio.to_thread(measure_effective_cores, cores_n)
         for batch in [b for b in batches if b >= 256] or batches[-1:]:
             rows.append(here({**await _synthetic_step(graph, model, urls, batch, seq_len, f"s-int8-{batch}",
                                                       pipeline=pipelined(batch, 2, r_int8)), "kv": "int8"}))
@@ -690,23 +752,6 @@ async def _naive_threads(model, batch: int, seq_len: int, cores: int, pipeline: 
     finally:
         os.environ["OMP_WAIT_POLICY"] = "passive"
         torch.set_num_threads(1)
-
-
-def _effective_cores(cores: int) -> float:
-    """cores * t(one job alone) / t(`cores` copies at once): how many cores this run gets right now."""
-    job = ("import time, numpy as np; a = np.ones((192, 192), np.float32); t = time.perf_counter()\n"
-           "for _ in range(3000): a = (a @ a) * (1.0 / 192)\nprint(time.perf_counter() - t)")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-    def wall(n: int) -> float:
-        started = time.perf_counter()
-        procs = [subprocess.Popen([sys.executable, "-c", job], env=env, stdout=subprocess.DEVNULL) for _ in range(n)]
-        for proc in procs:
-            proc.wait()
-        return time.perf_counter() - started
-
-    alone = wall(1)
-    return min(float(cores), cores * alone / wall(cores))
 
 
 def _prompts(model, batch: int, length: int) -> list[list[int]]:

@@ -342,8 +342,6 @@ def size(t_of_b: dict[int, float], r_per_token: float | dict[int, float], seq_le
                                for b, t in sorted(round_trip[p].items())))
     lines.append(f"{n_layers} layers x 2 mini-batches x P asks per step; {cores:.3g} cores shared by the S-worker "
                  f"and the P R-workers (one thread each)")
-    pipelined = batch >= 2
-
     def measured(p: int, by_workers: dict):
         return by_workers[max(m for m in by_workers if m <= p)]
 
@@ -351,17 +349,42 @@ def size(t_of_b: dict[int, float], r_per_token: float | dict[int, float], seq_le
     for p, o in sorted((overlap or {}).items()):
         lines.append(f"pipelined steps with {p} R-worker(s): {o.explain()}")
     losses = {p: o.loss for p, o in (overlap or {1: Overlap(0.0, 0, 0, 1, 0.0, 0.0, 0.0, 0.0)}).items()}
-    options = {p: predict_step(t_of_b, r_curve, measured(p, round_trip), n_layers, batch, batch * seq_len / 2, p,
-                               pipelined, cores, s_per_token=measured(p, streamed), overlap=measured(p, losses))
-               for p in range(1, max(2 * workers, math.ceil(cores) + 2, 4) + 1)}
-    modes = {"pipelined": options}
-    if time_shared is not None:
-        modes["time-shared"] = {p: predict_step(time_shared.t_of_b, r_curve, measured(p, time_shared.round_trip),
-                                                n_layers, batch, batch * seq_len / 2, p, False, cores,
-                                                s_per_token=measured(p, streamed)) for p in options}
-    best = min(o.step for by_p in modes.values() for o in by_p.values())
-    chosen = min(p for by_p in modes.values() for p, o in by_p.items() if o.step <= 1.05 * best)
-    mode = min(modes, key=lambda m: modes[m][chosen].step)
+    counts = range(1, max(2 * workers, math.ceil(cores) + 2, 4) + 1)
+
+    def priced(b: int) -> dict[str, dict[int, StepPrediction]]:
+        """{mode: {P: predicted step}} at batch b, W = b*S/2."""
+        modes = {"pipelined": {p: predict_step(t_of_b, r_curve, measured(p, round_trip), n_layers, b, b * seq_len / 2,
+                                               p, b >= 2, cores, s_per_token=measured(p, streamed),
+                                               overlap=measured(p, losses)) for p in counts}}
+        if time_shared is not None:
+            modes["time-shared"] = {p: predict_step(time_shared.t_of_b, r_curve, measured(p, time_shared.round_trip),
+                                                    n_layers, b, b * seq_len / 2, p, False, cores,
+                                                    s_per_token=measured(p, streamed)) for p in counts}
+        return modes
+
+    def pick(modes: dict[str, dict[int, StepPrediction]]) -> tuple[int, str]:
+        best = min(o.step for by_p in modes.values() for o in by_p.values())
+        chosen = min(p for by_p in modes.values() for p, o in by_p.items() if o.step <= 1.05 * best)
+        return chosen, min(modes, key=lambda m: modes[m][chosen].step)
+
+    # B: with a latency target the largest within it (above); without, the measured batch with the most predicted
+    # tokens/s (the smallest within 5 % of the best): the S-part's knee assumes enough R-workers on cores of their
+    # own hide the R-part, while on shared cores the R-part and the asks decide where tokens/s peaks
+    if latency_target is None:
+        by_batch = {b: priced(b) for b in batches if b >= 2} or {batch: priced(batch)}
+        rate = {b: b / m[pick(m)[1]][pick(m)[0]].step for b, m in by_batch.items()}
+        top = max(rate.values())
+        batch = min(b for b, x in rate.items() if x >= 0.95 * top)
+        lines.append("predicted tokens/s at the best P and mode per measured batch: "
+                     + ", ".join(f"B={b}: {x:.0f}" for b, x in sorted(rate.items()))
+                     + f" -> B = {batch}, the smallest within 5 % of the most")
+        t = interpolate(t_of_b, batch)
+        r_per_token = per_entry(r_curve, batch * seq_len / 2) if isinstance(r_curve, dict) else r_per_token
+        exact = batch * seq_len * r_per_token / (2 * t)
+        modes = by_batch[batch]
+    else:
+        modes = priced(batch)
+    chosen, mode = pick(modes)
     for name, by_p in modes.items():
         if len(modes) > 1:
             lines.append(f" {name}:")
@@ -530,8 +553,8 @@ async def measure_overlap(driver, model, r_workers: list[str], batch: int, conte
 
 
 async def step_costs(driver, model, r_workers: list[str], rows: list[int], t_of_b: dict[int, float],
-                     r_per_token: float, context: int = 16, steps: int = 4, pipeline: bool = False
-                     ) -> dict[int, AskCost]:
+                     r_per_token: float, context: int = 16, steps: int = 4, pipeline: bool = False,
+                     s_part_now: Callable[[int], float] | None = None) -> dict[int, AskCost]:
     """{b: AskCost}: what a real decode step spends per ask beyond its S-part and attention, with b rows per ask.
 
     Synthetic sequences of `context` entries, b per R-worker in each mini-batch (one, or two with `pipeline`),
@@ -541,19 +564,25 @@ async def step_costs(driver, model, r_workers: list[str], rows: list[int], t_of_
     busier side does not compute. Pipelined steps cost the S-worker more per ask than two unpipelined halves
     (two coroutines interleaving, a loop wake-up per reply), so each mode is priced with its own. An idle
     ping-pong with the same tensors measured 2-3x less here: it misses the wake-ups, the KV write and block
-    tables, and the competition for cores."""
+    tables, and the competition for cores.
+
+    s_part_now(b): the S-part's seconds at b rows measured now; given, it is read right before and right after
+    each probe and the mean subtracted instead of `t_of_b`'s: the S share of an ask is the small difference of
+    two large numbers, and this machine's speed drifts by up to 2x in phases of seconds (T(128) alone read 66-137
+    ms within 25 s here), which put 0-8 ms per ask into it from a T(B) measured minutes earlier."""
     out = {}
     p = len(r_workers)
     groups = 2 if pipeline else 1
     asks = model.config.n_layers * groups
     for b in rows:
+        before = s_part_now(p * b) if s_part_now else 0.0
         step, s_cpu, r_cpus, held = await probe_step(driver, model, r_workers, [context] * (groups * p * b), steps,
                                                      pipeline, name=f"cost-probe-{p}-{b}-{groups}")
+        s_part = (before + s_part_now(p * b)) / 2 if s_part_now else interpolate(t_of_b, p * b)
         r_cpu = max(r_cpus)
         r_over = max(0.0, r_cpu - r_per_token * held / p)
         busy = max(s_cpu, r_cpu) if pipeline else s_cpu + r_cpu
-        out[b] = AskCost(max(0.0, s_cpu - groups * interpolate(t_of_b, p * b)) / (asks * p), r_over / asks,
-                         max(0.0, step - busy) / asks)
+        out[b] = AskCost(max(0.0, s_cpu - groups * s_part) / (asks * p), r_over / asks, max(0.0, step - busy) / asks)
     return out
 
 
@@ -571,6 +600,54 @@ async def long_step_terms(driver, model, r_workers: list[str], batch: int, conte
     r_situ = max(r_kernel, (r_cpu - layers * ask.r) / (held / p))
     s_per_token = max(0.0, (s_cpu - interpolate(t_of_b, batch) - layers * p * ask.s) / held)
     return r_situ, s_per_token
+
+
+def effective_cores(cores: int, alone: list[float], together: list[list[float]]) -> float:
+    """How many of `cores` a run gets right now, from paired rounds of a fixed single-threaded job: round i timed
+    alone (`alone[i]`, seconds) and as `cores` copies at once (`together[i]`, each copy's own time). Per round
+    cores * alone / mean(together), capped at `cores`; the median over rounds, so one disturbed round (the
+    machine's speed drifts in phases of seconds) moves it less than a single reading (one ~3 s reading read 1.49
+    here while the rounds around it read ~2)."""
+    if cores <= 0 or not alone or len(alone) != len(together) or any(len(t) != cores for t in together) \
+            or min(alone) <= 0 or min(min(t) for t in together) <= 0:
+        raise ValueError(f"need cores > 0 and paired rounds of positive times ({cores} copies each), got {cores}, "
+                         f"{alone}, {together}")
+    return float(np.median([min(float(cores), cores * a / float(np.mean(t))) for a, t in zip(alone, together)]))
+
+
+_CORES_JOB = """import sys, time
+import numpy as np
+a = np.ones((192, 192), np.float32)
+while time.time() < float(sys.argv[1]):
+    time.sleep(0.002)
+t = time.perf_counter()
+for _ in range({iterations}):
+    a = (a @ a) * (1.0 / 192)
+print(time.perf_counter() - t)
+"""
+
+
+def measure_effective_cores(cores: int, rounds: int = 3, iterations: int = 1500) -> float:
+    """`effective_cores` from `rounds` paired rounds of a ~0.3 s single-threaded GEMM loop, alone and as `cores`
+    processes started together (each timed by itself from a common start instant, so process start-up is not in
+    it)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    job = _CORES_JOB.format(iterations=iterations)
+
+    def timed(n: int) -> list[float]:
+        start = time.time() + 0.3 + 0.1 * n  # after every copy has imported numpy
+        procs = [subprocess.Popen([sys.executable, "-c", job, str(start)], env=env, stdout=subprocess.PIPE,
+                                  text=True) for _ in range(n)]
+        return [float(proc.communicate()[0]) for proc in procs]
+
+    alone, together = [], []
+    for _ in range(rounds):
+        alone += timed(1)
+        together.append(timed(cores))
+    return effective_cores(cores, alone, together)
 
 
 @functools.lru_cache(maxsize=1)

@@ -10,6 +10,7 @@ from aiollm.planner.fastdecode import (
     TimeShared,
     balanced_context,
     balanced_seq_len,
+    effective_cores,
     interpolate,
     interpolate_cost,
     overlap_loss,
@@ -129,9 +130,19 @@ def test_sizing_with_communication_and_few_cores_takes_fewer_workers_than_the_fo
     few = size(CURVE, 2e-6, 1024, round_trip={1: TRIP}, n_layers=30, cores=2)
     # near-free communication on dedicated cores: back to about the formula's P
     ideal = size(CURVE, 2e-6, 1024, round_trip={1: {8: AskCost.even(1e-6), 128: AskCost.even(2e-6)}}, n_layers=30, cores=64)
-    assert few.batch == classic.batch == ideal.batch == 256
-    assert few.workers < ideal.workers and ideal.workers >= classic.workers - 1
+    # with the step model B is the batch with the most predicted tokens/s (at its best P), not the S-part's knee
+    assert classic.batch == 256 and few.batch == ideal.batch == 512
+
+    def best_rate(b: int, trip: dict, cores: float) -> float:
+        return max(b / predict_step(CURVE, 2e-6, trip, 30, b, b * 512, p, True, cores).step for p in range(1, 67))
+
+    assert best_rate(512, TRIP, 2) > 1.05 * best_rate(256, TRIP, 2) > 1.05 * best_rate(64, TRIP, 2)
+    assert few.tokens_per_s == pytest.approx(best_rate(512, TRIP, 2), rel=0.05)
+    assert "predicted tokens/s at the best P and mode per measured batch" in few.explain()
+    assert few.workers < ideal.workers and ideal.workers >= 512 * 1024 * 2e-6 / (2 * CURVE[512]) - 1
     assert few.predicted_step > ideal.predicted_step > 0
+    # a latency target keeps its B: the largest whose T(B) meets it (T(112) = 0.02 + 48/192 * 0.04 = 0.030)
+    assert size(CURVE, 2e-6, 1024, 0.030, round_trip={1: TRIP}, n_layers=30, cores=2).batch == 112
     assert "C(8)=0.70 ms" in few.explain() and "all work / cores" in few.explain()
     # a slower round trip measured with 2 R-workers (processes competing for cores) prices P >= 2 with it
     dearer = size(CURVE, 2e-6, 1024, round_trip={1: TRIP, 2: {8: AskCost.even(0.005), 128: AskCost.even(0.01)}}, n_layers=30, cores=2)
@@ -215,3 +226,16 @@ def test_sizing_prices_the_measured_overlap_loss():
                             overlap=0.25)
     assert lossy.predicted_step == pytest.approx(expected.step) and lossy.predicted_step > plain.predicted_step
     assert "overlap loss 0.250 of the lesser side" in lossy.explain() and "B=128 at context 640" in lossy.explain()
+
+
+def test_effective_cores_is_the_median_of_paired_rounds():
+    # round 1: two copies at once each take 1.25x the alone time -> 2 / 1.25 = 1.6 cores; round 2 disturbed (2x ->
+    # 1.0); round 3 no slow-down (capped at 2): the median ignores the disturbed round
+    alone = [0.2, 0.2, 0.3]
+    together = [[0.25, 0.25], [0.4, 0.4], [0.28, 0.30]]
+    assert effective_cores(2, alone, together) == pytest.approx(1.6)
+    assert effective_cores(2, [0.2], [[0.2, 0.6]]) == pytest.approx(2 * 0.2 / 0.4)
+    with pytest.raises(ValueError):
+        effective_cores(2, [0.2], [[0.2]])
+    with pytest.raises(ValueError):
+        effective_cores(2, [0.2, 0.2], [[0.2, 0.2]])
