@@ -58,6 +58,10 @@ T512 INLINE void tile_f32(const gemm_args *a, int64_t m0, int32_t p0, const int 
             for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(xi, b[j], acc[i][j]);
         }
         if (pfi < pf_lines) pfi = prefetch_some(pf, pfi, pf_lines, per);
+        if (a->pf_ahead) {
+#pragma GCC unroll 3
+            for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(wk + j * ps + a->pf_ahead * GEMM_NB), _MM_HINT_T1);
+        }
     }
     const float *r = (const float *)a->r;
     float *y = (float *)a->y;

@@ -16,6 +16,10 @@
 #define GEMM_NR 3    /* panels per microkernel (48 columns): 8 x 3 = 24 accumulators */
 #define GEMM_KP_ALIGN 32
 #define GEMM_M_CHUNK 256 /* rows whose x slice stays cache-resident while a thread walks its panels */
+/* fp32 with at most this many rows is bound by the weights' read: each tile then prefetches its own panels
+ * GEMM_PF_AHEAD k steps (cache lines per panel) ahead into L2 instead of the next block (see gemm.c) */
+#define GEMM_SMALL_M 16
+#define GEMM_PF_AHEAD 64
 
 typedef struct {
     const void *x;
@@ -27,6 +31,7 @@ typedef struct {
     int64_t ldy;
     int32_t m, n, k, kp;
     int32_t n_panels;
+    int32_t pf_ahead; /* fp32: k steps ahead at which a tile prefetches its own panels (0: none) */
 } gemm_args;
 
 /* Rows [m0, m1) x panels [p0, p0 + np) (np <= GEMM_NR) of y; pf/pf_lines: cache lines of the weights to

@@ -8,6 +8,10 @@ math on AVX-512; bf16 runs bf16 products with fp32 accumulation (AVX512_BF16), y
 Every argument is checked here (TypeError for a wrong dtype or type, ValueError for a wrong shape or
 layout) before the C call; the C side checks again and returns a status code.
 """
+import ctypes
+import sys
+import threading
+
 import torch
 
 from aiollm._native import ffi, lib
@@ -22,10 +26,62 @@ def supported(dtype: torch.dtype) -> bool:
 
 
 def _aligned_bytes(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor of nbytes starting on a 64-byte boundary (the kernel loads whole cache lines)."""
+    """A uint8 tensor of nbytes starting on a 64-byte boundary (the kernel loads whole cache lines); large
+    ones are carved out of huge-page slabs (`_Slabs`)."""
+    if nbytes >= _Slabs.MIN_BYTES and _madvise is not None:
+        return _SLABS.take(nbytes)
     raw = torch.empty(nbytes + 64, dtype=torch.uint8)
     skip = -raw.data_ptr() % 64
     return raw[skip:skip + nbytes]
+
+
+def _find_madvise():
+    """libc's madvise on Linux (None elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_madvise = _find_madvise()
+_MADV_HUGEPAGE = 14
+
+
+class _Slabs:
+    """Packed weights placed in 2 MiB-aligned slabs marked MADV_HUGEPAGE (this machine's transparent huge
+    pages are on for madvised memory only), so a step's streaming read of every weight is served by 2 MiB
+    pages: with 4 KiB pages each of SmolLM2's fp32 step's ~130 k weight pages costs a TLB miss and a page
+    walk. Paired in-process A/B of the step's products, same code, huge vs 4 KiB pages: ~1.08x at batch 1,
+    ~1.12x at 8, ~1.04x at 32 and 64. A slab lives while any weight in it does; the pages past the last
+    weight are never touched, so they take no memory."""
+
+    MIN_BYTES = 256 << 10
+    SLAB_BYTES = 64 << 20
+    HUGE = 2 << 20
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._slab: torch.Tensor | None = None
+        self._used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            start = -(-self._used // 64) * 64
+            if self._slab is None or start + nbytes > self._slab.numel():
+                size = max(self.SLAB_BYTES, -(-nbytes // self.HUGE) * self.HUGE)
+                raw = torch.empty(size + self.HUGE, dtype=torch.uint8)  # not touched yet: no page mapped
+                skip = -raw.data_ptr() % self.HUGE
+                self._slab, start = raw[skip:skip + size], 0
+                _madvise(self._slab.data_ptr(), size, _MADV_HUGEPAGE)  # a refusal only costs the speed-up
+            self._used = start + nbytes
+            return self._slab[start:start + nbytes]
+
+
+_SLABS = _Slabs()
 
 
 class PackedWeight:

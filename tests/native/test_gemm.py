@@ -129,3 +129,32 @@ def test_library_pool_path_gives_the_same_bits_as_torchs_openmp_team():
             for pool in ("0", "1")]
     assert outs[0][1] == outs[1][1]
     assert float(outs[0][0]) < 1e-3
+
+
+@pytest.mark.skipif(torch.float32 not in DTYPES, reason="no fp32 native GEMM")
+def test_small_batches_give_the_bits_of_the_same_rows_in_a_large_batch():
+    # m <= 16 prefetches each tile's own panels, larger m the next block: the arithmetic is the same, so each
+    # row's bits must not depend on the batch it came in (n: many blocks, a partial panel; k: the model's and odd)
+    g = torch.Generator().manual_seed(11)
+    for n, k in ((4099, 576), (50, 33), (576, 1536)):
+        packed = gemm.PackedWeight(torch.randn(n, k, generator=g))
+        x = torch.randn(64, k, generator=g)
+        r = torch.randn(64, n, generator=g)
+        full, full_r = gemm.gemm(x, packed), gemm.gemm(x, packed, r)
+        for m in (1, 2, 8, 15, 16, 17, 24):
+            assert torch.equal(gemm.gemm(x[:m], packed), full[:m]), (n, k, m)
+            assert torch.equal(gemm.gemm(x[:m], packed, r[:m]), full_r[:m]), (n, k, m)
+
+
+def test_slabs_hand_out_aligned_disjoint_ranges_and_start_new_slabs_on_2mib_boundaries():
+    slabs = gemm._Slabs()
+    slabs.SLAB_BYTES = 4 << 20
+    sizes = [300_001, 1 << 20, 3_000_000, 5 << 20, 64, 2_500_000]
+    taken = [slabs.take(n) for n in sizes]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel()) for t in taken)
+    assert all(t.numel() == n and t.data_ptr() % 64 == 0 for t, n in zip(taken, sizes))
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert taken[3].data_ptr() % (2 << 20) == 0  # 5 MiB does not fit the 4 MiB slab: a slab of its own
+    for i, t in enumerate(taken):
+        t.fill_(i)
+    assert all(int(t.min()) == int(t.max()) == i for i, t in enumerate(taken))
