@@ -221,12 +221,29 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
     figures["overlap"] = {str(p): {**vars(o)} for p, o in overlap.items()}
     print("\n-- the pipeline's overlap loss: " + "; ".join(o.explain() for o in overlap.values()))
     loss = {p: o.loss for p, o in overlap.items()}
-    sizing = size(curve, r_of[1]["fp16"], seq_len, round_trip=trips[True], n_layers=model.config.n_layers,
-                  cores=c_eff, s_per_token=s_tok, time_shared=TimeShared(curve_shared, trips[False]),
+    # the sizing's cores: the median of every reading so far (the first and one per group of rows): one reading in a
+    # slow phase (0.89 at 23:50 UTC while the groups read 1.7-2.0) priced every pipelined option a core short
+    readings = [c_eff, *sorted({r["cores_local"] for r in rows})]
+    c_size = statistics.median(readings)
+
+    def pooled(first: dict[int, float], threads: int) -> dict[int, float]:
+        """The first curve with each row's readings around it (on the same threads): per B the median of all, so one
+        disturbed phase of the first curve (H1 chose B=512 P=3 from T(256) 231, T(512) 320 ms) decides less."""
+        seen = {b: [t] for b, t in first.items()}
+        for r in rows:
+            for b, t in r["t_local_ms"].items():
+                if r["s_threads"] == threads and int(b) in seen:
+                    seen[int(b)].append(t / 1e3)
+        return {b: statistics.median(ts) for b, ts in seen.items()}
+
+    sizing = size(pooled(curve, 1), r_of[1]["fp16"], seq_len, round_trip=trips[True], n_layers=model.config.n_layers,
+                  cores=c_size, s_per_token=s_tok, time_shared=TimeShared(pooled(curve_shared, cores), trips[False]),
                   overlap=overlap)
     print("\n-- sizing model (aiollm.planner.fastdecode, fed this run's T(B) on one core and on all, R in situ, the "
-          "pipelined and unpipelined steps' ask costs and effective cores)\n" + sizing.explain())
-    figures.update(sizing_batch=sizing.batch, sizing_workers=sizing.workers, sizing_mode=sizing.mode)
+          "pipelined and unpipelined steps' ask costs and effective cores: median of the readings "
+          + ", ".join(f"{c:.2f}" for c in readings) + ")\n" + sizing.explain())
+    figures.update(sizing_batch=sizing.batch, sizing_workers=sizing.workers, sizing_mode=sizing.mode,
+                   sizing_cores=c_size)
     # the configuration it chose, run as chosen (its mode, spread contexts over [16, S)): the honest check
     chosen = uvloop.run(_chosen_row(model, sizing.batch, sizing.workers, seq_len, sizing.mode == "time-shared"))
     rows.append(chosen)
@@ -312,7 +329,8 @@ async def _chosen_row(model, batch: int, workers: int, seq_len: int, time_shared
         urls = await _r_workers(graph, workers)
         threads = len(os.sched_getaffinity(0)) if time_shared else 1
         cores = await asyncio.to_thread(measure_effective_cores, len(os.sched_getaffinity(0)))
-        return {"cores_local": cores, **await _synthetic_step(graph, model, urls, batch, seq_len, "s-chosen",
+        # median of 6 steps, not 3: this row is the sizing's check, and the machine's slow phases last seconds
+        return {"cores_local": cores, **await _synthetic_step(graph, model, urls, batch, seq_len, "s-chosen", steps=6,
                                         pipeline=not time_shared and batch >= 2, s_threads=threads),
                 "kv": "fp16", "sizing": True}
 
@@ -623,9 +641,10 @@ async def _r_workers(graph: Graph, n: int, threads: int = 1, kv_dtype: str = "fp
 
 
 async def _synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_len: int, name: str,
-                          steps: int = 3, pipeline: bool = True, context: int = 0, s_threads: int = 1) -> dict:
-    """Median step time of B sequences with contexts spread over [16, S - steps) (or all at `context`), after a
-    warm-up step (aiollm.planner.fastdecode.probe_step); the S-worker (this process) runs its S-part on
+                          steps: int = 5, pipeline: bool = True, context: int = 0, s_threads: int = 1) -> dict:
+    """Median step time of B sequences with contexts spread over [16, S - steps) (or all at `context`), of 5 steps
+    by default (of 3, one configuration read 403 and 635 ms in one run) after a warm-up step
+    (aiollm.planner.fastdecode.probe_step); the S-worker (this process) runs its S-part on
     `s_threads` torch threads. With each side's CPU per step: where a step is longer than its CPU over the
     cores, cores sat idle (a side waiting on the other), which no bound of the step model prices."""
     torch.set_num_threads(s_threads)
@@ -693,7 +712,7 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
             urls = await _r_workers(graph, n)
             # effective cores again next to this group's probes and rows (the machine drifts over minutes)
             cores = await asyncio.to_thread(measure_effective_cores, cores_n)
-            per_ask = {max(1, b // d) for b in batches for d in (n, 2 * n)}
+            per_ask = {max(1, b // n) for b in batches}  # unpipelined rows, time-shared ones and R in situ ask B/P
             trips[n] = await step_costs(graph.driver, model, urls, sorted(per_ask), curve, r_of["fp16"],
                                         s_part_now=s_part_now)
             trips_pipe[n] = await step_costs(graph.driver, model, urls, sorted({max(1, b // (2 * n)) for b in batches}),
@@ -722,7 +741,7 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
                 # without the schedule a batch that starts together holds equal contexts that grow from the
                 # prompt to S: the same B at equal contexts over that life
                 for i, context in enumerate(np.linspace(PROMPT_LEN, seq_len - 8, 4).astype(int).tolist()):
-                    ramp.append({**await _synthetic_step(graph, model, urls, check, seq_len, f"s-ramp-{i}",
+                    ramp.append({**await _synthetic_step(graph, model, urls, check, seq_len, f"s-ramp-{i}", steps=3,
                                                          pipeline=pipe, context=context), "context": context})
     r_int8 = {w: r * r_of["int8"] / r_of["fp16"] for w, r in situ[2][0].items()}
     async with Graph(startup_timeout=120.0) as graph:  # int8 KV halves the bytes the R-part reads

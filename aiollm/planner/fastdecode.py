@@ -627,8 +627,8 @@ print(time.perf_counter() - t)
 """
 
 
-def measure_effective_cores(cores: int, rounds: int = 3, iterations: int = 1500) -> float:
-    """`effective_cores` from `rounds` paired rounds of a ~0.3 s single-threaded GEMM loop, alone and as `cores`
+def measure_effective_cores(cores: int, rounds: int = 3, iterations: int = 1000) -> float:
+    """`effective_cores` from `rounds` paired rounds of a ~0.2 s single-threaded GEMM loop, alone and as `cores`
     processes started together (each timed by itself from a common start instant, so process start-up is not in
     it)."""
     import subprocess
