@@ -329,8 +329,10 @@ async def _chosen_row(model, batch: int, workers: int, seq_len: int, time_shared
         urls = await _r_workers(graph, workers)
         threads = len(os.sched_getaffinity(0)) if time_shared else 1
         cores = await asyncio.to_thread(measure_effective_cores, len(os.sched_getaffinity(0)))
-        # median of 6 steps, not 3: this row is the sizing's check, and the machine's slow phases last seconds
+        # median of 6 steps and T(B) of 8 readings around them: this row is the sizing's check, and the machine's slow
+        # phases last seconds
         return {"cores_local": cores, **await _synthetic_step(graph, model, urls, batch, seq_len, "s-chosen", steps=6,
+                                        t_rounds=4,
                                         pipeline=not time_shared and batch >= 2, s_threads=threads),
                 "kv": "fp16", "sizing": True}
 
@@ -588,11 +590,10 @@ def _t_of_b(model, sizes: list[int], repeats: int = 5) -> dict[int, float]:
     return curve
 
 
-def _t_samples(model, sizes: list[int], rounds: int, warm: bool = True) -> dict[int, list[float]]:
-    """S-part step times (bench.model.s_part_step) per batch size, `rounds` rounds over all sizes (after a warm-up
-    of each unless `warm` is False): interleaved, so a slow phase of this machine (up to 2x, lasting seconds)
-    falls on every size alike."""
-    out: dict[int, list[float]] = {b: [] for b in sizes}
+def _t_runs(model, sizes: list[int], rounds: int, warm: bool, out: dict[int, list[float]]):
+    """S-part step times (bench.model.s_part_step) per batch size into `out`, `rounds` rounds over all sizes (after
+    a warm-up of each unless `warm` is False): interleaved, so a slow phase of this machine (up to 2x, lasting
+    seconds) falls on every size alike. Yields after each run (see `_t_samples_async`)."""
     with torch.inference_mode():
         inputs = {b: (torch.randint(0, model.config.vocab, (b,)), model.rope(torch.arange(b) % 1024 + 64))
                   for b in sizes}
@@ -601,7 +602,23 @@ def _t_samples(model, sizes: list[int], rounds: int, warm: bool = True) -> dict[
                 started = time.perf_counter()
                 s_part_step(model, model.embed(ids), rope)
                 if rnd >= warm:
-                    out[b].append(time.perf_counter() - started)
+                    out.setdefault(b, []).append(time.perf_counter() - started)
+                yield
+
+
+def _t_samples(model, sizes: list[int], rounds: int, warm: bool = True) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for _ in _t_runs(model, sizes, rounds, warm, out):
+        pass
+    return out
+
+
+async def _t_samples_async(model, sizes: list[int], rounds: int, warm: bool = True) -> dict[int, list[float]]:
+    """`_t_samples` giving the event loop a turn after each run: the R-worker connections' heartbeats time out after
+    5 s, which a few runs at B=512 in a slow phase exceed."""
+    out: dict[int, list[float]] = {}
+    for _ in _t_runs(model, sizes, rounds, warm, out):
+        await asyncio.sleep(0)
     return out
 
 
@@ -641,7 +658,8 @@ async def _r_workers(graph: Graph, n: int, threads: int = 1, kv_dtype: str = "fp
 
 
 async def _synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_len: int, name: str,
-                          steps: int = 5, pipeline: bool = True, context: int = 0, s_threads: int = 1) -> dict:
+                          steps: int = 5, pipeline: bool = True, context: int = 0, s_threads: int = 1,
+                          t_rounds: int = 2) -> dict:
     """Median step time of B sequences with contexts spread over [16, S - steps) (or all at `context`), of 5 steps
     by default (of 3, one configuration read 403 and 635 ms in one run) after a warm-up step
     (aiollm.planner.fastdecode.probe_step); the S-worker (this process) runs its S-part on
@@ -652,12 +670,12 @@ async def _synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_
         # the S-part alone at this row's batch and half-batch, right before and right after it (median of both):
         # the model's T(B) at this moment, bracketing the row against the machine's drift
         sizes = sorted({batch, max(1, batch // 2)})
-        before = _t_samples(model, sizes, 2)
+        before = await _t_samples_async(model, sizes, t_rounds)
         span = seq_len - PROMPT_LEN - steps - 3
         lens = [context or PROMPT_LEN + (i * span) // batch for i in range(batch)]
         step, s_cpu, r_cpus, held = await probe_step(graph.driver, model, urls, lens, steps, pipeline and batch >= 2,
                                                      name)
-        after = _t_samples(model, sizes, 2, warm=False)
+        after = await _t_samples_async(model, sizes, t_rounds, warm=False)
         local = {b: statistics.median(before[b] + after[b]) for b in sizes}
     finally:
         torch.set_num_threads(1)
