@@ -703,7 +703,7 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
     unscheduled batch's life). First, in the same processes, each side timed by its own CPU clock: {P: ask costs}
     at every rows-per-ask either mode uses (aiollm.planner.fastdecode.step_costs: real steps at short contexts)
     and {P: (R in situ, the S-worker's CPU per streamed KV entry)} (long_step_terms: a real unpipelined step of
-    B=`check` at context S/2; the kernel alone on a fresh pool is R's floor), and {P: the pipeline's overlap loss}
+    B=`check` at context S/2; R in situ as measured, the kernel alone only where it reads no positive value), and {P: the pipeline's overlap loss}
     (measure_overlap: a pipelined step of B=`check`/2 at the context where the model prices its sides equal)."""
     rows, off, trips, trips_pipe, ramp, situ, overlap = [], {}, {}, {}, [], {}, {}
     layers = model.config.n_layers
@@ -738,7 +738,8 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
             # R in situ at two loads per R-worker (the check batch and the largest at context S/2, as the rows'
             # spread contexts hold): per KV entry it rises with the KV an R-worker holds
             terms = {b: await long_step_terms(graph.driver, model, urls, b, seq_len // 2, curve, trips[n],
-                                              r_of["fp16"]) for b in sorted({check, max(batches)})}
+                                              r_of["fp16"], floor=False, s_part_now=s_part_now)
+                     for b in sorted({check, max(batches)})}
             situ[n] = ({b * (seq_len // 2 + 3) // n: r for b, (r, _) in terms.items()}, terms[check][1])
             r_situ = situ[n][0]
             probe = max(2, check // 2)

@@ -587,18 +587,25 @@ async def step_costs(driver, model, r_workers: list[str], rows: list[int], t_of_
 
 
 async def long_step_terms(driver, model, r_workers: list[str], batch: int, context: int, t_of_b: dict[int, float],
-                          costs: dict[int, AskCost], r_kernel: float) -> tuple[float, float]:
+                          costs: dict[int, AskCost], r_kernel: float, floor: bool = True,
+                          s_part_now: Callable[[int], float] | None = None) -> tuple[float, float]:
     """(R in situ, the S-worker's CPU per KV entry streamed) from one unpipelined probe of `batch` sequences at
     `context` entries on the R-workers at `r_workers`: the busiest R-worker's CPU beyond its asks per entry it
-    holds (a real R-worker's blocks, its peers attending at the same time; the kernel alone on a fresh pool,
-    `r_kernel`, is the floor), and the S-worker's CPU beyond T(B) and its asks per entry all R-workers hold."""
+    holds (a real R-worker's blocks, its peers attending at the same time), and the S-worker's CPU beyond T(B) and
+    its asks per entry all R-workers hold (T(B) read right before and after the probe with `s_part_now`, as in
+    `step_costs`). With `floor` the kernel alone on a fresh pool, `r_kernel`, bounds R from below; without, it
+    only stands in where the probe gives no positive value (the fresh pool read 1945-2548 ns per entry over six
+    runs here, and real R-workers' steps 1.9-2.3 us, so in four of them the floor replaced the in-situ value)."""
     p = len(r_workers)
     layers = model.config.n_layers
     ask = interpolate_cost(costs, batch / p)
+    before = s_part_now(batch) if s_part_now else 0.0
     _, s_cpu, r_cpus, held = await probe_step(driver, model, r_workers, [context] * batch, name=f"long-probe-{p}")
+    s_part = (before + s_part_now(batch)) / 2 if s_part_now else interpolate(t_of_b, batch)
     r_cpu = max(r_cpus)
-    r_situ = max(r_kernel, (r_cpu - layers * ask.r) / (held / p))
-    s_per_token = max(0.0, (s_cpu - interpolate(t_of_b, batch) - layers * p * ask.s) / held)
+    situ = (r_cpu - layers * ask.r) / (held / p)
+    r_situ = max(r_kernel, situ) if floor else (situ if situ > 0 else r_kernel)
+    s_per_token = max(0.0, (s_cpu - s_part - layers * p * ask.s) / held)
     return r_situ, s_per_token
 
 
