@@ -169,8 +169,11 @@ def predict_step(t_of_b: dict[int, float], r_per_token: float | dict[int, float]
     s_cpu = s_part + asks * ask.s + s_per_token * kv_tokens
     s_worker = s_cpu + (asks * ask.wait if pipelined else 0.0)
     r_each = attention / workers + n_layers * groups * ask.r
-    # R-workers on cores of their own run side by side only as far as those cores go; sharing, see all_over_cores
-    side_by_side = min(workers, r_cores or cores)
+    # R-workers on cores of their own run side by side only as far as those cores go; sharing, see all_over_cores.
+    # A fractional effective count means slower cores, not fewer: R in situ is measured with the R-workers attending
+    # at once, so their slow-down side by side is in it already (dividing by 1.49 effective cores instead of 2
+    # priced a time-shared step at 1.29x its measured time)
+    side_by_side = min(workers, r_cores or math.ceil(cores - 1e-9))
     r_worker = r_each * workers / min(workers, r_cores) if r_cores else r_each
     # a mini-batch waits for its own S-side work, then per layer for its R-workers (side by side as far as there
     # are cores for them) and the wait of the ask

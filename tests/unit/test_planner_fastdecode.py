@@ -87,6 +87,11 @@ def test_step_is_the_largest_bound_with_communication_and_shared_cores():
     # ...and on one core the two R-workers' work cannot run side by side
     one_core = predict_step(CURVE, 2e-6, TRIP, 30, 256, 131072, 2, False, cores=1)
     assert one_core.chain == pytest.approx(CURVE[256] + 30 * (2 * c.s + 2 * c.r + c.wait) + attention)
+    # 1.5 effective cores are two slower cores: the two R-workers still attend side by side in the chain (their
+    # slow-down is in R in situ), while all the work over the cores is divided by 1.5
+    slower = predict_step(CURVE, 2e-6, TRIP, 30, 256, 131072, 2, False, cores=1.5)
+    assert slower.chain == pytest.approx(serial.chain)
+    assert slower.all_over_cores == pytest.approx((slower.s_worker + 2 * slower.r_worker) / 1.5)
     # the S-worker's CPU per KV entry the R-workers stream adds to its own work
     streamed = predict_step(CURVE, 2e-6, TRIP, 30, 256, 131072, 2, True, cores=16, s_per_token=1e-9)
     assert streamed.s_worker == pytest.approx(free.s_worker + 131072e-9)
