@@ -103,6 +103,8 @@ class _Request:
     staged: int = 0
     # a load-test sequence: its R-worker holds zeros instead of pulling KV, nobody receives its tokens
     synthetic: bool = False
+    # tokens of its output already told to its client
+    sent: int = 0
 
 
 class SWorker(Actor):
@@ -248,6 +250,9 @@ class SWorker(Actor):
                 await self._step()
             except RWorkerLost as exc:  # re-place its sequences at the top of the loop, then repeat the step
                 self._lose(exc.worker, str(exc.__cause__))
+                # a mini-batch that sampled before the other one failed (its rows all on survivors): its tokens
+                # go out now, the repeated step feeds them
+                await self._send(list(self._live.values()))
             except Exception as exc:
                 _log().exception("decode step failed", worker=self.name, batch=len(self._live), step=self.step_no)
                 for req in list(self._live.values()):
@@ -320,11 +325,11 @@ class SWorker(Actor):
         for req in reqs:
             req.staged = len(req.seq.prompt)
             self.staging.reserve(req.seq, req.staged)
-        tokens = runner.prefill_into(self.model, self.staging, seqs)
+        runner.prefill_into(self.model, self.staging, seqs)
         self._started_now += len(reqs)
         for req in reqs:
             self._live[req.seq.request_id] = req
-        await self._send(reqs, [[t] for t in tokens])
+        await self._send(reqs)
         await asyncio.gather(*(self._admit(req) for req in reqs if req.seq.finish is None))
 
     async def _admit(self, req: _Request) -> None:
@@ -412,22 +417,26 @@ class SWorker(Actor):
         held = sum(r.seq.length for r in live)
         started, cpu = time.perf_counter(), time.process_time()
         pipeline = self.config.pipeline and len(rows) >= self.config.pipeline_min_batch
-        tokens = await decode_step(self.model, self.workers, rows, pipeline,
-                                   lambda indices, logits: runner.sample_next([live[i].seq for i in indices], logits))
+        await decode_step(self.model, self.workers, rows, pipeline,
+                          lambda indices, logits: runner.sample_next([live[i].seq for i in indices], logits))
         ended = time.perf_counter()
         self._trace.append((ended - started, len(live), held, self._started_now, ended, time.process_time() - cpu))
         self._started_now = 0
-        await self._send(live, [[t] for t in tokens])
+        await self._send(live)
         self.step_no += 1
         if self.schedule is not None:
             self.schedule.advance(self.step_no)
 
-    async def _send(self, reqs: list[_Request], tokens: list[list[int]]) -> None:
-        """Tell each request's client its new tokens; release the sequences that finished."""
+    async def _send(self, reqs: list[_Request]) -> None:
+        """Tell each request's client the tokens sampled since it was last told; release the sequences that
+        finished. (By what was sampled, not by a step's result: a step that fails after one mini-batch sampled
+        returns nothing, yet those tokens are in the sequences and the repeated step goes on from them.)"""
         by_dest: dict[ActorRef, list[Delta]] = defaultdict(list)
-        for req, toks in zip(reqs, tokens):
-            if req.reply_to is not None:
-                by_dest[req.reply_to].append(Delta(req.seq.request_id, toks, req.seq.finish))
+        for req in reqs:
+            output = req.seq.output
+            if req.reply_to is not None and len(output) > req.sent:
+                by_dest[req.reply_to].append(Delta(req.seq.request_id, output[req.sent:], req.seq.finish))
+            req.sent = len(output)
         for dest, deltas in by_dest.items():
             await dest.tell(Tokens(deltas, self.name))
         for req in reqs:
