@@ -16,6 +16,16 @@ paired median). Rows whose KV is smaller than the 1 GiB array are also paired wi
 array of the KV's own size (read_same_gbs, pct_read_same): the 48 MiB rows are read partly from L3, faster than
 DRAM, by the kernel and by that probe alike.
 
+Compute alone: each row also times the kernel on a KV of about 1 MiB that stays in the core's L2 (32 sequences
+whose tables name the same blocks), on 1 thread (hot_fp16_1t_gbs, hot_int8_1t_gbs, a one-token call subtracted),
+and divides the 1-thread read bandwidth by it (alu_share_fp16 / _int8): the share of a core's time the kernel's
+arithmetic needs to keep up with memory. Near 1 the kernel cannot reach the read bandwidth whatever the prefetch
+does; at 0.5-0.6 it reaches it only while the memory work and the arithmetic overlap almost perfectly, and loses
+first when a neighbour slows the core. The fp16 floor is set by the two vector ports: vcvtph2ps takes both ports'
+slots for one cycle per 16 values (measured here, register and memory forms alike, as 2 FMAs would), and GQA 3 at
+d=64 adds 3 FMAs per converted K and V vector: 640 port slots per 16 tokens of one kv head, ~32 GB/s per core at
+2.4 GHz before the softmax, against ~14 GB/s of memory per core.
+
 Block tables are contiguous per sequence (what a freshly admitted batch gets from BlockAllocator); the
 fp16 2-thread figure is also given for shuffled tables (a fragmented pool). Shapes whose fp16 KV exceeds
 --max-gib are run with a smaller batch (marked "capped"): the Llama shapes at 4096 x 256 need 17 GiB per
@@ -39,7 +49,8 @@ BLOCK = 16
 COLUMNS = ["shape", "batch", "ctx", "run_batch", "kv_mib", "read_1t_gbs", "fp16_1t_gbs", "pct_read_1t", "read_gbs",
            "fp16_gbs", "pct_read", "pct_read_best", "read_same_gbs", "pct_read_same", "fp16_shuf_gbs", "pct_read_shuf",
            "fp16_tok_s", "int8_tok_s", "int8_x_fp16", "int8_x_fp16_paired", "sdpa_bf16_tok_s", "sdpa_fp32_tok_s",
-           "x_sdpa_bf16", "x_sdpa_fp32", "sdpa_bf16_gbs", "sdpa_fp32_gbs", "ceil_x_sdpa_bf16", "ceil_x_sdpa_fp32"]
+           "x_sdpa_bf16", "x_sdpa_fp32", "sdpa_bf16_gbs", "sdpa_fp32_gbs", "ceil_x_sdpa_bf16", "ceil_x_sdpa_fp32",
+           "hot_fp16_1t_gbs", "hot_int8_1t_gbs", "alu_share_fp16", "alu_share_int8"]
 
 
 def add_arguments(parser) -> None:
@@ -147,6 +158,40 @@ def kernel_figures(row: dict, shape: tuple, n_threads: int, big: np.ndarray, rou
     row["int8_x_fp16_paired"] = paired_ratio([g / int8[1] for g in int8_r], [g / fp16[1] for g in fp16_r])
 
 
+HOT_BYTES = 1 << 20  # fp16 KV of the compute-alone figure: fits one core's L2 with room to spare
+HOT_SEQS = 32  # sequences reading it per call (the call overhead then ~3 % of the call)
+
+
+def _per_call(fn, reps: int, calls: int) -> float:
+    """Best over reps of the mean time of `calls` back-to-back calls."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def hot_figures(row: dict, n_q: int, n_kv: int, d: int, reps: int) -> None:
+    """The kernel's arithmetic alone: HOT_SEQS sequences whose block tables all name the same blocks, an fp16 KV
+    of ~HOT_BYTES that stays in L2, on 1 thread, fp16 and int8 storage: GB/s of KV bytes read, with the time of a
+    one-token call of the same batch (Python and dispatch overhead) subtracted; alu_share_* = the row's 1-thread
+    read bandwidth / that rate."""
+    ctx = max(BLOCK, HOT_BYTES // (n_kv * d * 2 * 2) // BLOCK * BLOCK)
+    q = np.random.default_rng(1).standard_normal((HOT_SEQS, n_q, d)).astype(np.float32)
+    for dtype in ("fp16", "int8"):
+        k, v, scales, tables = _cache(1, ctx, n_kv, d, dtype)
+        full, nbytes = kernel(k, v, scales, np.repeat(tables, HOT_SEQS, axis=0), q, 1)
+        empty, _ = kernel(k, v, scales, np.repeat(tables[:, :1], HOT_SEQS, axis=0), q, 1)
+        t_empty = _per_call(empty, reps, 20)
+        t_full = _per_call(full, reps, 5)
+        rate = HOT_SEQS * nbytes / max(t_full - t_empty, 1e-9) / 1e9
+        row[f"hot_{dtype}_1t_gbs"] = rate
+        row[f"alu_share_{dtype}"] = row["read_1t_gbs"] / rate
+
+
 def sdpa(batch, ctx, n_q, n_kv, d, dtype, n_threads, reps) -> float:
     """tokens/s of torch SDPA, the faster of enable_gqa=True and folding a group's q heads into the query axis."""
     import torch
@@ -241,6 +286,7 @@ def run(args) -> dict:
                "kv_mib": round(run_batch * per_seq / 2**20)}
         s = (run_batch, ctx, n_q, n_kv, d)
         kernel_figures(row, s, nt, buf, rounds)
+        hot_figures(row, n_q, n_kv, d, reps + 2)
         gc.collect()
         row["sdpa_bf16_tok_s"] = sdpa(*s, "bf16", nt, reps)
         row["sdpa_fp32_tok_s"] = sdpa(*s, "fp32", nt, reps)
@@ -268,6 +314,11 @@ def run(args) -> dict:
         print(f"ceiling vs SDPA {name}: at 100 % of the {nt}-thread read bandwidth the fp16 kernel would reach "
               f"{r[f'ceil_x_sdpa_{name}']:.2f}x on {r['shape']} {r['batch']}x{r['ctx']} "
               f"(SDPA {name} reads {r[f'sdpa_{name}_gbs']:.1f} GB/s of {r['read_gbs']:.1f})")
+    for dtype in ("fp16", "int8"):
+        r = max(rows, key=lambda r: r[f"alu_share_{dtype}"])
+        print(f"{dtype} arithmetic alone (KV in L2, 1 thread): {min(x[f'hot_{dtype}_1t_gbs'] for x in rows):.1f}-"
+              f"{max(x[f'hot_{dtype}_1t_gbs'] for x in rows):.1f} GB/s; at the 1-thread read bandwidth it needs up to "
+              f"{100 * r[f'alu_share_{dtype}']:.0f} % of the core ({r['shape']} {r['batch']}x{r['ctx']})")
     return {
         "isa": attention.isa(),
         "threads": nt,
@@ -286,4 +337,6 @@ def run(args) -> dict:
         "ratio_int8_vs_fp16_paired": min(r["int8_x_fp16_paired"] for r in rows),
         "ceiling_fp16_vs_sdpa_bf16": ceil_bf16["ceil_x_sdpa_bf16"],
         "ceiling_fp16_vs_sdpa_fp32": ceil_fp32["ceil_x_sdpa_fp32"],
+        "alu_share_fp16_max": max(r["alu_share_fp16"] for r in rows),
+        "alu_share_int8_max": max(r["alu_share_int8"] for r in rows),
     }
