@@ -1,4 +1,5 @@
 """The native skinny GEMM (aiollm.model.gemm) against a float64 reference, on awkward shapes."""
+import itertools
 import os
 import subprocess
 import sys
@@ -153,7 +154,7 @@ def test_slabs_hand_out_aligned_disjoint_ranges_and_start_new_slabs_on_2mib_boun
     taken = [slabs.take(n) for n in sizes]
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel()) for t in taken)
     assert all(t.numel() == n and t.data_ptr() % 64 == 0 for t, n in zip(taken, sizes))
-    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
     assert taken[3].data_ptr() % (2 << 20) == 0  # 5 MiB does not fit the 4 MiB slab: a slab of its own
     for i, t in enumerate(taken):
         t.fill_(i)
