@@ -39,6 +39,7 @@ import torch
 from aiollm.kv.attention import read_sum
 from aiollm.model import load
 from aiollm.model.engine import ColocatedEngine
+from aiollm.model.fused_ops import seconds_buffer
 from aiollm.model.gemm import PackedWeight, gemm
 from aiollm.model.linear import linear
 from aiollm.model.loader import bundled_path
@@ -273,7 +274,8 @@ _STEP_COLUMNS = ["step_ms", "s_part_ms", "gemm_floor_ms", "attention_ms", "kv_re
 class StepTimers:
     """Where our generate call's time goes, measured in the timed run itself: timers wrap the engine's own
     calls (the model's pre_attention / post_attention / logits, the decode step's attention, sampling) as
-    instance attributes, ~0.5 us a call (~50 us of a 30-layer step, <0.1 % at batch >= 8). Per decode step:
+    instance attributes, ~0.5 us a call (~50 us of a 30-layer step, <0.1 % at batch >= 8); the one-call decode
+    path (model.decode_layers) adds the S-part and attention seconds its native loop measured. Per decode step:
     s_part_ms (norms, projections, RoPE, the K/V store, MLP, logits), attention_ms, sampling_ms, other_ms
     (the rest of the step: Python glue, block tables, embedding); prefill_ms for a generate call's whole prefill
     (the mean over the calls timed)."""
@@ -286,6 +288,17 @@ class StepTimers:
         model = engine.model
         for name in ("pre_attention", "post_attention", "logits"):
             setattr(model, name, self._timed(getattr(model, name), "s_part"))
+        # the fused decode path runs every layer in one native call, which times its S-part and attention itself
+        decode_layers, seconds = model.decode_layers, seconds_buffer()
+
+        def timed_decode_layers(*args, **kwargs):
+            seconds[0] = seconds[1] = 0.0
+            h = decode_layers(*args, **kwargs, seconds=seconds)
+            if h is not None and self._in_step:
+                self.spent["s_part"] += seconds[0]
+                self.spent["attention"] += seconds[1]
+            return h
+        model.decode_layers = timed_decode_layers
         engine._append = self._timed(engine._append, "sampling")
         engine._prefill = self._timed(engine._prefill, "prefill", always=True)
         engine._decode_step = self._timed(engine._decode_step, "step", always=True, marks_step=True)
@@ -314,7 +327,7 @@ class StepTimers:
 
     def remove(self) -> None:
         """Back to the class methods."""
-        for obj, names in ((self.engine.model, ("pre_attention", "post_attention", "logits")),
+        for obj, names in ((self.engine.model, ("pre_attention", "post_attention", "logits", "decode_layers")),
                            (self.engine, ("_append", "_prefill", "_decode_step")),
                            (self.engine.pool, ("prepare_decode",))):
             for name in names:

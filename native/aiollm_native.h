@@ -157,6 +157,27 @@ int aiollm_layer_pre_kv(const void *h, int64_t n_rows, int32_t hidden, const voi
 int aiollm_layer_post(const void *h, const void *attn, void *h_out, int64_t n_rows, int32_t hidden, int32_t q_size,
                       int32_t ffn, const void *w_o, const void *norm_weight, float eps, const void *w_gate_up,
                       const void *w_down, void *xn, void *gate_up, void *act, int32_t dtype, int32_t n_threads);
+/* A decode step's layers in one call: per layer aiollm_layer_pre_kv (q into q, fp32 [n_rows, n_q_heads *
+ * head_dim]; k, v stored at slots in the layer's cache kv), aiollm_decode_attention (into attn_out, of dtype,
+ * attn_threads threads) and aiollm_layer_post with h_out = h: h [n_rows, hidden] is updated in place. Same
+ * bits as the three calls made one by one. xn, qkv, gate_up, act: scratch as for those calls. seconds: NULL or
+ * double[2] to which the S-part halves' and the attention calls' wall seconds are added. */
+typedef struct {
+    const void *attn_norm;
+    const void *w_qkv;
+    const void *w_o;
+    const void *mlp_norm;
+    const void *w_gate_up;
+    const void *w_down;
+    const aiollm_kv_layer *kv;
+} aiollm_decode_layer;
+int aiollm_decode_layers(void *h, int64_t n_rows, int32_t n_layers, const aiollm_decode_layer *layers,
+                         int32_t hidden, int32_t n_qkv, int32_t ffn, float eps, int32_t n_q_heads, int32_t n_kv_heads,
+                         int32_t head_dim, const int64_t *positions, const void *cos, const void *sin,
+                         int64_t n_positions, const int64_t *slots, const int32_t *block_tables, int32_t max_blocks,
+                         const int32_t *seq_lens, float scale, void *xn, void *qkv, float *q, void *attn_out,
+                         void *gate_up, void *act, int32_t dtype, int32_t n_threads, int32_t attn_threads,
+                         double *seconds);
 
 /* ---- skinny GEMM: y[m, n] = x[m, k] . W[n, k]^T (+ residual[m, n]), W packed once (native/gemm*.c) ----
  * dtype AIOLLM_DT_F32 (fp32 math, AVX-512F + FMA) or AIOLLM_DT_BF16 (bf16 x, W, residual and y; fp32

@@ -66,6 +66,7 @@ class LlamaModel:
             isinstance(m, PackedWeight) and m.dtype == dtype and w.attn_norm.dtype == w.mlp_norm.dtype == dtype
             for w in weights.layers for m in (w.qkv, w.o, w.gate_up, w.down))
         self._qkv_heads = (config.n_heads, config.n_kv_heads, config.n_kv_heads)
+        self._decode_layer_weights: list | None = None  # decode_layers' per-layer weights, gathered on first use
 
     # ---- S-part -------------------------------------------------------------------------------------
 
@@ -123,6 +124,25 @@ class LlamaModel:
         h = linear_add(attn, w.o, h)
         gate_up = linear(rms_norm(h, w.mlp_norm, self.config.rms_eps), w.gate_up)
         return linear_add(silu_mul(gate_up), w.down, h)
+
+    def decode_layers(self, h: torch.Tensor, rope: Rotation, kv_step, block_tables, seq_lens, q_out: torch.Tensor,
+                      attn_out: torch.Tensor, n_threads: int | None = None, seconds=None) -> torch.Tensor | None:
+        """Every layer of a decode step (pre_attention, decode attention over kv_step, post_attention) in one
+        native call (`fused_ops.decode_layers`, same bits as the per-layer calls); h is updated in place and
+        returned. None (nothing done) where the layers are not on the fused path or the buffers do not fit it:
+        the caller then runs the layers one by one. q_out fp32 and attn_out of the model dtype, both
+        [n, n_heads, head_dim]; n_threads: attention threads; seconds as for `fused_ops.decode_layers`."""
+        if not (self._fused_layers and h.dtype == self.dtype and attn_out.dtype == self.dtype
+                and q_out.dtype == torch.float32 and h.is_contiguous()):
+            return None
+        c = self.config
+        layers = self._decode_layer_weights
+        if layers is None:
+            layers = self._decode_layer_weights = [(w.attn_norm, w.qkv, w.o, w.mlp_norm, w.gate_up, w.down)
+                                                   for w in self.weights.layers]
+        return fused_ops.decode_layers(h, layers, c.rms_eps, c.n_heads, c.n_kv_heads, c.head_dim, rope.positions,
+                                       rope.table.cos, rope.table.sin, kv_step, block_tables, seq_lens, q_out,
+                                       attn_out, attn_threads=n_threads, seconds=seconds)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm and output projection: fp32 logits [n, vocab]."""

@@ -93,3 +93,47 @@ def test_generate_command_prints_greedy_completion(tiny, capsys, kv_dtype):
     assert main(["--model", str(directory), "--prompt", text, "--chat", "--max-tokens", "2"]) == 0
     assert main(["--model", str(directory), "--prompt", text, "--top-p", "2"]) == 2
     assert "top_p" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, "fp32"), (torch.float32, "int8"), (torch.bfloat16, "fp16")])
+def test_one_call_decode_step_equals_the_per_layer_step(tiny, dtype, kv_dtype):
+    """decode_logits runs every layer in one native call (model.decode_layers); the per-layer Python path it
+    replaced must give the same logits and the same KV cache, bit for bit."""
+    import numpy as np
+
+    from aiollm.kv.blocks import BlockAllocator, BlockTable
+    from aiollm.kv.pool import KVConfig, KVPool
+    from aiollm.model.decode import decode_logits
+    _, _, directory = tiny
+    model = aiollm.model.load(directory, dtype=dtype)
+    c = model.config
+    lengths = [5, 37, 1, 11]  # tokens cached before the step
+    results = []
+    for fused in (True, False):
+        pool = KVPool(KVConfig(n_layers=c.n_layers, n_blocks=16, block_size=16, n_kv_heads=c.n_kv_heads,
+                               head_dim=c.head_dim, dtype=kv_dtype))
+        table = BlockTable(BlockAllocator(16), 16)
+        ids = list(range(len(lengths)))
+        slots = table.append_batch(ids, lengths)
+        gen = torch.Generator().manual_seed(1)
+        for layer in range(c.n_layers):
+            k, v = (torch.randn(len(slots), c.n_kv_heads, c.head_dim, generator=gen) for _ in range(2))
+            pool.write(layer, torch.from_numpy(slots), k, v)
+        step_slots = table.append_batch(ids, [1] * len(ids))
+        ran = []
+        if fused:  # record that the one-call path really ran
+            model.decode_layers = lambda *args, real=model.decode_layers, ran=ran, **kwargs: \
+                ran.append(real(*args, **kwargs)) or ran[-1]
+        else:
+            model.decode_layers = lambda *args, **kwargs: None  # the per-layer path
+        try:
+            with torch.inference_mode():
+                logits = decode_logits(model, pool, [3, 50, 7, 99], lengths, step_slots, table.block_tables(ids),
+                                       table.seq_lens(ids))
+        finally:
+            del model.decode_layers
+        assert not fused or (len(ran) == 1 and ran[0] is not None)
+        results.append((logits, [np.array(a, copy=True) for a in (pool.k, pool.v) if a is not None]))
+    (fused_logits, fused_kv), (layer_logits, layer_kv) = results
+    assert torch.equal(fused_logits, layer_logits)
+    assert all(np.array_equal(a, b) for a, b in zip(fused_kv, layer_kv))
