@@ -328,6 +328,12 @@ class DecodeStep:
         aiollm_layer_pre_kv). Valid while this step lives; the slots are checked, the descriptor is the pool's."""
         return self._desc(layer), self._slots_ptr, self.n_seqs
 
+    def native_attention_tables(self):
+        """(block tables `int32_t *`, max_blocks, sequence lengths `int32_t *`): this step's checked copies, for a
+        native call that runs the attention itself (the model's one-call decode step, aiollm_decode_layers).
+        Valid while this step lives."""
+        return self._tables_ptr, self._tables.shape[1], self._lens_ptr
+
     def attend(self, layer: int, q, out, *, scale: float | None = None, n_threads: int | None = None):
         """`decode_attention` of q fp32 [n_seqs, n_q_heads, head_dim] over layer `layer` into `out` (fp32,
         fp16 or bf16, contiguous, q's shape); returns out."""

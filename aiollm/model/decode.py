@@ -35,7 +35,7 @@ def decode_logits(model: LlamaModel, pool: KVPool, token_ids: Sequence[int], pos
         out_dtype = model.dtype if model.dtype in (torch.float32, torch.bfloat16) else torch.float32
         out = torch.empty((len(token_ids), c.n_heads, c.head_dim), dtype=out_dtype)  # every layer's output
         q32 = torch.empty((len(token_ids), c.n_heads, c.head_dim), dtype=torch.float32)  # every layer's q
-        if model.decode_layers(h, rope, step, block_tables, seq_lens, q32, out, n_threads) is not None:
+        if model.decode_layers(h, rope, step, q32, out, n_threads) is not None:
             return model.logits(h)  # every layer in one native call, h updated in place
         for layer in range(c.n_layers):
             q, _, _ = model.pre_attention(layer, h, positions, rope, q_out=q32, kv_step=step)  # K/V stored too

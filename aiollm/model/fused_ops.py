@@ -17,7 +17,6 @@ once per combination (fixed after load) and only the activations on every call: 
 import math
 import threading
 
-import numpy as np
 import torch
 
 from aiollm._native import ffi, lib
@@ -327,7 +326,7 @@ def seconds_buffer():
 
 
 def decode_layers(h: torch.Tensor, layers, eps: float, n_q_heads: int, n_kv_heads: int, head_dim: int,
-                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_step, block_tables, seq_lens,
+                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_step,
                   q: torch.Tensor, attn_out: torch.Tensor, n_threads: int | None = None,
                   attn_threads: int | None = None, seconds=None) -> torch.Tensor:
     """Every layer of a decode step in one native call: per layer `layer_pre` (q into `q`, k and v stored by
@@ -337,8 +336,7 @@ def decode_layers(h: torch.Tensor, layers, eps: float, n_q_heads: int, n_kv_head
     SmolLM2 fp32 batch-64 step (~8 %), while the OpenMP team waited. Same functions, same order, same bits.
     h [n, hidden] contiguous of the weights' dtype (updated and returned); layers: per layer (attn_norm, w_qkv,
     w_o, mlp_norm, w_gate_up, w_down); positions, cos, sin as for `layer_pre`; kv_step a `KVPool.prepare_decode`
-    step over these n rows, block_tables int32 [n, max_blocks] and seq_lens int32 [n] the arrays it was made
-    from; q fp32 [n, n_q_heads, head_dim] and attn_out [n, n_q_heads, head_dim] of h's dtype, contiguous.
+    step over these n rows (its checked block tables and lengths are the attention's); q fp32 [n, n_q_heads, head_dim] and attn_out [n, n_q_heads, head_dim] of h's dtype, contiguous.
     seconds: None, or a cffi double[2] to which the S-part halves' and the attention's wall seconds are added."""
     n = h.shape[0] if isinstance(h, torch.Tensor) and h.dim() == 2 else -1
     arr = ffi.new("aiollm_decode_layer[]", len(layers))
@@ -370,18 +368,14 @@ def decode_layers(h: torch.Tensor, layers, eps: float, n_q_heads: int, n_kv_head
                 q_size)
     _activation(attn_out.view(n, -1) if isinstance(attn_out, torch.Tensor) and attn_out.is_contiguous() else attn_out,
                 "attn_out", dtype, n, q_size)
-    tables = np.ascontiguousarray(np.asarray(block_tables), dtype=np.int32)
-    lens = np.ascontiguousarray(np.asarray(seq_lens), dtype=np.int32)
-    if tables.ndim != 2 or tables.shape[0] != n or lens.shape != (n,):
-        raise ValueError(f"block_tables, seq_lens: expected ({n}, max_blocks) and ({n},), got {tables.shape} and "
-                         f"{lens.shape}")
+    tables, max_blocks, lens = kv_step.native_attention_tables()
     size = h.element_size()
     xn_bytes, qkv_bytes, gate_up_bytes = _up64(n * hidden * size), _up64(n * n_qkv * size), _up64(n * 2 * ffn * size)
     base = _scratch(xn_bytes + qkv_bytes + gate_up_bytes + n * ffn * size)
     status = lib.aiollm_decode_layers(
         _ptr(h), n, len(layers), arr, hidden, n_qkv, ffn, eps, n_q_heads, n_kv_heads, head_dim,
         ffi.cast("int64_t *", positions.data_ptr()), p_cos, p_sin, n_positions, slots,
-        ffi.cast("int32_t *", tables.ctypes.data), tables.shape[1], ffi.cast("int32_t *", lens.ctypes.data),
+        tables, max_blocks, lens,
         1.0 / math.sqrt(head_dim), ffi.cast("void *", base), ffi.cast("void *", base + xn_bytes),
         ffi.cast("float *", q.data_ptr()), _ptr(attn_out), ffi.cast("void *", base + xn_bytes + qkv_bytes),
         ffi.cast("void *", base + xn_bytes + qkv_bytes + gate_up_bytes), code, n_threads or torch.get_num_threads(),

@@ -125,7 +125,7 @@ class LlamaModel:
         gate_up = linear(rms_norm(h, w.mlp_norm, self.config.rms_eps), w.gate_up)
         return linear_add(silu_mul(gate_up), w.down, h)
 
-    def decode_layers(self, h: torch.Tensor, rope: Rotation, kv_step, block_tables, seq_lens, q_out: torch.Tensor,
+    def decode_layers(self, h: torch.Tensor, rope: Rotation, kv_step, q_out: torch.Tensor,
                       attn_out: torch.Tensor, n_threads: int | None = None, seconds=None) -> torch.Tensor | None:
         """Every layer of a decode step (pre_attention, decode attention over kv_step, post_attention) in one
         native call (`fused_ops.decode_layers`, same bits as the per-layer calls); h is updated in place and
@@ -141,7 +141,7 @@ class LlamaModel:
             layers = self._decode_layer_weights = [(w.attn_norm, w.qkv, w.o, w.mlp_norm, w.gate_up, w.down)
                                                    for w in self.weights.layers]
         return fused_ops.decode_layers(h, layers, c.rms_eps, c.n_heads, c.n_kv_heads, c.head_dim, rope.positions,
-                                       rope.table.cos, rope.table.sin, kv_step, block_tables, seq_lens, q_out,
+                                       rope.table.cos, rope.table.sin, kv_step, q_out,
                                        attn_out, attn_threads=n_threads, seconds=seconds)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
