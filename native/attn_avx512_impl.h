@@ -42,11 +42,18 @@ T512 INLINE __m512 exp512_fast(__m512 x) {
  * in-process A/B from DRAM, medians of paired ratios to the read kernel (itself with the same two-level
  * prefetch, attn_avx512.c), 1 / 2 threads: SmolLM2 64 x 4096 0.85 -> 0.89 / 0.79 -> 0.86, 256 x 1024
  * 0.84 -> 0.93 / 0.83 -> 0.92, Llama 32 x 2048 0.81 -> 0.95 / 0.77 -> 0.86 (far 4 and 8 within noise; a burst
- * of far prefetches at each item's start gained nothing). int8 measured slower with a far level (SmolLM2
- * 64 x 4096 int8 / fp16 1.97 -> 1.82): it is compute-bound, the extra prefetches are extra instructions. */
+ * of far prefetches at each item's start gained nothing).
+ * int8 spreads its L1 requests PF_DIST_I8 tiles ahead over the score loop (below) and asks L2 for the whole K
+ * and V tiles PF_FAR_I8 ahead (the same bytes ahead as fp16's far level) once per tile. On a host whose memory
+ * gave a core ~14 GB/s the far level measured slower (SmolLM2 64 x 4096 int8 / fp16 1.97 -> 1.82: compute-bound,
+ * the prefetches were extra instructions); on one giving a core 22-31 GB/s the L1 level alone kept int8 at
+ * 1.0-1.3x fp16, latency-bound far below its in-L2 rate (~1.8x fp16), and the far level lifted it to 1.5-1.9x
+ * (alternating in-process A/B, 2 threads, SmolLM2 64 x 1024 / 256 x 1024 / 64 x 4096: 1.33 / 1.01 / 1.02 ->
+ * 1.93 / 1.50 / 1.55; far 8-32 tiles within noise of each other). */
 #define PF_NEAR 1
 #define PF_FAR 8
-#define PF_DIST_I8 4 /* int8 (compute-bound): one level, int8 tiles are half the bytes: 4 ahead into L1 */
+#define PF_DIST_I8 4
+#define PF_FAR_I8 16
 
 /* int8: each score-loop iteration that consumes `bytes` of this K tile asks for the same share of the K and V
  * tiles PF_DIST_I8 ahead, so one chunk's loop covers both next tiles. Asking for a whole tile at once at the
@@ -57,6 +64,14 @@ static inline void spread_prefetch(const char **pk, const char **pv, int64_t byt
         _mm_prefetch(*pv + o, _MM_HINT_T0);
     }
     *pk += bytes, *pv += bytes;
+}
+
+/* Ask L2 for `bytes` of a K tile and of a V tile. */
+static inline void prefetch_tiles_l2(const char *k, const char *v, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) {
+        _mm_prefetch(k + o, _MM_HINT_T1);
+        _mm_prefetch(v + o, _MM_HINT_T1);
+    }
 }
 
 /* Prefetch `bytes` from *p (when set) with `hint`, and advance *p past them. */
@@ -454,6 +469,11 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                         pk = (const char *)kv->k + next, pv = (const char *)kv->v + next;
                         _mm_prefetch((const char *)(kv->k_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
                         _mm_prefetch((const char *)(kv->v_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
+                    }
+                    const int32_t fblk = (t0 + PF_FAR_I8) / NH, fh = h0 + (t0 + PF_FAR_I8) % NH;
+                    if (c == 0 && fblk < n_used) {
+                        const int64_t far = kv_tile(kv, table[fblk], fh) * es;
+                        prefetch_tiles_l2((const char *)kv->k + far, (const char *)kv->v + far, (int64_t)D * BS);
                     }
                 } else {
                     const int32_t nb = (t0 + PF_NEAR) / NH, fb = (t0 + PF_FAR) / NH;
