@@ -21,12 +21,13 @@ whose tables name the same blocks), on 1 thread (hot_fp16_1t_gbs, hot_int8_1t_gb
 and divides the 1-thread read bandwidth by it (alu_share_fp16 / _int8): the share of a core's time the kernel's
 arithmetic needs to keep up with memory. Near 1 the kernel cannot reach the read bandwidth whatever the prefetch
 does; at 0.5-0.6 it reaches it only while the memory work and the arithmetic overlap almost perfectly, and loses
-first when a neighbour slows the core. The fp16 floor is the FMAs: GQA 3 at d=64 needs 384 zmm FMAs per 16 tokens
-of one kv head (3 per K and per V vector of 16 values, 1.5 multiply-adds per KV byte); this core (Zen 4, 3.5 GHz)
-issues one zmm FMA per cycle, so ~37 GB/s per core before the softmax. The conversions ride beside the FMAs: a
-loop of 12 independent zmm FMAs ran at the same speed with 0-3 vcvtph2ps (memory form) added per 12 FMAs and ~10 %
-slower with 4 (the kernel's mix is 1 per 3 FMAs), so the conversions cost ~10 %, not the two FMA slots each that
-an earlier note here gave them.
+first when a neighbour slows the core. The fp16 floor depends on the host. GQA 3 at d=64 needs 384 zmm FMAs per 16
+tokens of one kv head (3 per K and per V vector of 16 values, 1.5 multiply-adds per KV byte) and 128 vcvtph2ps. On
+the Intel hosts (AMX) of earlier sessions vcvtph2ps took both FMA ports for a cycle per 16 values, as 2 FMAs do:
+640 port slots, ~32 GB/s per core at 2.4 GHz against ~14 GB/s of memory per core. On the AMD Zen 4 host of
+2026-12-01 (3.5 GHz, one zmm FMA per cycle, 22-31 GB/s of memory per core) the conversions ride beside the FMAs
+(a loop of 12 independent zmm FMAs ran at the same speed with 0-3 vcvtph2ps added per 12 FMAs and ~10 % slower
+with 4, the kernel's mix): ~37 GB/s per core before the softmax, about one core's read bandwidth with it.
 
 Block tables are contiguous per sequence (what a freshly admitted batch gets from BlockAllocator); the
 fp16 2-thread figure is also given for shuffled tables (a fragmented pool). Shapes whose fp16 KV exceeds
