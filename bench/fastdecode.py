@@ -376,8 +376,9 @@ def _baselines_part(model, seq_len: int, cores: int, quick: bool, no_transformer
     figures.update(colocated=colocated_rows, colocated_best_tokens_per_s=colocated["tokens_per_s"])
     if no_transformers:
         return
-    # fp32 at B=16 only: at B=64 it ran 1.4x slower than bf16 (its prefill of 64 x 512 tokens alone took ~1 min)
-    configs = [("bf16", 16)] if quick else [("bf16", 16), ("bf16", 64), ("fp32", 16)]
+    # both dtypes at both batches: which is faster depends on the host (bf16 1.4x faster at B=64 with AMX; on an
+    # AVX-512 host without AMX fp32 led bf16 at B=16 by 1.2x, 80 vs 67 tokens/s)
+    configs = [("bf16", 16)] if quick else [("bf16", 16), ("bf16", 64), ("fp32", 16), ("fp32", 64)]
     hf_rows = _transformers(seq_len, configs, threads)
     torch.set_num_threads(1)
     print(f"\n-- transformers generate, prompts of S/2 tokens (each generate times its first half of decode "
