@@ -408,10 +408,11 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
     previous = _pin(s_cpus)
     try:
         curve = _t_of_b(model, sorted({1, batch, *(max(1, batch // d) for d in (2, 4))}))
-        out = uvloop.run(_traces(model, batch, args, curve, r_cpus, 512 if quick else 1024, len(earlier) // 2))
+        longest = max(512 if quick else 1024, args.trace_seq_len or 0)  # a given S may lie past the default
+        out = uvloop.run(_traces(model, batch, args, curve, r_cpus, longest, len(earlier) // 2))
     finally:
         _pin(previous)
-    traces, trips, r_situ, seq, schedule, price, windows, overlap, price_perfect = out
+    traces, trips, r_situ, seq, balance, schedule, price, windows, overlap, price_perfect = out
     stamp = time.strftime("%H:%M UTC", time.gmtime())
     summary = earlier + [{**_summarise(name, trace, *window), "run": stamp}
                          for (name, trace), window in zip(traces, windows)]
@@ -443,7 +444,7 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
     _plot(dict(traces[:2]), windows[0][0], args.plot, title)
     print(f"wrote {args.plot}")
     figures.update(sls=summary, sls_pairs_tokens_ratio=pairs, sls_batch=batch, sls_seq_len=seq,
-                   sls_micro_batch_arg=args.trace_micro_batch,
+                   sls_micro_batch_arg=args.trace_micro_batch, sls_balanced_seq_len=balance,
                    sls_interval=schedule.interval, sls_micro_batch=schedule.micro_batch_size,
                    sls_workload_limit=schedule.limit, sls_s_cpus=sorted(s_cpus), sls_r_cpus=r_cpus,
                    sls_r_per_token_s=r_situ, sls_ask_cost_ms={str(b): {"s": 1e3 * t.s, "r": 1e3 * t.r, "wait": 1e3 * t.wait}
@@ -501,6 +502,7 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
                           if 2.3 * (s - PROMPT_LEN) * price(batch * (PROMPT_LEN + s) / 2) * args.trace_repeats
                           <= args.trace_budget), default=64)
         seq = args.trace_seq_len or balanced_seq_len(price, batch, PROMPT_LEN, affordable)
+        balance = balanced_seq_len(price, batch, PROMPT_LEN, 8192)  # where the gain peaks, whatever it costs
         schedule = _trace_schedule(batch, seq, args.trace_micro_batch)
         life = seq - PROMPT_LEN
         ask = trips[max(1, batch // 2)]
@@ -511,7 +513,9 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
               f"{seq} (predicted gain {schedule_gain(price, batch, PROMPT_LEN, seq):.3f} with the measured "
               f"{overlap.explain()}; {schedule_gain(price_perfect, batch, PROMPT_LEN, seq):.3f} with a perfect "
               f"overlap; the balanced S searched up to {affordable}, the longest whose runs fit --trace-budget "
-              f"{args.trace_budget:.0f} s)", flush=True)
+              f"{args.trace_budget:.0f} s; unbounded, the step model balances at S = {balance}"
+              + ("" if balance <= affordable else ", beyond the budget: this trace cannot show the schedule's gain")
+              + ")", flush=True)
         window = schedule.interval * max(1, round(life / 4 / schedule.interval))
         traces, windows = [], []
         for rep in range(args.trace_repeats):
@@ -528,7 +532,7 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
                 windows.append((first, last))
                 print(f"   trace {name} the schedule: {steps} steps in {trace['ended'][-1] - trace['ended'][0]:.0f} s",
                       flush=True)
-    return traces, trips, r_situ, seq, schedule, price, windows, overlap, price_perfect
+    return traces, trips, r_situ, seq, balance, schedule, price, windows, overlap, price_perfect
 
 
 def _sls_gain_explained(traces: list, windows: list, price, batch: int, seq: int, figures: dict) -> None:

@@ -126,6 +126,8 @@ def test_schedule_gain_needs_a_step_convex_in_w():
     assert 1.2 < schedule_gain(step, 128, 16, 544) <= 1.25
     # ...and the S that balances is the one whose mean W sits at the knee
     assert balanced_seq_len(step, 128, 16, 1024) == pytest.approx(544, abs=16)
+    # a balance beyond the longest S allowed: the gain is flat at 1, and the longest S is the nearest to it
+    assert balanced_seq_len(step, 128, 16, 272) == 272
     with pytest.raises(ValueError):
         schedule_gain(step, 128, 600, 544)
 
