@@ -743,7 +743,7 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
             # R in situ at two loads per R-worker (the check batch and the largest at context S/2, as the rows'
             # spread contexts hold): per KV entry it rises with the KV an R-worker holds
             terms = {b: await long_step_terms(graph.driver, model, urls, b, seq_len // 2, curve, trips[n],
-                                              r_of["fp16"], floor=False, s_part_now=s_part_now)
+                                              r_of["fp16"], floor=False, s_part_now=s_part_now, repeats=3)
                      for b in sorted({check, max(batches)})}
             situ[n] = ({b * (seq_len // 2 + 3) // n: r for b, (r, _) in terms.items()}, terms[check][1])
             r_situ = situ[n][0]

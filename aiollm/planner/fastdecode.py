@@ -491,7 +491,7 @@ def measure_costs(model_name: str, rows: list[int], t_of_b: dict[int, float], r_
             p = max(workers)
             plain = await step_costs(graph.driver, model, urls[:p], [max(rows)], t_of_b, r_per_token)
             terms = await long_step_terms(graph.driver, model, urls[:p], p * max(rows), seq_len // 2, t_of_b,
-                                          plain, r_per_token)
+                                          plain, r_per_token, repeats=3)
             p, cores = min(workers), len(os.sched_getaffinity(0))
             batch = 2 * p * max(rows)
             context = balanced_context(lambda c: predict_step(t_of_b, terms[0], costs[p], model.config.n_layers,
@@ -593,25 +593,32 @@ async def step_costs(driver, model, r_workers: list[str], rows: list[int], t_of_
 
 async def long_step_terms(driver, model, r_workers: list[str], batch: int, context: int, t_of_b: dict[int, float],
                           costs: dict[int, AskCost], r_kernel: float, floor: bool = True,
-                          s_part_now: Callable[[int], float] | None = None) -> tuple[float, float]:
-    """(R in situ, the S-worker's CPU per KV entry streamed) from one unpipelined probe of `batch` sequences at
+                          s_part_now: Callable[[int], float] | None = None, repeats: int = 1) -> tuple[float, float]:
+    """(R in situ, the S-worker's CPU per KV entry streamed) from unpipelined probes of `batch` sequences at
     `context` entries on the R-workers at `r_workers`: the busiest R-worker's CPU beyond its asks per entry it
     holds (a real R-worker's blocks, its peers attending at the same time), and the S-worker's CPU beyond T(B) and
-    its asks per entry all R-workers hold (T(B) read right before and after the probe with `s_part_now`, as in
-    `step_costs`). With `floor` the kernel alone on a fresh pool, `r_kernel`, bounds R from below; without, it
-    only stands in where the probe gives no positive value (the fresh pool read 1945-2548 ns per entry over six
-    runs here, and real R-workers' steps 1.9-2.3 us, so in four of them the floor replaced the in-situ value)."""
+    its asks per entry all R-workers hold (T(B) read right before and after each probe with `s_part_now`, as in
+    `step_costs`); each the median over `repeats` probes (both are small residues of large CPU totals: one probe
+    read 3.3 us per entry and 345 ns of S-worker CPU per entry where the run before read 1.3 us and 0). With
+    `floor` the kernel alone on a fresh pool, `r_kernel`, bounds R from below; without, it only stands in where
+    the probes give no positive value (the fresh pool read 1945-2548 ns per entry over six runs here, and real
+    R-workers' steps 1.9-2.3 us, so in four of them the floor replaced the in-situ value)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     p = len(r_workers)
     layers = model.config.n_layers
     ask = interpolate_cost(costs, batch / p)
-    before = s_part_now(batch) if s_part_now else 0.0
-    _, s_cpu, r_cpus, held = await probe_step(driver, model, r_workers, [context] * batch, name=f"long-probe-{p}")
-    s_part = (before + s_part_now(batch)) / 2 if s_part_now else interpolate(t_of_b, batch)
-    r_cpu = max(r_cpus)
-    situ = (r_cpu - layers * ask.r) / (held / p)
+    situs, s_tokens = [], []
+    for i in range(repeats):
+        before = s_part_now(batch) if s_part_now else 0.0
+        _, s_cpu, r_cpus, held = await probe_step(driver, model, r_workers, [context] * batch,
+                                                  name=f"long-probe-{p}-{i}")
+        s_part = (before + s_part_now(batch)) / 2 if s_part_now else interpolate(t_of_b, batch)
+        situs.append((max(r_cpus) - layers * ask.r) / (held / p))
+        s_tokens.append(max(0.0, (s_cpu - s_part - layers * p * ask.s) / held))
+    situ = float(np.median(situs))
     r_situ = max(r_kernel, situ) if floor else (situ if situ > 0 else r_kernel)
-    s_per_token = max(0.0, (s_cpu - s_part - layers * p * ask.s) / held)
-    return r_situ, s_per_token
+    return r_situ, float(np.median(s_tokens))
 
 
 def effective_cores(cores: int, alone: list[float], together: list[list[float]]) -> float:
