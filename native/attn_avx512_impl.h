@@ -66,14 +66,6 @@ static inline void spread_prefetch(const char **pk, const char **pv, int64_t byt
     *pk += bytes, *pv += bytes;
 }
 
-/* Ask L2 for `bytes` of a K tile and of a V tile. */
-static inline void prefetch_tiles_l2(const char *k, const char *v, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) {
-        _mm_prefetch(k + o, _MM_HINT_T1);
-        _mm_prefetch(v + o, _MM_HINT_T1);
-    }
-}
-
 /* Prefetch `bytes` from *p (when set) with `hint`, and advance *p past them. */
 INLINE void prefetch_walk(const char **p, int64_t bytes, int hint) {
     if (!*p) return;
@@ -473,7 +465,9 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                     const int32_t fblk = (t0 + PF_FAR_I8) / NH, fh = h0 + (t0 + PF_FAR_I8) % NH;
                     if (c == 0 && fblk < n_used) {
                         const int64_t far = kv_tile(kv, table[fblk], fh) * es;
-                        prefetch_tiles_l2((const char *)kv->k + far, (const char *)kv->v + far, (int64_t)D * BS);
+                        const char *fk = (const char *)kv->k + far, *fv = (const char *)kv->v + far;
+                        prefetch_walk(&fk, (int64_t)D * BS, _MM_HINT_T1);
+                        prefetch_walk(&fv, (int64_t)D * BS, _MM_HINT_T1);
                     }
                 } else {
                     const int32_t nb = (t0 + PF_NEAR) / NH, fb = (t0 + PF_FAR) / NH;

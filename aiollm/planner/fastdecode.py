@@ -263,8 +263,8 @@ def schedule_gain(step: Callable[[float], float], batch: int, prompt: int, seq_l
 def balanced_seq_len(step: Callable[[float], float], batch: int, prompt: int, longest: int) -> int:
     """The S (a multiple of 16 up to `longest`) at which `schedule_gain` is largest: the unscheduled batch's
     mean W sits where the R-part starts to bind, so the S-part binds through the first half of its life and the
-    R-part through the second (FastDecode's balanced case, up to ~25 % with a sharp max). Gains equal to 1e-3
-    go to the longer S: where the S-part binds at every S up to `longest` (the balance lies beyond it) the gain is
+    R-part through the second (FastDecode's balanced case, up to ~25 % with a sharp max). Gains equal to within
+    1e-3 go to the longer S: where the S-part binds at every S up to `longest` (the balance lies beyond it) the gain is
     1.000 throughout, and the longest S is the one nearest the balance, not the shortest."""
     lengths = range(max(32, 2 * prompt), longest + 1, 16)
     if not lengths:
