@@ -49,9 +49,17 @@ T512 INLINE __m512 exp512_fast(__m512 x) {
  * the prefetches were extra instructions); on one giving a core 22-31 GB/s the L1 level alone kept int8 at
  * 1.0-1.3x fp16, latency-bound far below its in-L2 rate (~1.8x fp16), and the far level lifted it to 1.5-1.9x
  * (alternating in-process A/B, 2 threads, SmolLM2 64 x 1024 / 256 x 1024 / 64 x 4096: 1.33 / 1.01 / 1.02 ->
- * 1.93 / 1.50 / 1.55; far 8-32 tiles within noise of each other). */
+ * 1.93 / 1.50 / 1.55; far 8-32 tiles within noise of each other).
+ * Block tables that jump between single blocks (a shuffled pool) read ~20-25 % slower than contiguous ones on the
+ * Zen 4 host (SmolLM2, 32 x 1600, 1 thread: 1.32 vs 1.61-1.84 us per entry over 30 layers; runs of 2 blocks
+ * already recover most); far 16 / 32 or near 2 did not help (alternating builds: 8 was fastest). PF_NEAR and
+ * PF_FAR may be set at build time (CFLAGS=-DPF_FAR=n) for such tuning runs. */
+#ifndef PF_NEAR
 #define PF_NEAR 1
+#endif
+#ifndef PF_FAR
 #define PF_FAR 8
+#endif
 #define PF_DIST_I8 4
 #define PF_FAR_I8 16
 

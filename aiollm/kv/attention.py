@@ -334,6 +334,33 @@ class DecodeStep:
         Valid while this step lives."""
         return self._tables_ptr, self._tables.shape[1], self._lens_ptr
 
+    def write_attend(self, layer: int, qkv, out, *, scale: float | None = None, n_threads: int | None = None):
+        """`write` then `attend` from one packed qkv [n_seqs, n_q_heads + 2 * n_kv_heads, head_dim] (q heads, then
+        k, then v; rows may be strided, heads contiguous), the form an R-worker receives; returns out.
+
+        Why: an R-worker's ask is ~0.5 ms of Python around a kernel that takes ~0.1 ms at short contexts, and the
+        three views of qkv, their checks and the fp32 `.float()` were a fifth of it. Here qkv is checked once
+        and its k, v and (fp32) q are pointer offsets into it. bf16 / fp16 q heads are converted to fp32 first
+        (the kernel takes fp32 queries). Everything is checked before anything is stored."""
+        desc = self._desc(layer)
+        a = describe(qkv, "qkv")
+        check_dtype(a, "qkv", ("fp32", "fp16", "bf16"))
+        hk, d, n = desc.n_kv_heads, desc.head_dim, self.n_seqs
+        if len(a.shape) != 3 or a.shape[0] != n or a.shape[1] <= 2 * hk or a.shape[2] != d:
+            raise ValueError(f"qkv: expected shape ({n}, n_q_heads + 2 x {hk}, {d}), got {a.shape}")
+        check_contiguous(a, "qkv", from_dim=1)
+        hq = a.shape[1] - 2 * hk
+        oa, scale = self._checked_out(desc, hq, out, scale)
+        row = a.shape[1] * d if n == 1 else a.strides[0]
+        size = 4 if a.dtype == "fp32" else 2
+        _ensure(lib.aiollm_kv_write(desc, self._slots_ptr, n, ffi.cast("void *", a.ptr + hq * d * size), row,
+                                    ffi.cast("void *", a.ptr + (hq + hk) * d * size), row, _DT[a.dtype]))
+        if a.dtype == "fp32":
+            return self._run(desc, a.ptr, row, hq, oa, scale, n_threads, out)
+        q = qkv[:, :hq]
+        q = q.float().contiguous() if hasattr(q, "float") else np.ascontiguousarray(q, dtype=np.float32)
+        return self._run(desc, describe(q, "q").ptr, hq * d, hq, oa, scale, n_threads, out)
+
     def attend(self, layer: int, q, out, *, scale: float | None = None, n_threads: int | None = None):
         """`decode_attention` of q fp32 [n_seqs, n_q_heads, head_dim] over layer `layer` into `out` (fp32,
         fp16 or bf16, contiguous, q's shape); returns out."""
@@ -343,18 +370,26 @@ class DecodeStep:
         if len(qa.shape) != 3 or qa.shape[0] != self.n_seqs or qa.shape[2] != desc.head_dim:
             raise ValueError(f"q: expected shape ({self.n_seqs}, n_q_heads, {desc.head_dim}), got {qa.shape}")
         n_q_heads = qa.shape[1]
+        oa, scale = self._checked_out(desc, n_q_heads, out, scale)
+        check_contiguous(qa, "q", from_dim=1)
+        q_stride = qa.strides[0] if self.n_seqs > 1 else n_q_heads * desc.head_dim
+        return self._run(desc, qa.ptr, q_stride, n_q_heads, oa, scale, n_threads, out)
+
+    def _checked_out(self, desc, n_q_heads: int, out, scale: float | None):
+        """(out described, the softmax scale) once the head count and `out` are checked."""
         if n_q_heads % desc.n_kv_heads or n_q_heads // desc.n_kv_heads > MAX_GROUP:
             raise ValueError(f"q: expected n_q_heads a multiple of n_kv_heads={desc.n_kv_heads} with at most "
                              f"{MAX_GROUP} per group, got {n_q_heads}")
-        check_contiguous(qa, "q", from_dim=1)
         oa = describe(out, "out")
         check_dtype(oa, "out", ("fp32", "fp16", "bf16"))
-        check_shape(oa, "out", qa.shape)
+        check_shape(oa, "out", (self.n_seqs, n_q_heads, desc.head_dim))
         check_contiguous(oa, "out")
-        scale = 1.0 / math.sqrt(desc.head_dim) if scale is None else float(scale)
-        q_stride = qa.strides[0] if self.n_seqs > 1 else n_q_heads * desc.head_dim
+        return oa, 1.0 / math.sqrt(desc.head_dim) if scale is None else float(scale)
+
+    def _run(self, desc, q_ptr: int, q_stride: int, n_q_heads: int, oa, scale: float, n_threads: int | None, out):
+        """The kernel over checked fp32 q rows (at q_ptr, q_stride elements apart) into the checked `oa`."""
         _ensure(lib.aiollm_decode_attention(
-            desc, ffi.cast("float *", qa.ptr), q_stride, self.n_seqs, n_q_heads, self._tables_ptr,
+            desc, ffi.cast("float *", q_ptr), q_stride, self.n_seqs, n_q_heads, self._tables_ptr,
             self._tables.shape[1], self._lens_ptr, scale, ffi.cast("void *", oa.ptr), _DT[oa.dtype],
             _threads(n_threads)))
         return out

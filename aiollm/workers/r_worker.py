@@ -203,13 +203,10 @@ class RWorker(Actor):
         if q_heads <= 0:
             raise ValueError(f"Attend qkv: expected [rows, q heads + 2 x {kv_heads} KV heads, head_dim], got "
                              f"{list(qkv.shape)}")
-        decode = step[1]
-        # k and v are row-strided views of qkv: the KV write takes any token stride
-        decode.write(msg.layer, qkv[:, q_heads:q_heads + kv_heads], qkv[:, q_heads + kv_heads:])
-        # the kernel takes fp32 queries and writes fp32 or bf16 directly: bf16 in, bf16 back (half the bytes)
+        # the kernel writes fp32 or bf16 directly: bf16 in, bf16 back (half the bytes)
         out = torch.empty((qkv.shape[0], q_heads, qkv.shape[2]),
                           dtype=torch.bfloat16 if qkv.dtype == torch.bfloat16 else torch.float32)
-        decode.attend(msg.layer, qkv[:, :q_heads].float(), out, n_threads=self.threads)
+        step[1].write_attend(msg.layer, qkv, out, n_threads=self.threads)
         return Attended(out)
 
     @handler(Release)

@@ -99,3 +99,41 @@ def test_layer_calls_reject(pool, call, match):
     step = pool.prepare_decode(*_step_args())
     with pytest.raises(ValueError, match=match):
         call(step, np.zeros((2, H * G, D), np.float32), np.zeros((2, H, D), np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_write_attend_equals_write_then_attend(pool, dtype):
+    """One packed qkv [rows, q heads + k + v, d], rows strided as an R-worker's slice of a mini-batch is: the
+    same cache contents and the same output as `write` and `attend` of its three parts."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    pool.k[:] = rng.standard_normal(pool.k.shape, np.float32)
+    pool.v[:] = rng.standard_normal(pool.v.shape, np.float32)
+    other = KVPool(pool.config)
+    other.k[:], other.v[:] = pool.k, pool.v
+    step, ref = pool.prepare_decode(*_step_args()), other.prepare_decode(*_step_args())
+    wide = torch.from_numpy(rng.standard_normal((2, H * G + 2 * H + 1, D), np.float32))
+    wide = wide.to({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype])
+    qkv = wide[:, :H * G + 2 * H]  # rows one head wider than the packed heads: a row stride of its own
+    for layer in range(L):
+        got = step.write_attend(layer, qkv, torch.empty(2, H * G, D))
+        ref.write(layer, qkv[:, H * G:H * G + H], qkv[:, H * G + H:])
+        want = ref.attend(layer, qkv[:, :H * G].float(), torch.empty(2, H * G, D))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    np.testing.assert_array_equal(pool.k, other.k)
+    np.testing.assert_array_equal(pool.v, other.v)
+
+
+@pytest.mark.parametrize("qkv,match", [
+    (np.zeros((1, H * G + 2 * H, D), np.float32), r"qkv: expected shape \(2, n_q_heads \+ 2 x 2, 64\)"),
+    (np.zeros((2, 2 * H, D), np.float32), r"qkv: expected shape \(2, n_q_heads \+ 2 x 2, 64\), got \(2, 4, 64\)"),
+    (np.zeros((2, H * G + 2 * H, D), np.float64), "qkv: expected dtype fp32 or fp16 or bf16"),
+    (np.zeros((2, D, H * G + 2 * H), np.float32).transpose(0, 2, 1), "qkv: expected a contiguous from dim 1"),
+    (np.zeros((2, 7 + 2 * H, D), np.float32), "q: expected n_q_heads a multiple of n_kv_heads=2"),
+])
+def test_write_attend_rejects(pool, qkv, match):
+    step = pool.prepare_decode(*_step_args())
+    before = pool.k.copy()
+    with pytest.raises(ValueError, match=match):
+        step.write_attend(0, qkv, np.empty((2, qkv.shape[1] - 2 * H, D), np.float32))
+    np.testing.assert_array_equal(pool.k, before)  # checked before anything is stored
