@@ -400,11 +400,13 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
                            f"it needs 2 cores, this process may use {cpus}")
     s_cpus, r_cpus = set(cpus[:1]), cpus[1:]
     batch = args.trace_batch or (64 if quick else 128)
-    # runs of an earlier invocation merged in (--merge) with the same B, S and M pool with these: repeats across
-    # holds of the bench lock, which must be short; this invocation's pairs start with the other order
+    # runs of an earlier invocation merged in (--merge) with the same B, S and M and the same code pool with these:
+    # repeats across holds of the bench lock, which must be short; this invocation's pairs start with the other order
+    code = _code_stamp()
     earlier = [r for r in figures.get("sls", []) if args.trace_seq_len and figures.get("sls_batch") == batch
                and figures.get("sls_seq_len") == args.trace_seq_len
-               and figures.get("sls_micro_batch_arg") == args.trace_micro_batch]
+               and figures.get("sls_micro_batch_arg") == args.trace_micro_batch and code is not None
+               and r.get("code") == code]
     previous = _pin(s_cpus)
     try:
         curve = _t_of_b(model, sorted({1, batch, *(max(1, batch // d) for d in (2, 4))}))
@@ -412,9 +414,9 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
         out = uvloop.run(_traces(model, batch, args, curve, r_cpus, longest, len(earlier) // 2))
     finally:
         _pin(previous)
-    traces, trips, r_situ, seq, balance, schedule, price, windows, overlap, price_perfect = out
+    traces, trips, r_situ, seq, balance, schedule, price, windows, overlap, price_perfect, ceilings, s_per_token = out
     stamp = time.strftime("%H:%M UTC", time.gmtime())
-    summary = earlier + [{**_summarise(name, trace, *window), "run": stamp}
+    summary = earlier + [{**_summarise(name, trace, *window), "run": stamp, "code": code}
                          for (name, trace), window in zip(traces, windows)]
     if earlier:
         print(f"pooling with {len(earlier)} runs of an earlier invocation at the same B, S, M "
@@ -433,7 +435,7 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
           f"pinned to cpu {sorted(s_cpus)}, one R-worker process (1 attention thread) pinned to cpu {r_cpus}, "
           f"OMP_WAIT_POLICY=passive, two-minibatch pipeline on; {title}; prompts of {PROMPT_LEN} tokens, "
           f"completions to S ({life} tokens); runs alternate, {len(pairs)} pair(s) (--trace-repeats; more by running "
-          f"the trace part again with --merge and this --trace-seq-len); figures over steady-state "
+          f"the trace part again with --merge and this --trace-seq-len, on the same committed code); figures over steady-state "
           f"windows (without: one whole life from the second step to the next batch's first, its prefill "
           f"included; with: after {life + schedule.interval} steps of ramp-up, whole F-periods); step latency = "
           f"time between consecutive steps' ends (prefills included)\n{table(summary)}")
@@ -455,6 +457,40 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
     figures.update(sls_overlap={**vars(overlap)},
                    sls_predicted_gain_perfect_overlap=schedule_gain(price_perfect, batch, PROMPT_LEN, seq))
     _sls_gain_explained(traces, windows, price, batch, seq, figures)
+    _sls_ceiling(ceilings, r_situ, s_per_token, trips[max(1, batch // 2)], model.config.n_layers, batch, figures)
+
+
+def _sls_ceiling(ceilings: dict, r_situ: float, s_per_token: float, ask: AskCost, layers: int, batch: int,
+                 figures: dict) -> None:
+    """The most the schedule can give here by the step model: its gain at the best S (up to 8192) with a perfect
+    pipeline overlap, and again without the S-worker's CPU per KV entry. FastDecode's gain needs a step flat in W
+    while the S-part binds; here the S-worker's CPU also rises with W (`long_step_terms`' residue beyond T(B) and
+    the asks: the two sides share this host's memory, which the paper's GPU S-part does not), and the R-worker's
+    fixed per-ask cost fills part of the S-bound floor, so the max of the two sides is blunter than the paper's."""
+    perfect, uncoupled = ceilings["perfect_overlap"], ceilings["perfect_overlap_uncoupled"]
+    figures.update(sls_gain_ceiling_perfect_overlap=perfect["gain"], sls_gain_ceiling_seq_len=perfect["seq_len"],
+                   sls_gain_ceiling_uncoupled=uncoupled["gain"], sls_gain_ceiling_uncoupled_seq_len=uncoupled["seq_len"])
+    reach = "within reach" if perfect["gain"] >= 1.08 else "out of reach on this host by the step model"
+    print(f"\n-- the schedule's ceiling by the step model (B={batch}): with a perfect overlap at its best S = "
+          f"{perfect['seq_len']}: {perfect['gain']:.3f} (target 1.08: {reach}); without the S-worker's CPU per KV "
+          f"entry ({s_per_token * 1e9:.0f} ns, against the R-worker's {r_situ * 1e9:.0f} ns) at S = "
+          f"{uncoupled['seq_len']}: {uncoupled['gain']:.3f}; the R-worker's fixed cost per step "
+          f"{2 * layers * ask.r * 1e3:.1f} ms ({2 * layers} asks of {ask.r * 1e3:.2f} ms) sits under the S-bound floor too")
+
+
+def _code_stamp() -> str | None:
+    """The git tree ids of the code a trace measures (aiollm/, native/, bench/ at HEAD), or None when they have
+    uncommitted changes or git is unavailable: runs pool across invocations only when they measured the same code."""
+    root = Path(__file__).resolve().parent.parent
+    paths = ["aiollm", "native", "bench"]
+    try:
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *paths], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.strip()
+        trees = subprocess.run(["git", "rev-parse", *(f"HEAD:{p}" for p in paths)], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return None if dirty else "-".join(t[:10] for t in trees)
 
 
 def _pin(cpus: set[int]) -> set[int]:
@@ -496,6 +532,14 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
         def price_perfect(w: float, b: int = batch) -> float:
             return priced(w, b).step
 
+        def price_uncoupled(w: float, b: int = batch) -> float:  # perfect overlap, no S-worker CPU per entry
+            return predict_step(curve, r_situ, trips, layers, b, w, 1, b >= 2, cores, r_cores, 0.0, 0.0).step
+
+        ceilings = {}
+        for key, fn in (("perfect_overlap", price_perfect), ("perfect_overlap_uncoupled", price_uncoupled)):
+            best = balanced_seq_len(fn, batch, PROMPT_LEN, 8192)
+            ceilings[key] = {"seq_len": best, "gain": schedule_gain(fn, batch, PROMPT_LEN, best)}
+
         # the longest S whose pair of runs (without: a life; with: ramp-up and a quarter life) the step model
         # expects to fit the trace's time budget: a bench-lock hold must stay short
         affordable = max((s for s in range(64, longest + 1, 16)
@@ -532,7 +576,7 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
                 windows.append((first, last))
                 print(f"   trace {name} the schedule: {steps} steps in {trace['ended'][-1] - trace['ended'][0]:.0f} s",
                       flush=True)
-    return traces, trips, r_situ, seq, balance, schedule, price, windows, overlap, price_perfect
+    return traces, trips, r_situ, seq, balance, schedule, price, windows, overlap, price_perfect, ceilings, s_per_token
 
 
 def _sls_gain_explained(traces: list, windows: list, price, batch: int, seq: int, figures: dict) -> None:
