@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import itertools
 import json
 import os
@@ -479,18 +480,19 @@ def _sls_ceiling(ceilings: dict, r_situ: float, s_per_token: float, ask: AskCost
 
 
 def _code_stamp() -> str | None:
-    """The git tree ids of the code a trace measures (aiollm/, native/, bench/ at HEAD), or None when they have
-    uncommitted changes or git is unavailable: runs pool across invocations only when they measured the same code."""
+    """An id of the code a trace measures (aiollm/, native/ and the bench's modules at HEAD; not bench/results),
+    or None when those have uncommitted changes or git is unavailable: runs pool across invocations only when they
+    measured the same code."""
     root = Path(__file__).resolve().parent.parent
-    paths = ["aiollm", "native", "bench"]
+    paths = ["aiollm", "native", *sorted(str(p.relative_to(root)) for p in (root / "bench").glob("*.py"))]
     try:
         dirty = subprocess.run(["git", "status", "--porcelain", "--", *paths], cwd=root, capture_output=True,
                                text=True, check=True).stdout.strip()
-        trees = subprocess.run(["git", "rev-parse", *(f"HEAD:{p}" for p in paths)], cwd=root, capture_output=True,
-                               text=True, check=True).stdout.split()
+        listing = subprocess.run(["git", "ls-tree", "HEAD", "--", *paths], cwd=root, capture_output=True,
+                                 text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
-    return None if dirty else "-".join(t[:10] for t in trees)
+    return None if dirty or not listing else hashlib.sha1(listing.encode()).hexdigest()[:12]
 
 
 def _pin(cpus: set[int]) -> set[int]:
