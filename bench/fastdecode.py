@@ -411,6 +411,7 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
     previous = _pin(s_cpus)
     try:
         curve = _t_of_b(model, sorted({1, batch, *(max(1, batch // d) for d in (2, 4))}))
+        beside_read = _s_part_beside_read(model, max(1, batch // 2), r_cpus)
         longest = max(512 if quick else 1024, args.trace_seq_len or 0)  # a given S may lie past the default
         out = uvloop.run(_traces(model, batch, args, curve, r_cpus, longest, len(earlier) // 2))
     finally:
@@ -459,6 +460,12 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
                    sls_predicted_gain_perfect_overlap=schedule_gain(price_perfect, batch, PROMPT_LEN, seq))
     _sls_gain_explained(traces, windows, price, batch, seq, figures)
     _sls_ceiling(ceilings, r_situ, s_per_token, trips[max(1, batch // 2)], model.config.n_layers, batch, figures)
+    alone, beside = (float(np.median(x)) for x in zip(*beside_read))
+    figures.update(sls_s_part_alone_ms=1e3 * alone, sls_s_part_beside_read_ms=1e3 * beside,
+                   sls_s_part_slowdown_beside_read=beside / alone)
+    print(f"   the sides share memory: T({max(1, batch // 2)}) alone {1e3 * alone:.1f} ms, beside the library's "
+          f"1-thread read kernel on cpu {r_cpus} {1e3 * beside:.1f} ms ({beside / alone:.2f}x; medians of "
+          f"{len(beside_read)} alternations): what an R-worker streaming its KV costs the S-part")
 
 
 def _sls_ceiling(ceilings: dict, r_situ: float, s_per_token: float, ask: AskCost, layers: int, batch: int,
@@ -622,6 +629,36 @@ def _sls_gain_explained(traces: list, windows: list, price, batch: int, seq: int
             f"tokens/s ratio is the prefills (one of B prompts per life without, one of M every F steps with)")
     figures.update(sls_life_mean_over_floor=life_mean / floor, sls_held_over_floor=with_step / floor,
                    sls_decode_step_ratio=life_mean / with_step)
+
+
+_READ_LOOP = """import sys, numpy as np
+from aiollm.kv import attention
+buf = np.ones(2**28 // 8)  # 256 MiB: read from DRAM
+attention.read_sum(buf, n_threads=1)
+print("reading", flush=True)
+while True:
+    attention.read_sum(buf, n_threads=1)
+"""
+
+
+def _s_part_beside_read(model, batch: int, cpus: list[int], rounds: int = 3) -> list[tuple[float, float]]:
+    """(T(batch) alone, T(batch) while the library's read kernel streams DRAM on `cpus`) per round, alternating:
+    how much the R-worker's KV reads slow the S-part through the memory the two sides share (the residue
+    `long_step_terms` prices as the S-worker's CPU per KV entry)."""
+    pairs = []
+    for _ in range(rounds):
+        alone = _t_of_b(model, [batch])[batch]
+        reader = subprocess.Popen(["taskset", "-c", ",".join(map(str, cpus)), sys.executable, "-c", _READ_LOOP],
+                                  cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, text=True)
+        try:
+            if reader.stdout.readline().strip() != "reading":
+                raise RuntimeError("the read kernel's process did not start (its stderr says why)")
+            beside = _t_of_b(model, [batch])[batch]
+        finally:
+            reader.kill()
+            reader.wait()
+        pairs.append((alone, beside))
+    return pairs
 
 
 def _t_of_b(model, sizes: list[int], repeats: int = 5) -> dict[int, float]:
