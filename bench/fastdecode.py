@@ -527,8 +527,8 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
         trips = await step_costs(graph.driver, model, urls, [max(1, batch // 2)], curve, r_kernel, pipeline=True)
         cores, r_cores = 1 + len(r_cpus), len(r_cpus)
 
-        def priced(w: float, b: int = batch, loss: float = 0.0):
-            return predict_step(curve, r_situ, trips, layers, b, w, 1, b >= 2, cores, r_cores, s_per_token, loss)
+        def priced(w: float, b: int = batch, loss: float = 0.0, per_entry: float = s_per_token):
+            return predict_step(curve, r_situ, trips, layers, b, w, 1, b >= 2, cores, r_cores, per_entry, loss)
 
         # the pipeline's overlap loss in this placement, from a balanced probe of the trace's own batch: holding W
         # pays most where the sides balance, which is where the two mini-batches' chains overlap worst
@@ -542,7 +542,7 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
             return priced(w, b).step
 
         def price_uncoupled(w: float, b: int = batch) -> float:  # perfect overlap, no S-worker CPU per entry
-            return predict_step(curve, r_situ, trips, layers, b, w, 1, b >= 2, cores, r_cores, 0.0, 0.0).step
+            return priced(w, b, per_entry=0.0).step
 
         ceilings = {}
         for key, fn in (("perfect_overlap", price_perfect), ("perfect_overlap_uncoupled", price_uncoupled)):
