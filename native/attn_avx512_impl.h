@@ -36,8 +36,9 @@ T512 INLINE __m512 exp512_fast(__m512 x) {
 /* Software prefetch, in tiles ahead in the item's order (heads inner, blocks outer; the block table gives the
  * address, which the hardware prefetcher cannot follow across blocks). fp16/fp32 prefetch on two levels, each
  * line asked for while the same line of the current tile is read (K lines in the score loop, V lines in the
- * V loop, so the requests are spread over the whole chunk): PF_NEAR tiles ahead into L1 and PF_FAR tiles ahead
- * into L2. The L2 requests keep many more lines in flight than L1's fill buffers allow, and the L1 requests then
+ * V loop, so the requests are spread over the whole chunk): PF_NEAR tiles ahead into L1 and PF_FAR_BYTES of
+ * each tile array ahead into L2 (in tiles: 4 for SmolLM2's 2 KiB fp16 tiles, 2 for Llama's 4 KiB ones). The L2
+ * requests keep many more lines in flight than L1's fill buffers allow, and the L1 requests then
  * hit L2. Against one level (2 tiles ahead into L1, K and V lines both during the score loop), alternating
  * in-process A/B from DRAM, medians of paired ratios to the read kernel (itself with the same two-level
  * prefetch, attn_avx512.c), 1 / 2 threads: SmolLM2 64 x 4096 0.85 -> 0.89 / 0.79 -> 0.86, 256 x 1024
@@ -53,12 +54,18 @@ T512 INLINE __m512 exp512_fast(__m512 x) {
  * Block tables that jump between single blocks (a shuffled pool) read ~20-25 % slower than contiguous ones on the
  * Zen 4 host (SmolLM2, 32 x 1600, 1 thread: 1.32 vs 1.61-1.84 us per entry over 30 layers; runs of 2 blocks
  * already recover most); far 16 / 32 or near 2 did not help (alternating builds: 8 was fastest). PF_NEAR and
- * PF_FAR may be set at build time (CFLAGS=-DPF_FAR=n) for such tuning runs. */
+ * PF_FAR_BYTES may be set at build time for such tuning runs (CFLAGS=-DPF_FAR_BYTES=n with build_ext --force: a
+ * changed flag alone rebuilds nothing).
+ * The far distance is in bytes, not tiles: 8 tiles (the earlier constant) put Llama 32 KiB ahead, and on the Zen 4
+ * host 8 KiB read faster there (paired in-process A/B against the read kernel, Llama 64 x 1024, fp16: 2 threads
+ * 0.86-0.92 -> 0.97-1.11 of the read, 1 thread 0.79-0.98 -> 1.05-1.24; 16 KiB like 32); for SmolLM2 8 and 16 KiB
+ * measured within noise of each other (0.83-1.00 of the read over four shapes, shuffled tables too) and 4 KiB
+ * 5-20 % slower. int8's far level stays in tiles: 8 and 16 tiles read alike, 4 up to 25 % slower. */
 #ifndef PF_NEAR
 #define PF_NEAR 1
 #endif
-#ifndef PF_FAR
-#define PF_FAR 8
+#ifndef PF_FAR_BYTES
+#define PF_FAR_BYTES 8192
 #endif
 #define PF_DIST_I8 4
 #define PF_FAR_I8 16
@@ -448,6 +455,9 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
      * weights -> V); in-cache SmolLM2 1 thread +24 %. fp16/fp32 keep each head's scores and V together: phased,
      * they ran ~5 % slower from DRAM (the K and V reads of a block no longer alternate head by head). */
     const int phased = dt == AIOLLM_DT_I8;
+    /* fp16/fp32 far prefetch distance in tiles: PF_FAR_BYTES of one tile array ahead, past the near level */
+    const int32_t far_tiles = (int32_t)(PF_FAR_BYTES / (D * BS * es));
+    const int32_t pf_far = far_tiles > PF_NEAR ? far_tiles : PF_NEAR + 1;
     for (int32_t blk = 0; blk < n_used; blk++) {
         const int64_t block = table[blk];
         for (int c = 0; c * 16 < BS; c++) {
@@ -478,14 +488,14 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                         prefetch_walk(&fv, (int64_t)D * BS, _MM_HINT_T1);
                     }
                 } else {
-                    const int32_t nb = (t0 + PF_NEAR) / NH, fb = (t0 + PF_FAR) / NH;
+                    const int32_t nb = (t0 + PF_NEAR) / NH, fb = (t0 + pf_far) / NH;
                     if (nb < n_used) {
                         const int64_t at = kv_tile(kv, table[nb], h0 + (t0 + PF_NEAR) % NH) * es;
                         vn = (const char *)kv->v + at;
                         if (c == 0) pk = (const char *)kv->k + at;
                     }
                     if (fb < n_used) {
-                        const int64_t at = kv_tile(kv, table[fb], h0 + (t0 + PF_FAR) % NH) * es;
+                        const int64_t at = kv_tile(kv, table[fb], h0 + (t0 + pf_far) % NH) * es;
                         vf = (const char *)kv->v + at;
                         if (c == 0) pv = (const char *)kv->k + at; /* the far K tile rides in chunk_scores' pv */
                     }

@@ -36,6 +36,7 @@ ffibuilder.set_source(
     '#include "aiollm_native.h"',
     sources=[str(HERE / name) for name in SOURCES],
     include_dirs=[str(HERE)],
+    depends=[str(path) for path in sorted(HERE.glob("*.h"))],  # a header edit rebuilds the library
     extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing"],
 )
 
