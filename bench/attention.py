@@ -28,6 +28,12 @@ the Intel hosts (AMX) of earlier sessions vcvtph2ps took both FMA ports for a cy
 2026-12-01 (3.5 GHz, one zmm FMA per cycle, 22-31 GB/s of memory per core) the conversions ride beside the FMAs
 (a loop of 12 independent zmm FMAs ran at the same speed with 0-3 vcvtph2ps added per 12 FMAs and ~10 % slower
 with 4, the kernel's mix): ~37 GB/s per core before the softmax, about one core's read bandwidth with it.
+The same figures on all the bench's threads (hot_*_2t_gbs) bound the DRAM figures: ceil_pct_read (the fp16
+arithmetic's rate over the row's read, capped at 100 %; `ceiling_fp16_vs_read_bw` on the row that sets
+`ratio_fp16_vs_read_bw`) and ceil_int8_x_fp16 (int8 tokens/s at its arithmetic rate over the measured fp16
+tokens/s; `ceiling_int8_vs_fp16`, the lowest row). They are taken at another moment than the DRAM figures, and
+on that host the two vCPUs gave 1.1-1.9x one core's arithmetic between moments of one run, so they show where
+the arithmetic binds rather than an exact bound.
 
 Block tables are contiguous per sequence (what a freshly admitted batch gets from BlockAllocator); the
 fp16 2-thread figure is also given for shuffled tables (a fragmented pool). Shapes whose fp16 KV exceeds
@@ -53,7 +59,8 @@ COLUMNS = ["shape", "batch", "ctx", "run_batch", "kv_mib", "read_1t_gbs", "fp16_
            "fp16_gbs", "pct_read", "pct_read_best", "read_same_gbs", "pct_read_same", "fp16_shuf_gbs", "pct_read_shuf",
            "fp16_tok_s", "int8_tok_s", "int8_x_fp16", "int8_x_fp16_paired", "sdpa_bf16_tok_s", "sdpa_fp32_tok_s",
            "x_sdpa_bf16", "x_sdpa_fp32", "sdpa_bf16_gbs", "sdpa_fp32_gbs", "ceil_x_sdpa_bf16", "ceil_x_sdpa_fp32",
-           "hot_fp16_1t_gbs", "hot_int8_1t_gbs", "alu_share_fp16", "alu_share_int8"]
+           "hot_fp16_1t_gbs", "hot_int8_1t_gbs", "alu_share_fp16", "alu_share_int8", "ceil_pct_read",
+           "ceil_int8_x_fp16"]
 
 
 def add_arguments(parser) -> None:
@@ -177,22 +184,28 @@ def _per_call(fn, reps: int, calls: int) -> float:
     return best
 
 
-def hot_figures(row: dict, n_q: int, n_kv: int, d: int, reps: int) -> None:
+def hot_figures(row: dict, n_q: int, n_kv: int, d: int, reps: int, n_threads: int) -> None:
     """The kernel's arithmetic alone: HOT_SEQS sequences whose block tables all name the same blocks, an fp16 KV
-    of ~HOT_BYTES that stays in L2, on 1 thread, fp16 and int8 storage: GB/s of KV bytes read, with the time of a
-    one-token call of the same batch (Python and dispatch overhead) subtracted; alu_share_* = the row's 1-thread
-    read bandwidth / that rate."""
+    of ~HOT_BYTES that stays in L2, fp16 and int8 storage, on 1 thread and on n_threads: GB/s of KV bytes read,
+    with the time of a one-token call of the same batch (Python and dispatch overhead) subtracted.
+    alu_share_* = the row's 1-thread read bandwidth / the 1-thread rate. The n-thread rates show where the
+    arithmetic binds the DRAM figures: ceil_pct_read = 100 * min(1, hot fp16 rate / the row's n-thread read), and
+    ceil_int8_x_fp16 = int8 tokens/s at its n-thread arithmetic rate / the row's measured fp16 tokens/s."""
     ctx = max(BLOCK, HOT_BYTES // (n_kv * d * 2 * 2) // BLOCK * BLOCK)
     q = np.random.default_rng(1).standard_normal((HOT_SEQS, n_q, d)).astype(np.float32)
     for dtype in ("fp16", "int8"):
         k, v, scales, tables = _cache(1, ctx, n_kv, d, dtype)
-        full, nbytes = kernel(k, v, scales, np.repeat(tables, HOT_SEQS, axis=0), q, 1)
-        empty, _ = kernel(k, v, scales, np.repeat(tables[:, :1], HOT_SEQS, axis=0), q, 1)
-        t_empty = _per_call(empty, reps, 20)
-        t_full = _per_call(full, reps, 5)
-        rate = HOT_SEQS * nbytes / max(t_full - t_empty, 1e-9) / 1e9
-        row[f"hot_{dtype}_1t_gbs"] = rate
-        row[f"alu_share_{dtype}"] = row["read_1t_gbs"] / rate
+        for nt in (1, n_threads):
+            full, nbytes = kernel(k, v, scales, np.repeat(tables, HOT_SEQS, axis=0), q, nt)
+            empty, _ = kernel(k, v, scales, np.repeat(tables[:, :1], HOT_SEQS, axis=0), q, nt)
+            t_empty = _per_call(empty, reps, 20)
+            t_full = _per_call(full, reps, 5)
+            row[f"hot_{dtype}_{nt}t_gbs"] = HOT_SEQS * nbytes / max(t_full - t_empty, 1e-9) / 1e9
+        row[f"alu_share_{dtype}"] = row["read_1t_gbs"] / row[f"hot_{dtype}_1t_gbs"]
+        if dtype == "int8":  # decode tokens/s at the row's context, at int8's arithmetic rate (bytes as kernel())
+            int8_tok_s = row[f"hot_int8_{n_threads}t_gbs"] * 1e9 / (nbytes / ctx * row["ctx"])
+            row["ceil_int8_x_fp16"] = int8_tok_s / row["fp16_tok_s"]
+    row["ceil_pct_read"] = 100 * min(1.0, row[f"hot_fp16_{n_threads}t_gbs"] / row["read_gbs"])
 
 
 def sdpa(batch, ctx, n_q, n_kv, d, dtype, n_threads, reps) -> float:
@@ -289,7 +302,7 @@ def run(args) -> dict:
                "kv_mib": round(run_batch * per_seq / 2**20)}
         s = (run_batch, ctx, n_q, n_kv, d)
         kernel_figures(row, s, nt, buf, rounds)
-        hot_figures(row, n_q, n_kv, d, reps + 2)
+        hot_figures(row, n_q, n_kv, d, reps + 2, nt)
         gc.collect()
         row["sdpa_bf16_tok_s"] = sdpa(*s, "bf16", nt, reps)
         row["sdpa_fp32_tok_s"] = sdpa(*s, "fp32", nt, reps)
@@ -322,6 +335,13 @@ def run(args) -> dict:
         print(f"{dtype} arithmetic alone (KV in L2, 1 thread): {min(x[f'hot_{dtype}_1t_gbs'] for x in rows):.1f}-"
               f"{max(x[f'hot_{dtype}_1t_gbs'] for x in rows):.1f} GB/s; at the 1-thread read bandwidth it needs up to "
               f"{100 * r[f'alu_share_{dtype}']:.0f} % of the core ({r['shape']} {r['batch']}x{r['ctx']})")
+    print(f"fp16 arithmetic alone on {nt} threads (KV in L2): {low[f'hot_fp16_{nt}t_gbs']:.1f} GB/s on the lowest row "
+          f"against its read of {low['read_gbs']:.1f}: at that rate it could reach {low['ceil_pct_read']:.0f} % of "
+          "the read")
+    ceil_i8 = min(rows, key=lambda r: r["ceil_int8_x_fp16"])
+    print(f"int8 arithmetic alone on {nt} threads: {ceil_i8[f'hot_int8_{nt}t_gbs']:.1f} GB/s of int8 KV on "
+          f"{ceil_i8['shape']} {ceil_i8['batch']}x{ceil_i8['ctx']}, at that rate "
+          f"{ceil_i8['ceil_int8_x_fp16']:.2f}x the fp16 tokens/s measured there")
     return {
         "isa": attention.isa(),
         "threads": nt,
@@ -342,4 +362,6 @@ def run(args) -> dict:
         "ceiling_fp16_vs_sdpa_fp32": ceil_fp32["ceil_x_sdpa_fp32"],
         "alu_share_fp16_max": max(r["alu_share_fp16"] for r in rows),
         "alu_share_int8_max": max(r["alu_share_int8"] for r in rows),
+        "ceiling_fp16_vs_read_bw": low["ceil_pct_read"] / 100,  # on the row that sets ratio_fp16_vs_read_bw
+        "ceiling_int8_vs_fp16": ceil_i8["ceil_int8_x_fp16"],
     }

@@ -68,6 +68,7 @@ T512 INLINE __m512 exp512_fast(__m512 x) {
 #define PF_FAR_BYTES 8192
 #endif
 #define PF_DIST_I8 4
+#define PHASE_I8_BYTES 4096 /* int8 items phase scores and V per chunk while their heads' K tiles fit (item) */
 #define PF_FAR_I8 16
 
 /* int8: each score-loop iteration that consumes `bytes` of this K tile asks for the same share of the K and V
@@ -453,8 +454,12 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
      * item first, then every head's V accumulation: each head's V work waits on a softmax finished several heads
      * earlier, so the out-of-order core overlaps the heads' dependency chains (dot products -> max -> exp ->
      * weights -> V); in-cache SmolLM2 1 thread +24 %. fp16/fp32 keep each head's scores and V together: phased,
-     * they ran ~5 % slower from DRAM (the K and V reads of a block no longer alternate head by head). */
-    const int phased = dt == AIOLLM_DT_I8;
+     * they ran ~5 % slower from DRAM (the K and V reads of a block no longer alternate head by head). Only while
+     * the item's K tiles of one chunk fit in PHASE_I8_BYTES: the V lines the score loop asks L1 for must survive
+     * the other heads' K reads until the V phase. Zen 4 host, paired in-process A/B from DRAM, 2 threads: Llama
+     * (32 heads x 2 KiB) 64 x 1024 / 64 x 4096 0.73 / 0.82 of the read phased, 0.81 / 0.90 not (groups of 2 heads
+     * 0.79 / 0.88, of 4 0.75 / 0.83); SmolLM2 (3 x 1 KiB) phased stays 0-6 % faster (in L2 and from DRAM). */
+    const int phased = dt == AIOLLM_DT_I8 && (int64_t)NH * D * BS <= PHASE_I8_BYTES;
     /* fp16/fp32 far prefetch distance in tiles: PF_FAR_BYTES of one tile array ahead, past the near level */
     const int32_t far_tiles = (int32_t)(PF_FAR_BYTES / (D * BS * es));
     const int32_t pf_far = far_tiles > PF_NEAR ? far_tiles : PF_NEAR + 1;
