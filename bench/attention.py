@@ -195,7 +195,7 @@ def hot_figures(row: dict, n_q: int, n_kv: int, d: int, reps: int, n_threads: in
     q = np.random.default_rng(1).standard_normal((HOT_SEQS, n_q, d)).astype(np.float32)
     for dtype in ("fp16", "int8"):
         k, v, scales, tables = _cache(1, ctx, n_kv, d, dtype)
-        for nt in (1, n_threads):
+        for nt in sorted({1, n_threads}):  # --threads 1: measured once
             full, nbytes = kernel(k, v, scales, np.repeat(tables, HOT_SEQS, axis=0), q, nt)
             empty, _ = kernel(k, v, scales, np.repeat(tables[:, :1], HOT_SEQS, axis=0), q, nt)
             t_empty = _per_call(empty, reps, 20)

@@ -68,8 +68,8 @@ T512 INLINE __m512 exp512_fast(__m512 x) {
 #define PF_FAR_BYTES 8192
 #endif
 #define PF_DIST_I8 4
-#define PHASE_I8_BYTES 4096 /* int8 items phase scores and V per chunk while their heads' K tiles fit (item) */
 #define PF_FAR_I8 16
+#define PHASE_I8_BYTES 4096 /* int8 items phase scores and V per chunk while their heads' K tiles fit (item) */
 
 /* int8: each score-loop iteration that consumes `bytes` of this K tile asks for the same share of the K and V
  * tiles PF_DIST_I8 ahead, so one chunk's loop covers both next tiles. Asking for a whole tile at once at the
