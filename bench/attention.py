@@ -35,6 +35,11 @@ tokens/s; `ceiling_int8_vs_fp16`, the lowest row). They are taken at another mom
 on that host the two vCPUs gave 1.1-1.9x one core's arithmetic between moments of one run, so they show where
 the arithmetic binds rather than an exact bound.
 
+Far prefetch: the AVX-512 kernel's far (L2) software prefetch level is on or off per CPU (native/cpu.c: off on
+AMD Zen 5, where the hardware prefetchers read faster without it). Each row also runs fp16 and int8 the other way
+round in the same rounds (pct_read_far_alt, int8_x_fp16_far_alt; the summary's ratio_*_far_alt), so every run
+shows whether the default still suits the host it ran on.
+
 Block tables are contiguous per sequence (what a freshly admitted batch gets from BlockAllocator); the
 fp16 2-thread figure is also given for shuffled tables (a fragmented pool). Shapes whose fp16 KV exceeds
 --max-gib are run with a smaller batch (marked "capped"): the Llama shapes at 4096 x 256 need 17 GiB per
@@ -57,7 +62,7 @@ SHAPES = {"smollm2": (9, 3, 64), "llama7b": (32, 32, 128)}
 BLOCK = 16
 COLUMNS = ["shape", "batch", "ctx", "run_batch", "kv_mib", "read_1t_gbs", "fp16_1t_gbs", "pct_read_1t", "read_gbs",
            "fp16_gbs", "pct_read", "pct_read_best", "read_same_gbs", "pct_read_same", "fp16_shuf_gbs", "pct_read_shuf",
-           "fp16_tok_s", "int8_tok_s", "int8_x_fp16", "int8_x_fp16_paired", "sdpa_bf16_tok_s", "sdpa_fp32_tok_s",
+           "pct_read_far_alt", "fp16_tok_s", "int8_tok_s", "int8_x_fp16", "int8_x_fp16_paired", "int8_x_fp16_far_alt", "sdpa_bf16_tok_s", "sdpa_fp32_tok_s",
            "x_sdpa_bf16", "x_sdpa_fp32", "sdpa_bf16_gbs", "sdpa_fp32_gbs", "ceil_x_sdpa_bf16", "ceil_x_sdpa_fp32",
            "hot_fp16_1t_gbs", "hot_int8_1t_gbs", "alu_share_fp16", "alu_share_int8", "ceil_pct_read",
            "ceil_int8_x_fp16"]
@@ -136,6 +141,23 @@ def kernel(k, v, scales, tables, q, n_threads: int):
                                                n_threads=n_threads)), nbytes
 
 
+def far_swapped(entry):
+    """(fn, bytes) of entry run with the far prefetch level the other way round from the library's choice."""
+    from aiollm.kv import attention
+
+    fn, nbytes = entry
+    other = not attention.far_prefetch()
+
+    def run():
+        attention.force_far_prefetch(other)
+        try:
+            fn()
+        finally:
+            attention.force_far_prefetch(None)
+
+    return run, nbytes
+
+
 def kernel_figures(row: dict, shape: tuple, n_threads: int, big: np.ndarray, rounds: int) -> None:
     """fp16 on 1 thread beside the 1-thread read; fp16 (contiguous and shuffled tables) and int8 on n_threads
     interleaved with each other and the n-thread reads (int8 vs fp16 is then a ratio under the same conditions).
@@ -150,17 +172,20 @@ def kernel_figures(row: dict, shape: tuple, n_threads: int, big: np.ndarray, rou
     row["pct_read_1t"] = 100 * paired_ratio(fp16_1t, read_1t)
     fp16 = kernel(k, v, None, tables, q, n_threads)
     int8 = kernel(k8, v8, scales, tables, q, n_threads)
-    entries = [fp16, kernel(k, v, None, shuffled, q, n_threads), int8, reader(big, n_threads)]
+    entries = [fp16, kernel(k, v, None, shuffled, q, n_threads), int8, reader(big, n_threads), far_swapped(fp16),
+               far_swapped(int8)]
     same = np.ones((k.nbytes + v.nbytes) // 4, np.float32) if k.nbytes + v.nbytes < big.nbytes else None
     if same is not None:
         entries.append(reader(same, n_threads))
     got = paired(entries, rounds)
-    fp16_r, shuf_r, int8_r, read_r = got[:4]
+    fp16_r, shuf_r, int8_r, read_r, fp16_alt, int8_alt = got[:6]
+    row["pct_read_far_alt"] = 100 * paired_ratio(fp16_alt, read_r)
+    row["int8_x_fp16_far_alt"] = paired_ratio([g / int8[1] for g in int8_alt], [g / fp16[1] for g in fp16_alt])
     row["fp16_gbs"], row["fp16_shuf_gbs"], row["read_gbs"] = max(fp16_r), max(shuf_r), max(read_r)
     row["pct_read"] = 100 * paired_ratio(fp16_r, read_r)
     row["pct_read_best"] = 100 * row["fp16_gbs"] / row["read_gbs"]
     row["pct_read_shuf"] = 100 * paired_ratio(shuf_r, read_r)
-    same_r = got[4] if same is not None else read_r
+    same_r = got[6] if same is not None else read_r
     row["read_same_gbs"] = max(same_r)
     row["pct_read_same"] = 100 * paired_ratio(fp16_r, same_r)
     row["fp16_tok_s"] = row["fp16_gbs"] * 1e9 / fp16[1] * batch
@@ -290,7 +315,9 @@ def run(args) -> dict:
     rounds = 3 if args.quick else 5
     nt = args.threads
     buf = np.ones(WINDOW // 4, np.float32)
-    print(f"kernel {attention.isa()}; read bandwidth measured beside each kernel figure (1 GiB, 1 and {nt} threads; "
+    far = attention.far_prefetch()
+    print(f"kernel {attention.isa()}, far prefetch {'on' if far else 'off'} (this CPU's default; *_far_alt: the other "
+          f"way, paired in the same rounds); read bandwidth measured beside each kernel figure (1 GiB, 1 and {nt} threads; "
           f"pct_* = median over {rounds} rounds of the same round's ratio)")
     inter = torch_interaction(nt, reps)
     print("attention next to torch (SmolLM2 64x1024, ms/call): " + ", ".join(f"{k} {v:.2f}" for k, v in inter.items()))
@@ -344,6 +371,7 @@ def run(args) -> dict:
           f"{ceil_i8['ceil_int8_x_fp16']:.2f}x the fp16 tokens/s measured there")
     return {
         "isa": attention.isa(),
+        "far_prefetch": far,
         "threads": nt,
         "read_bw_1t_gbs": max(r["read_1t_gbs"] for r in rows),
         f"read_bw_{nt}t_gbs": max(r["read_gbs"] for r in rows),
@@ -358,6 +386,8 @@ def run(args) -> dict:
         "ratio_fp16_vs_sdpa_fp32": min(r["x_sdpa_fp32"] for r in rows),
         "ratio_int8_vs_fp16": min(r["int8_x_fp16"] for r in rows),
         "ratio_int8_vs_fp16_paired": min(r["int8_x_fp16_paired"] for r in rows),
+        "ratio_fp16_vs_read_bw_far_alt": min(r["pct_read_far_alt"] for r in long) / 100,
+        "ratio_int8_vs_fp16_far_alt": min(r["int8_x_fp16_far_alt"] for r in rows),
         "ceiling_fp16_vs_sdpa_bf16": ceil_bf16["ceil_x_sdpa_bf16"],
         "ceiling_fp16_vs_sdpa_fp32": ceil_fp32["ceil_x_sdpa_fp32"],
         "alu_share_fp16_max": max(r["alu_share_fp16"] for r in rows),

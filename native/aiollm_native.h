@@ -15,6 +15,9 @@
 #define AIOLLM_CPU_AVX512VNNI 32  /* int8 K scores and P x V as int8 dot products (vpdpbusd) */
 #define AIOLLM_CPU_AVX512VBMI 64
 uint32_t aiollm_cpu_features(void);
+/* 1 where the AVX-512 attention kernel's far (L2) software prefetch level pays on this CPU, 0 where the
+ * hardware prefetchers do better without it (AMD family 0x1A, Zen 5: see attn_avx512_impl.h). */
+int aiollm_cpu_far_prefetch_default(void);
 
 /* ---- status codes: every entry point that can fail returns one ---- */
 #define AIOLLM_OK 0
@@ -97,6 +100,12 @@ int aiollm_set_isa(int32_t isa);
 int aiollm_int8_path(void);
 int aiollm_int8_path_supported(int32_t path);
 int aiollm_set_int8_path(int32_t path);
+
+/* Whether the AVX-512 kernel issues its far (L2) software prefetch level: 1 on, 0 off. Probed once
+ * (aiollm_cpu_far_prefetch_default), overridable by AIOLLM_ATTN_FAR_PREFETCH (0, 1) or aiollm_set_far_prefetch
+ * (-1: back to the probe). The results are the same either way; only the speed differs. */
+int aiollm_far_prefetch(void);
+int aiollm_set_far_prefetch(int32_t on);
 
 /* STREAM-like read bandwidth probe: reads nbytes (a multiple of 64) with the variant in use on n_threads
  * threads of the pool and returns the fp32 sum of the data (so the reads cannot be optimised away). */

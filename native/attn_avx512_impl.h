@@ -60,7 +60,13 @@ T512 INLINE __m512 exp512_fast(__m512 x) {
  * host 8 KiB read faster there (paired in-process A/B against the read kernel, Llama 64 x 1024, fp16: 2 threads
  * 0.86-0.92 -> 0.97-1.11 of the read, 1 thread 0.79-0.98 -> 1.05-1.24; 16 KiB like 32); for SmolLM2 8 and 16 KiB
  * measured within noise of each other (0.83-1.00 of the read over four shapes, shuffled tables too) and 4 KiB
- * 5-20 % slower. int8's far level stays in tiles: 8 and 16 tiles read alike, 4 up to 25 % slower. */
+ * 5-20 % slower. int8's far level stays in tiles: 8 and 16 tiles read alike, 4 up to 25 % slower.
+ * The far level is issued only where it pays (attn_args.far_prefetch, aiollm_far_prefetch: per CPU, native/cpu.c).
+ * On an AMD Zen 5 host (2 zmm FMAs per cycle, the two vCPUs two cores) it cost more than it gave: paired
+ * in-process A/B from DRAM, 2 threads, without / with it, fp16 SmolLM2 256 x 4096 1.08 / 1.03 of the read kernel,
+ * Llama 64 x 1024 1.06 / 0.98 (1 thread 1.16 / 1.00); int8 SmolLM2 256 x 4096 1.03 / 0.83 (a far request every
+ * 128 / 256 / 1024 bytes instead of every line: 0.93 / 0.97 / 1.01, so the requests themselves were the cost) and
+ * in L2 the int8 burst alone took ~15 % of an item. The near level stays: without it int8 fell to 0.79. */
 #ifndef PF_NEAR
 #define PF_NEAR 1
 #endif
@@ -486,7 +492,7 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                         _mm_prefetch((const char *)(kv->v_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
                     }
                     const int32_t fblk = (t0 + PF_FAR_I8) / NH, fh = h0 + (t0 + PF_FAR_I8) % NH;
-                    if (c == 0 && fblk < n_used) {
+                    if (a->far_prefetch && c == 0 && fblk < n_used) {
                         const int64_t far = kv_tile(kv, table[fblk], fh) * es;
                         const char *fk = (const char *)kv->k + far, *fv = (const char *)kv->v + far;
                         prefetch_walk(&fk, (int64_t)D * BS, _MM_HINT_T1);
@@ -499,7 +505,7 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                         vn = (const char *)kv->v + at;
                         if (c == 0) pk = (const char *)kv->k + at;
                     }
-                    if (fb < n_used) {
+                    if (a->far_prefetch && fb < n_used) {
                         const int64_t at = kv_tile(kv, table[fb], h0 + (t0 + pf_far) % NH) * es;
                         vf = (const char *)kv->v + at;
                         if (c == 0) pv = (const char *)kv->k + at; /* the far K tile rides in chunk_scores' pv */

@@ -1,4 +1,5 @@
 /* CPU feature detection: the one place that asks the processor what it can do. */
+#include <cpuid.h>
 #include "aiollm_native.h"
 
 uint32_t aiollm_cpu_features(void) {
@@ -12,4 +13,18 @@ uint32_t aiollm_cpu_features(void) {
     if (__builtin_cpu_supports("avx512vnni")) flags |= AIOLLM_CPU_AVX512VNNI;
     if (__builtin_cpu_supports("avx512vbmi")) flags |= AIOLLM_CPU_AVX512VBMI;
     return flags;
+}
+
+/* AuthenticAMD family 0x1A (Zen 5) and later: off. Measured on a Zen 5 host (paired in-process A/B against the
+ * read kernel, from DRAM, 2 threads): without the far level fp16 read 1.06-1.08 of the read kernel instead of
+ * 0.98-1.04 and int8 0.97-1.03 instead of 0.81-0.84; on the Zen 4 host before it the far level had lifted fp16
+ * and int8 (attn_avx512_impl.h), so every other CPU keeps it. */
+int aiollm_cpu_far_prefetch_default(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 1;
+    const int amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "Auth" "enti" "cAMD" */
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 1;
+    unsigned family = (a >> 8) & 0xfu;
+    if (family == 0xfu) family += (a >> 20) & 0xffu;
+    return family < 0x1au;
 }

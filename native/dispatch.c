@@ -80,6 +80,31 @@ int aiollm_set_int8_path(int32_t path) {
     return AIOLLM_OK;
 }
 
+/* ---- the AVX-512 kernel's far prefetch level ---- */
+
+static _Atomic int current_far = -1;
+static int probed_far = 1;
+static pthread_once_t far_once = PTHREAD_ONCE_INIT;
+
+static void probe_far(void) {
+    const char *env = getenv("AIOLLM_ATTN_FAR_PREFETCH");
+    if (env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0)) probed_far = env[0] == '1';
+    else probed_far = aiollm_cpu_far_prefetch_default();
+    atomic_store(&current_far, probed_far);
+}
+
+int aiollm_far_prefetch(void) {
+    pthread_once(&far_once, probe_far);
+    return atomic_load(&current_far);
+}
+
+int aiollm_set_far_prefetch(int32_t on) {
+    pthread_once(&far_once, probe_far);
+    if (on != -1 && on != 0 && on != 1) return AIOLLM_ERR_ARG;
+    atomic_store(&current_far, on == -1 ? probed_far : on);
+    return AIOLLM_OK;
+}
+
 int aiollm_isa(void) {
     pthread_once(&probe_once, probe);
     return atomic_load(&current_isa);
@@ -198,6 +223,7 @@ int aiollm_decode_attention(const aiollm_kv_layer *kv, const float *q, int64_t q
     const int isa = aiollm_isa(), simd_shape = kv->head_dim % 16 == 0 && kv->block_size % 16 == 0;
     if (simd_shape && isa == AIOLLM_ISA_AVX512) job.fn = attn_item_avx512;
     job.args.int8_dot = aiollm_int8_path();
+    job.args.far_prefetch = aiollm_far_prefetch();
     if (simd_shape && isa == AIOLLM_ISA_AVX2) job.fn = attn_item_avx2;
 
     /* Longest first: sort keys (INT32_MAX - len, seq) ascending, then keep the seq part. */

@@ -21,7 +21,9 @@ own torch ops (the colocated decode step) instead runs it on its OpenMP team ins
 
 ISA: probed once (AVX-512 > AVX2+FMA+F16C > portable C); the environment variable AIOLLM_ATTN_ISA=ref|avx2|
 avx512, read once at the first call, overrides it; `force_isa` switches at run time (tests). int8 KV on AVX-512
-runs as fp32 math or VNNI dot products (`int8_path`; AIOLLM_ATTN_INT8=fp32|vnni or `force_int8_path`).
+runs as fp32 math or VNNI dot products (`int8_path`; AIOLLM_ATTN_INT8=fp32|vnni or `force_int8_path`). The
+AVX-512 kernel's far (L2) software prefetch level is on or off per CPU (`far_prefetch`; off on Zen 5, where the
+hardware prefetchers read faster without it; AIOLLM_ATTN_FAR_PREFETCH=0|1 or `force_far_prefetch`).
 """
 import contextlib
 import math
@@ -111,6 +113,19 @@ def force_int8_path(name: str | None) -> None:
         raise ValueError(f"int8 path: expected one of {sorted(INT8_PATHS)} or None, got {name!r}")
     if lib.aiollm_set_int8_path(code) != lib.AIOLLM_OK:
         raise ValueError(f"int8 path: this CPU does not support {name!r} (supported: {supported_int8_paths()})")
+
+
+def far_prefetch() -> bool:
+    """Whether the AVX-512 kernel issues its far (L2) software prefetch level (probed per CPU; see
+    native/cpu.c). The results are identical either way; only the speed differs."""
+    return bool(lib.aiollm_far_prefetch())
+
+
+def force_far_prefetch(on: bool | None) -> None:
+    """Turn the far prefetch level on or off from now on (None: back to the probed/env choice)."""
+    if on is not None and not isinstance(on, bool):
+        raise ValueError(f"far prefetch: expected True, False or None, got {on!r}")
+    _ensure(lib.aiollm_set_far_prefetch(-1 if on is None else int(on)))
 
 
 def _ensure(status: int) -> None:
@@ -428,4 +443,4 @@ def pool_size() -> int:
 
 __all__ = ["DecodeStep", "decode_attention", "on_gemm_team", "kv_write", "read_sum", "set_num_threads",
            "get_num_threads", "isa", "supported_isas", "force_isa", "int8_path", "supported_int8_paths",
-           "force_int8_path", "pool_size"]
+           "force_int8_path", "far_prefetch", "force_far_prefetch", "pool_size"]

@@ -108,6 +108,39 @@ def test_int8_paths_are_reported_and_forcing_an_unknown_one_raises(int8_forced):
         int8_forced("int3")
 
 
+@pytest.fixture
+def far_forced():
+    """Force the far prefetch level for one test and restore the probed choice afterwards."""
+    yield attention.force_far_prefetch
+    attention.force_far_prefetch(None)
+
+
+@pytest.mark.skipif("avx512" not in ISAS, reason="the far prefetch level is the AVX-512 kernel's")
+@pytest.mark.parametrize("dtype,head_dim,group", [("fp16", 64, 3), ("fp16", 128, 1), ("fp32", 80, 4),
+                                                  ("int8", 64, 3), ("int8", 128, 1)])
+def test_far_prefetch_on_and_off_give_identical_outputs(isa_forced, far_forced, dtype, head_dim, group):
+    """Prefetches never change what is computed: the two settings agree bit for bit (long, shuffled tables,
+    so the far level reaches across many blocks and past the end of each sequence)."""
+    rng = np.random.default_rng(7)
+    pool, table, seq_lens, q, _, _ = _case(rng, dtype, head_dim, group, [4097, 700, 33, 1])
+    isa_forced("avx512")
+    outs = []
+    for on in (True, False):
+        far_forced(on)
+        assert attention.far_prefetch() is on
+        outs.append(pool.attend(1, q, table, seq_lens, n_threads=2))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_far_prefetch_default_follows_the_cpu_and_bad_values_raise(far_forced):
+    from aiollm._native import lib
+
+    far_forced(None)
+    assert attention.far_prefetch() is bool(lib.aiollm_cpu_far_prefetch_default())
+    with pytest.raises(ValueError, match="far prefetch"):
+        far_forced(2)
+
+
 def test_zero_length_sequence_gives_zero_row():
     rng = np.random.default_rng(1)
     pool, table, seq_lens, q, ks, vs = _case(rng, "fp32", 64, 3, [0, 20])

@@ -19,3 +19,15 @@ def test_native_library_reports_the_cpu_features_linux_reports():
     assert bool(features & lib.AIOLLM_CPU_AVX512BW) == ("avx512bw" in flags)
     assert bool(features & lib.AIOLLM_CPU_AVX512VNNI) == ("avx512_vnni" in flags)
     assert bool(features & lib.AIOLLM_CPU_AVX512VBMI) == ("avx512vbmi" in flags)
+
+
+def _cpuinfo_field(name: str) -> str:
+    text = Path("/proc/cpuinfo").read_text()
+    return next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(name))
+
+
+def test_far_prefetch_default_is_off_exactly_on_amd_family_0x1a_and_later():
+    """The kernel's far prefetch rule (native/cpu.c) reads the same vendor and family Linux reports."""
+    amd = _cpuinfo_field("vendor_id") == "AuthenticAMD"
+    family = int(_cpuinfo_field("cpu family"))
+    assert lib.aiollm_cpu_far_prefetch_default() == (0 if amd and family >= 0x1A else 1)
