@@ -44,7 +44,9 @@ T512 INLINE __m512 exp512_fast(__m512 x) {
  * prefetch, attn_avx512.c), 1 / 2 threads: SmolLM2 64 x 4096 0.85 -> 0.89 / 0.79 -> 0.86, 256 x 1024
  * 0.84 -> 0.93 / 0.83 -> 0.92, Llama 32 x 2048 0.81 -> 0.95 / 0.77 -> 0.86 (far 4 and 8 within noise; a burst
  * of far prefetches at each item's start gained nothing).
- * int8 spreads its L1 requests PF_DIST_I8 tiles ahead over the score loop (below) and asks L2 for the whole K
+ * int8 spreads its L1 requests PF_NEAR_I8_BYTES of each tile array ahead (whole tiles, at least one) over the
+ * score loop (below; 4 KiB: Llama's 2 KiB int8 tiles read 0.92 of the read kernel 2 tiles ahead and 0.89 at 4,
+ * SmolLM2's 1 KiB ones 0.93 at 4 and 0.92 at 2, Zen 5 host; earlier 4 tiles for every shape) and asks L2 for the whole K
  * and V tiles PF_FAR_I8 ahead (the same bytes ahead as fp16's far level) once per tile. On a host whose memory
  * gave a core ~14 GB/s the far level measured slower (SmolLM2 64 x 4096 int8 / fp16 1.97 -> 1.82: compute-bound,
  * the prefetches were extra instructions); on one giving a core 22-31 GB/s the L1 level alone kept int8 at
@@ -73,12 +75,12 @@ T512 INLINE __m512 exp512_fast(__m512 x) {
 #ifndef PF_FAR_BYTES
 #define PF_FAR_BYTES 8192
 #endif
-#define PF_DIST_I8 4
+#define PF_NEAR_I8_BYTES 4096
 #define PF_FAR_I8 16
 #define PHASE_I8_BYTES 4096 /* int8 items phase scores and V per chunk while their heads' K tiles fit (item) */
 
 /* int8: each score-loop iteration that consumes `bytes` of this K tile asks for the same share of the K and V
- * tiles PF_DIST_I8 ahead, so one chunk's loop covers both next tiles. Asking for a whole tile at once at the
+ * tiles the near distance ahead, so one chunk's loop covers both next tiles. Asking for a whole tile at once at the
  * start of each tile left the memory idle during the compute (time = memory time + compute time). */
 static inline void spread_prefetch(const char **pk, const char **pv, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) {
@@ -211,7 +213,7 @@ T512 INLINE void vaccum(int dt, const char *vt, int64_t row0, int nv, int D, int
 /* int8 V without VNNI, dims [16 dv, 16 (dv + VC)): each 64-byte row of the V tile holds 16 dims of 4 tokens. */
 T512 INLINE void vaccum_i8(const char *vt, int64_t row0, int nv, int D, int dv, int VC, const float *pb,
                            const float *alpha, float *acc, int GB) {
-    __m512 r[4][4];
+    __m512 r[4][8];
     for (int g = 0; g < GB; g++)
         for (int v = 0; v < VC; v++)
             r[g][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + (dv + v) * 16), _mm512_set1_ps(alpha[g]));
@@ -246,7 +248,7 @@ T512 INLINE void quantise_p(const float *pb, int GB, uint8_t *pq, float *psc) {
  * broadcast as one int32 meet it directly. Tokens past nv have p = 0 and contribute exact zeros. */
 T512 INLINE void vaccum_vnni(const char *vt, int64_t row0, int D, int dv, int VC, const uint8_t *pq, const float *psc,
                              const float *alpha, float *acc, int GB) {
-    __m512i ai[4][4];
+    __m512i ai[4][8];
     for (int g = 0; g < GB; g++)
         for (int v = 0; v < VC; v++) ai[g][v] = _mm512_setzero_si512();
     for (int tg = 0; tg < 4; tg++) {
@@ -277,7 +279,7 @@ T512 INLINE void vaccum_vnni(const char *vt, int64_t row0, int D, int dv, int VC
 /* First half of one 16-token chunk of one kv head: scores and the online-softmax update; the weights go to
  * pb (16 per q head) and the rescale factors to alpha, for chunk_values. m: running max per q head; l: 16 lane
  * partial sums of the softmax denominator per q head (l + g * 16). Prefetch: int8 spreads the K and V tiles
- * PF_DIST_I8 ahead (pk, pv) over the score loop; fp16/fp32 the K tiles PF_NEAR and PF_FAR ahead (pk, pv). */
+ * the near distance ahead (pk, pv) over the score loop; fp16/fp32 the K tiles PF_NEAR and PF_FAR ahead (pk, pv). */
 T512 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const float *vs, int c, int nv,
                               int G, int D, int BS, const float *qs, float *m, float *l,
                               const int32_t *q4, const int32_t *corr, const float *qsc, const char *pk, const char *pv,
@@ -345,12 +347,18 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const flo
  * fp16/fp32 only, the V tiles to prefetch (see vaccum). */
 T512 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int D, const float *pb, const float *alpha,
                               float *acc, int vnni, const char *pv, const char *pvf) {
-#define VSLABS(call) /* call(VC, GB) over dims in slabs of 4 x 16 (then 1 x 16) and q heads in blocks of 4 */     \
+/* call(VC, GB) over dims in slabs of 4 x 16 (8 x 16 for a single q head, then 1 x 16) and q heads in blocks of 4.
+ * One q head takes 8: a 4-wide slab read each 4-token row of an int8 V tile in two passes (bytes 0-255 of the 4
+ * rows, then 256-511 at head_dim 128), which the hardware prefetcher followed badly: Llama int8 64 x 1024 from
+ * DRAM (2 threads, paired A/B on the Zen 5 host) 0.78 -> 0.89 of the read kernel, 0.92 with the near distance
+ * of 4 KiB below (in L2 ~5 % slower, within that host's noise). */
+#define VSLABS(call)                                                                                             \
     for (int g0 = 0; g0 < G; g0 += 4) {                                                                          \
         const int gb = G - g0 < 4 ? G - g0 : 4;                                                                  \
         for (int dv = 0; dv < D / 16;) {                                                                         \
-            const int vc = D / 16 - dv >= 4 ? 4 : 1;                                                             \
+            const int vc = gb == 1 && D / 16 - dv >= 8 ? 8 : D / 16 - dv >= 4 ? 4 : 1;                           \
             switch (gb * 8 + vc) {                                                                               \
+            case 16: call(8, 1); break;                                                                          \
             case 12: call(4, 1); break;                                                                          \
             case 20: call(4, 2); break;                                                                          \
             case 28: call(4, 3); break;                                                                          \
@@ -469,6 +477,8 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
     /* fp16/fp32 far prefetch distance in tiles: PF_FAR_BYTES of one tile array ahead, past the near level */
     const int32_t far_tiles = (int32_t)(PF_FAR_BYTES / (D * BS * es));
     const int32_t pf_far = far_tiles > PF_NEAR ? far_tiles : PF_NEAR + 1;
+    /* int8 near distance in tiles: PF_NEAR_I8_BYTES of one tile array ahead, at least one tile */
+    const int32_t near_i8 = PF_NEAR_I8_BYTES / (D * BS) > 1 ? (int32_t)(PF_NEAR_I8_BYTES / (D * BS)) : 1;
     for (int32_t blk = 0; blk < n_used; blk++) {
         const int64_t block = table[blk];
         for (int c = 0; c * 16 < BS; c++) {
@@ -484,7 +494,7 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                 const char *pk = NULL, *pv = NULL, *vn = NULL, *vf = NULL;
                 const int32_t t0 = blk * NH + h;
                 if (dt == AIOLLM_DT_I8) {
-                    const int32_t nblk = (t0 + PF_DIST_I8) / NH, nh = h0 + (t0 + PF_DIST_I8) % NH;
+                    const int32_t nblk = (t0 + near_i8) / NH, nh = h0 + (t0 + near_i8) % NH;
                     if (c == 0 && nblk < n_used) {
                         const int64_t next = kv_tile(kv, table[nblk], nh) * es;
                         pk = (const char *)kv->k + next, pv = (const char *)kv->v + next;
