@@ -159,20 +159,24 @@ T512 INLINE void scores_vnni(const char *kt, int64_t col, int64_t BS, int D, con
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     /* Two accumulators per head, named rather than indexed by j & 1: a run-time index kept them on the stack
      * (a store and a reload around every vpdpbusd). D is a multiple of 16, so D / 4 is even. */
-    __m512i acc0[4], acc1[4];
-    for (int g = 0; g < GB; g++) acc0[g] = acc1[g] = _mm512_setzero_si512();
+    __m512i acc0[4], acc1[4], acc2[4], acc3[4];
+    for (int g = 0; g < GB; g++) acc0[g] = acc1[g] = acc2[g] = acc3[g] = _mm512_setzero_si512();
     const char *kp = kt + col * 4;
-    for (int j = 0; j < D / 4; j += 2, kp += 8 * BS) {
-        if (pk) spread_prefetch(&pk, &pv, 8 * BS);
+    for (int j = 0; j < D / 4; j += 4, kp += 16 * BS) {
+        if (pk) spread_prefetch(&pk, &pv, 16 * BS);
         const __m512i k0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)kp), flip);
         const __m512i k1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(kp + 4 * BS)), flip);
+        const __m512i k2 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(kp + 8 * BS)), flip);
+        const __m512i k3 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(kp + 12 * BS)), flip);
         for (int g = 0; g < GB; g++) {
             acc0[g] = _mm512_dpbusd_epi32(acc0[g], k0, _mm512_set1_epi32(q4[g * (D / 4) + j]));
             acc1[g] = _mm512_dpbusd_epi32(acc1[g], k1, _mm512_set1_epi32(q4[g * (D / 4) + j + 1]));
+            acc2[g] = _mm512_dpbusd_epi32(acc2[g], k2, _mm512_set1_epi32(q4[g * (D / 4) + j + 2]));
+            acc3[g] = _mm512_dpbusd_epi32(acc3[g], k3, _mm512_set1_epi32(q4[g * (D / 4) + j + 3]));
         }
     }
     for (int g = 0; g < GB; g++) {
-        const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(acc0[g], acc1[g]), _mm512_set1_epi32(corr[g]));
+        const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(_mm512_add_epi32(acc0[g], acc1[g]), _mm512_add_epi32(acc2[g], acc3[g])), _mm512_set1_epi32(corr[g]));
         out[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(qsc[g]));
     }
 }
