@@ -45,6 +45,12 @@ fp16 2-thread figure is also given for shuffled tables (a fragmented pool). Shap
 --max-gib are run with a smaller batch (marked "capped"): the Llama shapes at 4096 x 256 need 17 GiB per
 copy, more than this machine's RAM.
 
+SDPA is measured in the same paired rounds as the kernel (an entry like the others, its faster GQA form picked
+first by a best-of-reps probe): x_sdpa_* is the median over rounds of the same round's tokens/s ratio. Measured
+apart (as up to 2026-12-02), the two sides could fall in different phases of the memory's drift: one run put the
+kernel's Llama 64x4096 row in a slow phase (90 % of a read that was itself low) and gave 2.95x SDPA fp32 where the
+other Llama rows gave 4.0-5.7x.
+
 Ceilings: SDPA reads the same KV bytes (bf16) or twice as many (fp32), so a kernel reading at the full measured
 read bandwidth reaches at most ceil_x_sdpa_* = (read bandwidth / fp16 KV bytes per sequence) / SDPA tokens/s
 on a row. When SDPA itself reads near the read bandwidth (sdpa_*_gbs), the x_sdpa targets are out of reach for
@@ -96,13 +102,16 @@ def _cache(batch: int, ctx: int, n_kv: int, d: int, dtype: str):
 
 
 WINDOW = 1 << 30  # bytes each entry reads per round
+SETTLE_S = 0.02  # pause before each paired entry (libgomp's spin after a torch call lasts well under this)
 
 
 def paired(entries, rounds: int) -> list[list[float]]:
     """GB/s per round of each (fn, nbytes) entry, all measured the same way and interleaved: each round times
     every entry once, as back-to-back calls covering ~WINDOW bytes (the per-call overhead inside), in forward
     order on even rounds and reverse order on odd ones. Within a round all see the same machine state (this VM's
-    memory bandwidth drifts by up to 2x within minutes while other tenants run)."""
+    memory bandwidth drifts by up to 2x within minutes while other tenants run). Each entry starts SETTLE_S after
+    the one before, untimed: torch's OpenMP workers spin-wait for a while after an SDPA entry, and the next entry
+    must not share the cores with them."""
     for fn, _ in entries:
         fn()  # warm-up: page faults, thread start-up
     got = [[] for _ in entries]
@@ -111,6 +120,7 @@ def paired(entries, rounds: int) -> list[list[float]]:
         for i in order if r % 2 == 0 else order[::-1]:
             fn, nbytes = entries[i]
             calls = max(1, -(-WINDOW // nbytes))
+            time.sleep(SETTLE_S)
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
@@ -158,10 +168,11 @@ def far_swapped(entry):
     return run, nbytes
 
 
-def kernel_figures(row: dict, shape: tuple, n_threads: int, big: np.ndarray, rounds: int) -> None:
-    """fp16 on 1 thread beside the 1-thread read; fp16 (contiguous and shuffled tables) and int8 on n_threads
-    interleaved with each other and the n-thread reads (int8 vs fp16 is then a ratio under the same conditions).
-    Rates are each entry's best round; pct_* the paired medians (see the module docstring)."""
+def kernel_figures(row: dict, shape: tuple, n_threads: int, big: np.ndarray, rounds: int, reps: int) -> None:
+    """fp16 on 1 thread beside the 1-thread read; fp16 (contiguous and shuffled tables), int8 and torch SDPA (bf16,
+    fp32) on n_threads interleaved with each other and the n-thread reads, so every ratio compares figures taken
+    under the same conditions. Rates are each entry's best round; pct_*, x_sdpa_* and *_paired the medians over
+    rounds of the same round's ratio (see the module docstring)."""
     batch, ctx, n_q, n_kv, d = shape
     k, v, _, tables = _cache(batch, ctx, n_kv, d, "fp16")
     shuffled = np.random.default_rng(0).permutation(tables.size).astype(np.int32).reshape(tables.shape)
@@ -174,18 +185,23 @@ def kernel_figures(row: dict, shape: tuple, n_threads: int, big: np.ndarray, rou
     int8 = kernel(k8, v8, scales, tables, q, n_threads)
     entries = [fp16, kernel(k, v, None, shuffled, q, n_threads), int8, reader(big, n_threads), far_swapped(fp16),
                far_swapped(int8)]
+    bf16, fp32 = sdpa_entry(shape, "bf16", n_threads, reps), sdpa_entry(shape, "fp32", n_threads, reps)
+    entries += [bf16, fp32]
     same = np.ones((k.nbytes + v.nbytes) // 4, np.float32) if k.nbytes + v.nbytes < big.nbytes else None
     if same is not None:
         entries.append(reader(same, n_threads))
     got = paired(entries, rounds)
-    fp16_r, shuf_r, int8_r, read_r, fp16_alt, int8_alt = got[:6]
+    fp16_r, shuf_r, int8_r, read_r, fp16_alt, int8_alt, bf16_r, fp32_r = got[:8]
+    for name, (_, nbytes), rates in (("bf16", bf16, bf16_r), ("fp32", fp32, fp32_r)):
+        row[f"sdpa_{name}_tok_s"] = max(rates) * 1e9 / nbytes * batch
+        row[f"x_sdpa_{name}"] = paired_ratio([g / fp16[1] for g in fp16_r], [g / nbytes for g in rates])
     row["pct_read_far_alt"] = 100 * paired_ratio(fp16_alt, read_r)
     row["int8_x_fp16_far_alt"] = paired_ratio([g / int8[1] for g in int8_alt], [g / fp16[1] for g in fp16_alt])
     row["fp16_gbs"], row["fp16_shuf_gbs"], row["read_gbs"] = max(fp16_r), max(shuf_r), max(read_r)
     row["pct_read"] = 100 * paired_ratio(fp16_r, read_r)
     row["pct_read_best"] = 100 * row["fp16_gbs"] / row["read_gbs"]
     row["pct_read_shuf"] = 100 * paired_ratio(shuf_r, read_r)
-    same_r = got[6] if same is not None else read_r
+    same_r = got[8] if same is not None else read_r
     row["read_same_gbs"] = max(same_r)
     row["pct_read_same"] = 100 * paired_ratio(fp16_r, same_r)
     row["fp16_tok_s"] = row["fp16_gbs"] * 1e9 / fp16[1] * batch
@@ -233,11 +249,13 @@ def hot_figures(row: dict, n_q: int, n_kv: int, d: int, reps: int, n_threads: in
     row["ceil_pct_read"] = 100 * min(1.0, row[f"hot_fp16_{n_threads}t_gbs"] / row["read_gbs"])
 
 
-def sdpa(batch, ctx, n_q, n_kv, d, dtype, n_threads, reps) -> float:
-    """tokens/s of torch SDPA, the faster of enable_gqa=True and folding a group's q heads into the query axis."""
+def sdpa_entry(shape: tuple, dtype: str, n_threads: int, reps: int):
+    """(fn, KV bytes read) of torch SDPA on one layer: the faster (best of reps) of enable_gqa=True and folding a
+    group's q heads into the query axis."""
     import torch
     import torch.nn.functional as F
 
+    batch, ctx, n_q, n_kv, d = shape
     torch.set_num_threads(n_threads)
     tdt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     k = torch.full((batch, n_kv, ctx, d), 0.01, dtype=tdt)
@@ -248,8 +266,13 @@ def sdpa(batch, ctx, n_q, n_kv, d, dtype, n_threads, reps) -> float:
     if group > 1:
         variants["enable_gqa"] = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     with torch.inference_mode():
-        best = min(_best(fn, reps) for fn in variants.values())
-    return batch / best
+        fastest = min(variants.values(), key=lambda fn: _best(fn, reps))
+
+    def call():
+        with torch.inference_mode():
+            fastest()
+
+    return call, k.nbytes + v.nbytes
 
 
 def torch_interaction(n_threads: int, reps: int) -> dict:
@@ -328,14 +351,9 @@ def run(args) -> dict:
         row = {"shape": name, "batch": batch, "ctx": ctx, "run_batch": run_batch,
                "kv_mib": round(run_batch * per_seq / 2**20)}
         s = (run_batch, ctx, n_q, n_kv, d)
-        kernel_figures(row, s, nt, buf, rounds)
+        kernel_figures(row, s, nt, buf, rounds, reps)
+        gc.collect()
         hot_figures(row, n_q, n_kv, d, reps + 2, nt)
-        gc.collect()
-        row["sdpa_bf16_tok_s"] = sdpa(*s, "bf16", nt, reps)
-        row["sdpa_fp32_tok_s"] = sdpa(*s, "fp32", nt, reps)
-        gc.collect()
-        row["x_sdpa_bf16"] = row["fp16_tok_s"] / row["sdpa_bf16_tok_s"]
-        row["x_sdpa_fp32"] = row["fp16_tok_s"] / row["sdpa_fp32_tok_s"]
         row["int8_x_fp16"] = row["int8_tok_s"] / row["fp16_tok_s"]
         row["sdpa_bf16_gbs"] = per_seq * row["sdpa_bf16_tok_s"] / 1e9  # bf16 KV: the fp16 bytes
         row["sdpa_fp32_gbs"] = 2 * per_seq * row["sdpa_fp32_tok_s"] / 1e9  # fp32 KV: twice as many

@@ -35,6 +35,7 @@ import os
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -94,8 +95,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trace-batch", type=int, help="B of the schedule trace (default 128; quick 64)")
     parser.add_argument("--trace-seq-len", type=int,
                         help="S of the schedule trace (default: where the step model balances S-part and R-part)")
-    parser.add_argument("--trace-budget", type=float, default=170.0,
-                        help="seconds the trace runs may take by the step model; caps the balanced S")
+    parser.add_argument("--trace-budget", type=float,
+                        help="seconds the trace runs may take by the step model; caps the balanced S (default 700: "
+                             "on the Zen 5 host the balanced S=1856 at B=128 took ~520 s a pair; quick 120)")
     parser.add_argument("--trace-repeats", type=int, default=1,
                         help="pairs of trace runs with and without the schedule, alternating which goes first")
     parser.add_argument("--trace-micro-batch", type=int, default=8,
@@ -127,6 +129,8 @@ def run(args) -> dict:
     if unknown:
         raise ValueError(f"--parts: unknown {unknown}; sections are {', '.join(SECTIONS)}")
     seq_len = args.seq_len or (256 if quick else 1024)
+    if args.trace_budget is None:
+        args.trace_budget = 120.0 if quick else 700.0
     batches = [int(b) for b in (args.batches or ("16,64" if quick else "16,64,256,512")).split(",")]
     cores = len(os.sched_getaffinity(0))
     # every process started from here inherits these: a waiting OpenMP thread sleeps instead of spinning
@@ -412,7 +416,8 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
     try:
         curve = _t_of_b(model, sorted({1, batch, *(max(1, batch // d) for d in (2, 4))}))
         beside_read = _s_part_beside_read(model, max(1, batch // 2), r_cpus)
-        longest = max(512 if quick else 1024, args.trace_seq_len or 0)  # a given S may lie past the default
+        # the longest S searched: at B=128 and S=2048 the R-worker holds ~6 GiB of fp16 KV (a given S may lie past it)
+        longest = max(512 if quick else 2048, args.trace_seq_len or 0)
         out = uvloop.run(_traces(model, batch, args, curve, r_cpus, longest, len(earlier) // 2))
     finally:
         _pin(previous)
@@ -1021,7 +1026,7 @@ def _plot(traces: dict, warm: int, path: Path, title: str) -> None:
     top.set_ylabel("step latency (ms)")
     bottom.set_ylabel("KV entries held (R-part work)")
     bottom.set_xlabel("decode step")
-    top.set_title(f"FastDecode load-stabilising schedule (Fig. 11): {title}")
+    top.set_title(textwrap.fill(f"FastDecode load-stabilising schedule (Fig. 11): {title}", 110), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
