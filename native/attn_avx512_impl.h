@@ -353,7 +353,7 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const flo
 }
 
 /* Second half: V accumulation of the chunk with chunk_scores' weights pb and rescale factors alpha. pv / pvf:
- * fp16/fp32 only, the V tiles to prefetch (see vaccum). */
+ * the V tiles to prefetch near / far (see vaccum; int8 takes pv only, from phased items). */
 T512 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int D, const float *pb, const float *alpha,
                               float *acc, int vnni, const char *pv, const char *pvf) {
 /* call(VC, GB) over dims in slabs of 4 x 16 (8 x 16 for a single q head, then 1 x 16) and q heads in blocks of 4.
@@ -509,9 +509,9 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                 const int32_t t0 = blk * NH + h;
                 if (dt == AIOLLM_DT_I8) {
                     const int32_t nblk = (t0 + near_i8) / NH, nh = h0 + (t0 + near_i8) % NH;
-                    if (phased) vnext[h] = nblk < n_used ? (const char *)kv->v + kv_tile(kv, table[nblk], nh) * es : NULL;
-                    if (c == 0 && nblk < n_used) {
-                        const int64_t next = kv_tile(kv, table[nblk], nh) * es;
+                    const int64_t next = nblk < n_used ? kv_tile(kv, table[nblk], nh) * es : -1;
+                    if (phased) vnext[h] = next >= 0 ? (const char *)kv->v + next : NULL;
+                    if (c == 0 && next >= 0) {
                         pk = (const char *)kv->k + next, pv = phased ? NULL : (const char *)kv->v + next;
                         _mm_prefetch((const char *)(kv->k_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
                         _mm_prefetch((const char *)(kv->v_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);

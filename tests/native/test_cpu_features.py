@@ -3,10 +3,14 @@ from pathlib import Path
 from aiollm._native import lib
 
 
-def _proc_flags() -> set[str]:
+def _cpuinfo_field(name: str) -> str:
+    """The first processor's `name` field of /proc/cpuinfo."""
     text = Path("/proc/cpuinfo").read_text()
-    line = next(line for line in text.splitlines() if line.startswith("flags"))
-    return set(line.split(":", 1)[1].split())
+    return next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(name))
+
+
+def _proc_flags() -> set[str]:
+    return set(_cpuinfo_field("flags").split())
 
 
 def test_native_library_reports_the_cpu_features_linux_reports():
@@ -19,11 +23,6 @@ def test_native_library_reports_the_cpu_features_linux_reports():
     assert bool(features & lib.AIOLLM_CPU_AVX512BW) == ("avx512bw" in flags)
     assert bool(features & lib.AIOLLM_CPU_AVX512VNNI) == ("avx512_vnni" in flags)
     assert bool(features & lib.AIOLLM_CPU_AVX512VBMI) == ("avx512vbmi" in flags)
-
-
-def _cpuinfo_field(name: str) -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    return next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(name))
 
 
 def test_far_prefetch_default_is_off_exactly_on_amd_family_0x1a_and_later():
