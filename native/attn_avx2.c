@@ -43,18 +43,43 @@ T256 INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
-/* Scores of 16 tokens as two halves, GB q heads, NP partial sums per half; pointer walks, no index math. */
-T256 INLINE void scores(int dt, const void *kt, int64_t col, int BS, int D, const float *qs, int GB, int NP,
-                        __m256 *lo, __m256 *hi) {
-    const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1, step = (int64_t)BS * es;
-    const char *kp = (const char *)kt + col * es;
-    __m256 a0[4][2], a1[4][2];
+/* Software prefetch as on the AVX-512 path (attn_avx512_impl.h): each line of the tile PF_NEAR tiles ahead in the
+ * item's order asked into L1, and of the tile PF_FAR_BYTES of one tile array ahead into L2 (where
+ * attn_args.far_prefetch says so), while the same line of the current tile is read, so the requests are spread
+ * over the chunk's compute. Asking for the whole next tile at once at the start of each tile (this path's earlier
+ * scheme) left the memory idle during the compute. */
+#ifndef PF_NEAR
+#define PF_NEAR 1
+#endif
+#ifndef PF_FAR_BYTES
+#define PF_FAR_BYTES 8192
+#endif
+
+/* Prefetch `bytes` from *p (when set) with `hint`, and advance *p past them. */
+INLINE void prefetch_walk(const char **p, int64_t bytes, int hint) {
+    if (!*p) return;
+    for (int64_t o = 0; o < bytes; o += 64) {
+        if (hint == _MM_HINT_T0) _mm_prefetch(*p + o, _MM_HINT_T0);
+        else _mm_prefetch(*p + o, _MM_HINT_T1);
+    }
+    *p += bytes;
+}
+
+/* Scores of 16 tokens (chunk column `col` of a K tile) as two ymm halves for GB q heads, NP partial sums per
+ * half: FMA latency 4 cycles on 2 ports wants >= 8 independent chains (GB * NP * 2). pk / pkf: the K tiles to
+ * prefetch near / far (NULL: none), walked in step with this tile's rows. */
+T256 INLINE void scores(int dt, const char *kt, int64_t col, int64_t BS, int D, const float *qs, int GB, int NP,
+                        __m256 *lo, __m256 *hi, const char *pk, const char *pkf) {
+    const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1, step = BS * es;
+    const char *kp = kt + col * es;
+    __m256 a0[4][4], a1[4][4];
     for (int g = 0; g < GB; g++)
         for (int p = 0; p < NP; p++) a0[g][p] = a1[g][p] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += NP, kp += NP * step) {
+        prefetch_walk(&pk, NP * step, _MM_HINT_T0);
+        prefetch_walk(&pkf, NP * step, _MM_HINT_T1);
         for (int p = 0; p < NP; p++) {
-            const __m256 k0 = ld8(dt, kp + p * step, 0);
-            const __m256 k1 = ld8(dt, kp + p * step, 8);
+            const __m256 k0 = ld8(dt, kp + p * step, 0), k1 = ld8(dt, kp + p * step, 8);
             for (int g = 0; g < GB; g++) {
                 const __m256 qv = _mm256_broadcast_ss(qs + g * D + d + p);
                 a0[g][p] = _mm256_fmadd_ps(qv, k0, a0[g][p]);
@@ -72,16 +97,27 @@ T256 INLINE void scores(int dt, const void *kt, int64_t col, int BS, int D, cons
     }
 }
 
-/* acc[g][8*(dv..dv+VC)] = alpha[g] * acc + sum over nv tokens of pb[g][t] * V row t. */
-T256 INLINE void vaccum(int dt, const void *vt, int64_t row0, int nv, int D, int dv, int VC, const float *pb,
-                        const float *alpha, float *acc, int GB) {
-    const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1;
-    const char *vp = (const char *)vt + (row0 * D + dv * 8) * es;
-    __m256 r[4][2];
+/* acc[g][8*(dv..dv+VC)] = alpha[g] * acc + sum over nv tokens of pb[g][t] * V row t. pv / pvf: the V tiles to
+ * prefetch near / far (NULL: none); each token's slab of them is asked for as the same slab here is read. */
+T256 INLINE void vaccum(int dt, const char *vt, int64_t row0, int nv, int D, int dv, int VC, const float *pb,
+                        const float *alpha, float *acc, int GB, const char *pv, const char *pvf) {
+    const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1, at = (row0 * D + dv * 8) * es;
+    const char *vp = vt + at;
+    if (pv) pv += at;
+    if (pvf) pvf += at;
+    __m256 r[4][8];
+    int same = 1; /* after the first chunks the max rarely moves: no rescale, the loads feed the FMAs directly */
+    for (int g = 0; g < GB; g++) same &= alpha[g] == 1.0f;
     for (int g = 0; g < GB; g++)
-        for (int v = 0; v < VC; v++)
-            r[g][v] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + (dv + v) * 8), _mm256_set1_ps(alpha[g]));
+        for (int v = 0; v < VC; v++) {
+            const __m256 x = _mm256_loadu_ps(acc + g * D + (dv + v) * 8);
+            r[g][v] = same ? x : _mm256_mul_ps(x, _mm256_set1_ps(alpha[g]));
+        }
     for (int t = 0; t < nv; t++, vp += D * es) {
+        prefetch_walk(&pv, VC * 8 * es, _MM_HINT_T0);
+        prefetch_walk(&pvf, VC * 8 * es, _MM_HINT_T1);
+        if (pv) pv += D * es - VC * 8 * es;
+        if (pvf) pvf += D * es - VC * 8 * es;
         for (int v = 0; v < VC; v++) {
             const __m256 x = ld8(dt, vp, v * 8);
             for (int g = 0; g < GB; g++) r[g][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(pb + g * 16 + t), x, r[g][v]);
@@ -97,13 +133,17 @@ T256 INLINE __m256 byte8(__m256i x, int j) {
     return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 24 - 8 * j), 24));
 }
 
-/* int8 scores of 16 tokens: each 64-byte row of the K tile holds 4 dims of the 16 tokens (attn_internal.h). */
-T256 INLINE void scores_i8(const char *kt, int64_t col, int BS, int D, const float *qs, int GB, __m256 *lo, __m256 *hi) {
+/* int8 scores of 16 tokens: each 64-byte row of the K tile holds 4 dims of the 16 tokens (attn_internal.h).
+ * pk / pv: the K and V tiles to prefetch near (NULL: none), spread over the loop's iterations. */
+T256 INLINE void scores_i8(const char *kt, int64_t col, int64_t BS, int D, const float *qs, int GB, __m256 *lo,
+                           __m256 *hi, const char *pk, const char *pv) {
     __m256 a0[4][2], a1[4][2];
     for (int g = 0; g < GB; g++)
         for (int p = 0; p < 2; p++) a0[g][p] = a1[g][p] = _mm256_setzero_ps();
     const char *kp = kt + col * 4;
     for (int d = 0; d < D; d += 4, kp += 4 * BS) {
+        prefetch_walk(&pk, 4 * BS, _MM_HINT_T0);
+        prefetch_walk(&pv, 4 * BS, _MM_HINT_T0);
         const __m256i r0 = _mm256_loadu_si256((const __m256i *)kp), r1 = _mm256_loadu_si256((const __m256i *)(kp + 32));
         for (int j = 0; j < 4; j++) {
             const __m256 k0 = byte8(r0, j), k1 = byte8(r1, j);
@@ -146,36 +186,34 @@ T256 INLINE void vaccum_i8(const char *vt, int64_t row0, int nv, int D, const fl
     }
 }
 
-/* Prefetch a whole tile into L1. Tiles are 1-4 KiB, often exactly a page, and the hardware streamer stops
- * at page boundaries; asking for the next tile while this one is processed measured best (vs none, vs
- * the next block of the same head, vs L2 only). */
-static inline void prefetch_tile(const char *p, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
-}
-/* One 16-token chunk of one kv head: scores, online-softmax update, V accumulation. */
-T256 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, const float *vs, int c, int nv,
-                       int G, int D, int BS, const float *qs, float *acc, float *m, float *l) {
+/* Scores and online-softmax update of one 16-token chunk of one kv head; the weights go to pb (16 per q head)
+ * and the rescale factors to alpha. m: running max per q head; l: 8 lane partial sums of the softmax
+ * denominator per q head (l + g * 8, reduced once per item). pk / pkf: the K tiles to prefetch (int8: pkf
+ * carries the near V tile). */
+T256 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const float *vs, int c, int nv, int G, int D,
+                              int BS, const float *qs, float *m, float *l, const char *pk, const char *pkf, float *pb,
+                              float *alpha) {
     const __m256i iota0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), iota1 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     const __m256 m0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota0));
     const __m256 m1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota1));
-    float alpha[AIOLLM_MAX_GROUP], pb[AIOLLM_MAX_GROUP * 16] __attribute__((aligned(32)));
     for (int g0 = 0; g0 < G; g0 += 4) {
         const int gb = G - g0 < 4 ? G - g0 : 4;
+        const char *pkg = g0 ? NULL : pk, *pfg = g0 ? NULL : pkf; /* the first q-head block carries the prefetch */
         __m256 lo[4], hi[4];
         if (dt == AIOLLM_DT_I8) {
             switch (gb) {
-            case 1: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 1, lo, hi); break;
-            case 2: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 2, lo, hi); break;
-            case 3: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 3, lo, hi); break;
-            default: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 4, lo, hi); break;
+            case 1: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 1, lo, hi, pkg, pfg); break;
+            case 2: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 2, lo, hi, pkg, pfg); break;
+            case 3: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 3, lo, hi, pkg, pfg); break;
+            default: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 4, lo, hi, pkg, pfg); break;
             }
         } else
         switch (gb) {
-        case 1: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 1, 2, lo, hi); break;
-        case 2: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 2, 2, lo, hi); break;
-        case 3: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 3, 1, lo, hi); break;
-        default: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 4, 1, lo, hi); break;
+        case 1: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 1, 4, lo, hi, pkg, pfg); break;
+        case 2: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 2, 2, lo, hi, pkg, pfg); break;
+        case 3: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 3, 2, lo, hi, pkg, pfg); break;
+        default: scores(dt, kt, c * 16, BS, D, qs + g0 * D, 4, 1, lo, hi, pkg, pfg); break;
         }
         for (int g = 0; g < gb; g++) {
             __m256 s0 = lo[g], s1 = hi[g];
@@ -185,12 +223,21 @@ T256 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, 
             }
             s0 = _mm256_blendv_ps(ninf, s0, m0);
             s1 = _mm256_blendv_ps(ninf, s1, m1);
-            const float mx = hmax8(_mm256_max_ps(s0, s1)), mo = m[g0 + g], mn = mx > mo ? mx : mo;
+            /* The max rarely moves after a few chunks: one compare decides, and only then the horizontal max and
+             * the rescale run; l stays 8 lane sums, so the common path has no horizontal reduction. */
+            const __m256 mx = _mm256_max_ps(s0, s1);
+            const float mo = m[g0 + g];
+            float mn = mo, al = 1.0f;
+            __m256 lv = _mm256_load_ps(l + (g0 + g) * 8);
+            if (_mm256_movemask_ps(_mm256_cmp_ps(mx, _mm256_set1_ps(mo), _CMP_GT_OQ))) {
+                mn = hmax8(mx);
+                al = expf(mo - mn);
+                lv = _mm256_mul_ps(lv, _mm256_set1_ps(al));
+            }
             const __m256 mv = _mm256_set1_ps(mn);
             __m256 p0 = _mm256_and_ps(m0, exp256(_mm256_sub_ps(s0, mv)));
             __m256 p1 = _mm256_and_ps(m1, exp256(_mm256_sub_ps(s1, mv)));
-            const float al = mn == mo ? 1.0f : expf(mo - mn); /* the max rarely moves after a few chunks */
-            l[g0 + g] = l[g0 + g] * al + hsum8(_mm256_add_ps(p0, p1));
+            _mm256_store_ps(l + (g0 + g) * 8, _mm256_add_ps(lv, _mm256_add_ps(p0, p1)));
             m[g0 + g] = mn;
             alpha[g0 + g] = al;
             if (dt == AIOLLM_DT_I8) {
@@ -201,6 +248,13 @@ T256 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, 
             _mm256_store_ps(pb + (g0 + g) * 16 + 8, p1);
         }
     }
+}
+
+/* V accumulation of one chunk with chunk_scores' weights pb and rescale factors alpha, over dims in slabs of
+ * VC x 8 and q heads in blocks of 4: one q head takes 8-wide slabs (8 chains), 2 or 3 heads 4-wide (8 or 12),
+ * 4 heads 2-wide (8); the 16 ymm registers bound the rest. pv / pvf: the V tiles to prefetch near / far. */
+T256 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int D, const float *pb, const float *alpha,
+                              float *acc, const char *pv, const char *pvf) {
     for (int g0 = 0; g0 < G; g0 += 4) {
         const int gb = G - g0 < 4 ? G - g0 : 4;
         const float *pg = pb + g0 * 16, *ag = alpha + g0;
@@ -214,71 +268,107 @@ T256 INLINE void chunk(int dt, const char *kt, const char *vt, const float *ks, 
             }
             continue;
         }
-        for (int dv = 0; dv < D / 8; dv += 2) {
-            switch (gb) {
-            case 1: vaccum(dt, vt, c * 16, nv, D, dv, 2, pg, ag, accg, 1); break;
-            case 2: vaccum(dt, vt, c * 16, nv, D, dv, 2, pg, ag, accg, 2); break;
-            case 3: vaccum(dt, vt, c * 16, nv, D, dv, 2, pg, ag, accg, 3); break;
-            default: vaccum(dt, vt, c * 16, nv, D, dv, 2, pg, ag, accg, 4); break;
+        const char *pvg = g0 ? NULL : pv, *pfg = g0 ? NULL : pvf; /* the first q-head block carries the prefetch */
+        for (int dv = 0; dv < D / 8;) {
+            const int rem = D / 8 - dv;
+            const int vc = gb == 1 && rem >= 8 ? 8 : gb < 4 && rem >= 4 ? 4 : 2; /* D % 16 == 0: rem is even */
+            switch (gb * 16 + vc) {
+            case 24: vaccum(dt, vt, c * 16, nv, D, dv, 8, pg, ag, accg, 1, pvg, pfg); break;
+            case 20: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 1, pvg, pfg); break;
+            case 36: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 2, pvg, pfg); break;
+            case 52: vaccum(dt, vt, c * 16, nv, D, dv, 4, pg, ag, accg, 3, pvg, pfg); break;
+            case 18: vaccum(dt, vt, c * 16, nv, D, dv, 2, pg, ag, accg, 1, pvg, pfg); break;
+            case 34: vaccum(dt, vt, c * 16, nv, D, dv, 2, pg, ag, accg, 2, pvg, pfg); break;
+            case 50: vaccum(dt, vt, c * 16, nv, D, dv, 2, pg, ag, accg, 3, pvg, pfg); break;
+            default: vaccum(dt, vt, c * 16, nv, D, dv, 2, pg, ag, accg, 4, pvg, pfg); break;
             }
+            dv += vc;
         }
     }
 }
 
-/* Heads [h0, h1) of one sequence, blocks outer and heads inner (see attn_avx512.c). */
-T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, int dt) {
+/* Heads [h0, h1) of one sequence, blocks outer and heads inner (see attn_avx512_impl.h); Dc / BSc: head_dim and
+ * block_size as compile-time constants (0: read from the layer). */
+T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, int dt, int Dc, int BSc) {
     const aiollm_kv_layer *kv = a->kv;
-    const int G = a->group, D = kv->head_dim, BS = kv->block_size, NH = h1 - h0, GD = G * D;
-    const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1, tile_bytes = (int64_t)D * BS * es;
+    const int G = a->group, D = Dc ? Dc : kv->head_dim, BS = BSc ? BSc : kv->block_size, NH = h1 - h0, GD = G * D;
+    const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1;
     const int32_t n = a->seq_lens[seq], n_used = (n + BS - 1) / BS;
     const int32_t *table = a->block_tables + (int64_t)seq * a->max_blocks;
     const float *q = a->q + seq * a->q_seq_stride + (int64_t)h0 * GD;
     float qs[AIOLLM_ITEM_FLOATS] __attribute__((aligned(32)));
     float acc[AIOLLM_ITEM_FLOATS] __attribute__((aligned(32)));
-    float m[AIOLLM_ITEM_FLOATS / 16], l[AIOLLM_ITEM_FLOATS / 16];
+    float m[AIOLLM_ITEM_FLOATS / 16], alpha[AIOLLM_ITEM_FLOATS / 16];
+    float l[AIOLLM_ITEM_FLOATS / 2] __attribute__((aligned(32))); /* 8 lane sums per q head */
+    float pb[AIOLLM_ITEM_FLOATS] __attribute__((aligned(32)));    /* one chunk's weights, 16 per q head */
 
     for (int r = 0; r < NH * G; r++) {
         m[r] = -INFINITY;
-        l[r] = 0.0f;
+        _mm256_store_ps(l + r * 8, _mm256_setzero_ps());
     }
     for (int i = 0; i < NH * GD; i += 8) {
         _mm256_store_ps(qs + i, _mm256_mul_ps(_mm256_loadu_ps(q + i), _mm256_set1_ps(a->scale)));
         _mm256_store_ps(acc + i, _mm256_setzero_ps());
     }
+    const int32_t far_tiles = (int32_t)(PF_FAR_BYTES / (D * BS * es));
+    const int32_t pf_far = far_tiles > PF_NEAR ? far_tiles : PF_NEAR + 1;
     for (int32_t blk = 0; blk < n_used; blk++) {
         const int64_t block = table[blk];
-        for (int h = 0; h < NH; h++) {
-            const int64_t tile = kv_tile(kv, block, h0 + h) * es;
-            const char *kt = (const char *)kv->k + tile, *vt = (const char *)kv->v + tile;
-            const float *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
-            const float *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
-            const int32_t nblk = h + 1 < NH ? blk : blk + 1, nh = h + 1 < NH ? h0 + h + 1 : h0;
-            if (nblk < n_used) { /* the next tile in this item's order: next head, or first head of next block */
-                const int64_t next = kv_tile(kv, table[nblk], nh) * es;
-                prefetch_tile((const char *)kv->k + next, tile_bytes);
-                prefetch_tile((const char *)kv->v + next, tile_bytes);
-            }
-            for (int c = 0; c * 16 < BS; c++) {
-                int nv = n - (blk * BS + c * 16);
-                if (nv <= 0) break;
-                const int w = nv > 16 ? 16 : nv;
-                float *ah = acc + h * GD, *mh = m + h * G, *lh = l + h * G;
-                if (D == 64) chunk(dt, kt, vt, ks, vs, c, w, G, 64, BS, qs + h * GD, ah, mh, lh);
-                else if (D == 128) chunk(dt, kt, vt, ks, vs, c, w, G, 128, BS, qs + h * GD, ah, mh, lh);
-                else chunk(dt, kt, vt, ks, vs, c, w, G, D, BS, qs + h * GD, ah, mh, lh);
+        for (int c = 0; c * 16 < BS; c++) {
+            const int nv = n - (blk * BS + c * 16);
+            if (nv <= 0) break;
+            const int w = nv > 16 ? 16 : nv;
+            for (int h = 0; h < NH; h++) {
+                const int64_t tile = kv_tile(kv, block, h0 + h) * es;
+                const char *kt = (const char *)kv->k + tile, *vt = (const char *)kv->v + tile;
+                const float *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
+                const float *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
+                /* Tiles ahead in this item's order (heads inner): the K tiles by the first chunk's score loop (it
+                 * covers whole K rows), the V tiles by every chunk's V loop (its own rows); int8 both K and V in
+                 * the first chunk's score loop. */
+                const char *pk = NULL, *pkf = NULL, *vn = NULL, *vf = NULL;
+                const int32_t t0 = blk * NH + h, nb = (t0 + PF_NEAR) / NH, fb = (t0 + pf_far) / NH;
+                if (nb < n_used) {
+                    const int64_t at = kv_tile(kv, table[nb], h0 + (t0 + PF_NEAR) % NH) * es;
+                    if (dt == AIOLLM_DT_I8) {
+                        if (c == 0) pk = (const char *)kv->k + at, pkf = (const char *)kv->v + at;
+                    } else {
+                        vn = (const char *)kv->v + at;
+                        if (c == 0) pk = (const char *)kv->k + at;
+                    }
+                }
+                if (dt != AIOLLM_DT_I8 && a->far_prefetch && fb < n_used) {
+                    const int64_t at = kv_tile(kv, table[fb], h0 + (t0 + pf_far) % NH) * es;
+                    vf = (const char *)kv->v + at;
+                    if (c == 0) pkf = (const char *)kv->k + at;
+                }
+                float *mh = m + h * G, *lh = l + h * G * 8, *pbh = pb + h * G * 16, *alh = alpha + h * G;
+                chunk_scores(dt, kt, ks, vs, c, w, G, D, BS, qs + h * GD, mh, lh, pk, pkf, pbh, alh);
+                chunk_values(dt, vt, c, w, G, D, pbh, alh, acc + h * GD, vn, vf);
             }
         }
     }
     for (int r = 0; r < NH * G; r++) {
-        const __m256 inv = _mm256_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+        const float lr = hsum8(_mm256_load_ps(l + r * 8));
+        const __m256 inv = _mm256_set1_ps(lr > 0.0f ? 1.0f / lr : 0.0f);
         for (int d = 0; d < D; d += 8) _mm256_store_ps(acc + r * D + d, _mm256_mul_ps(_mm256_load_ps(acc + r * D + d), inv));
     }
     store_row_ref(a->out, ((int64_t)seq * a->n_q_heads + (int64_t)h0 * G) * D, acc, NH * GD, a->out_dtype);
 }
 
-T256 static void item_f32(const attn_args *a, int32_t s, int32_t h0, int32_t h1) { item(a, s, h0, h1, AIOLLM_DT_F32); }
-T256 static void item_f16(const attn_args *a, int32_t s, int32_t h0, int32_t h1) { item(a, s, h0, h1, AIOLLM_DT_F16); }
-T256 static void item_i8(const attn_args *a, int32_t s, int32_t h0, int32_t h1) { item(a, s, h0, h1, AIOLLM_DT_I8); }
+/* The item specialised for the common shapes (head_dim 64 or 128, block_size 16): with both constant every loop
+ * inside has a fixed trip count and is unrolled; other shapes take the general body. */
+#define ITEM_SPECIALISED(name, dt)                                                  \
+    T256 static void name(const attn_args *a, int32_t s, int32_t h0, int32_t h1) {  \
+        const int D = a->kv->head_dim, BS = a->kv->block_size;                      \
+        if (D == 64 && BS == 16) item(a, s, h0, h1, dt, 64, 16);                    \
+        else if (D == 128 && BS == 16) item(a, s, h0, h1, dt, 128, 16);             \
+        else item(a, s, h0, h1, dt, 0, 0);                                          \
+    }
+ITEM_SPECIALISED(item_f32, AIOLLM_DT_F32)
+ITEM_SPECIALISED(item_f16, AIOLLM_DT_F16)
+ITEM_SPECIALISED(item_i8, AIOLLM_DT_I8)
+#undef ITEM_SPECIALISED
 
 void attn_item_avx2(const attn_args *a, int32_t seq, int32_t h0, int32_t h1) {
     switch (a->kv->dtype) {
