@@ -76,8 +76,12 @@ T256 INLINE void scores(int dt, const char *kt, int64_t col, int64_t BS, int D, 
     for (int g = 0; g < GB; g++)
         for (int p = 0; p < NP; p++) a0[g][p] = a1[g][p] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += NP, kp += NP * step) {
-        prefetch_walk(&pk, NP * step, _MM_HINT_T0);
-        prefetch_walk(&pkf, NP * step, _MM_HINT_T1);
+        /* pk / pkf are loop-invariant and indexed like this tile's rows, so the compiler unswitches the loop on
+         * them and each request is one instruction (a pointer walk tested and advanced a pointer per request) */
+        for (int64_t o = 0; o < NP * step; o += 64) {
+            if (pk) _mm_prefetch(pk + d * step + o, _MM_HINT_T0);
+            if (pkf) _mm_prefetch(pkf + d * step + o, _MM_HINT_T1);
+        }
         for (int p = 0; p < NP; p++) {
             const __m256 k0 = ld8(dt, kp + p * step, 0), k1 = ld8(dt, kp + p * step, 8);
             for (int g = 0; g < GB; g++) {
@@ -114,10 +118,10 @@ T256 INLINE void vaccum(int dt, const char *vt, int64_t row0, int nv, int D, int
             r[g][v] = same ? x : _mm256_mul_ps(x, _mm256_set1_ps(alpha[g]));
         }
     for (int t = 0; t < nv; t++, vp += D * es) {
-        prefetch_walk(&pv, VC * 8 * es, _MM_HINT_T0);
-        prefetch_walk(&pvf, VC * 8 * es, _MM_HINT_T1);
-        if (pv) pv += D * es - VC * 8 * es;
-        if (pvf) pvf += D * es - VC * 8 * es;
+        for (int64_t o = 0; o < VC * 8 * es; o += 64) {
+            if (pv) _mm_prefetch(pv + t * D * es + o, _MM_HINT_T0);
+            if (pvf) _mm_prefetch(pvf + t * D * es + o, _MM_HINT_T1);
+        }
         for (int v = 0; v < VC; v++) {
             const __m256 x = ld8(dt, vp, v * 8);
             for (int g = 0; g < GB; g++) r[g][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(pb + g * 16 + t), x, r[g][v]);
