@@ -92,16 +92,19 @@ int aiollm_isa(void);
 int aiollm_isa_supported(int32_t isa);
 int aiollm_set_isa(int32_t isa);
 
-/* How the AVX-512 variant computes int8 KV attention: fp32 math or VNNI dot products (vpdpbusd). Probed once
- * (VNNI where the CPU has it), overridable by AIOLLM_ATTN_INT8 (fp32, vnni) or aiollm_set_int8_path (-1: back to
+/* How int8 KV attention is computed: fp32 math (every kernel), or int8 dot products with q and the softmax
+ * weights quantised to 8 bits too: VNNI (vpdpbusd, the AVX-512 kernel on CPUs with AVX512-VNNI) or MADD
+ * (vpmaddubsw + vpmaddwd, the AVX2 kernel, which also takes VNNI to mean its own dot products). Probed once (VNNI,
+ * else MADD, else FP32), overridable by AIOLLM_ATTN_INT8 (fp32, vnni, madd) or aiollm_set_int8_path (-1: back to
  * the probe; AIOLLM_ERR_UNSUPPORTED if the CPU lacks it). */
 #define AIOLLM_INT8_FP32 0
 #define AIOLLM_INT8_VNNI 1
+#define AIOLLM_INT8_MADD 2
 int aiollm_int8_path(void);
 int aiollm_int8_path_supported(int32_t path);
 int aiollm_set_int8_path(int32_t path);
 
-/* Whether the AVX-512 kernel issues its far (L2) software prefetch level: 1 on, 0 off. Probed once
+/* Whether the SIMD kernels issue their far (L2) software prefetch level (AVX2: fp16/fp32 only): 1 on, 0 off. Probed once
  * (aiollm_cpu_far_prefetch_default), overridable by AIOLLM_ATTN_FAR_PREFETCH (0, 1) or aiollm_set_far_prefetch
  * (-1: back to the probe). The results are the same either way; only the speed differs. */
 int aiollm_far_prefetch(void);

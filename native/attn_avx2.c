@@ -44,10 +44,15 @@ T256 INLINE float hsum8(__m256 v) {
 }
 
 /* Software prefetch as on the AVX-512 path (attn_avx512_impl.h): each line of the tile PF_NEAR tiles ahead in the
- * item's order asked into L1, and of the tile PF_FAR_BYTES of one tile array ahead into L2 (where
- * attn_args.far_prefetch says so), while the same line of the current tile is read, so the requests are spread
- * over the chunk's compute. Asking for the whole next tile at once at the start of each tile (this path's earlier
- * scheme) left the memory idle during the compute. */
+ * item's order asked into L1 while the same line of the current tile is read, so the requests are spread over
+ * the chunk's compute, and for fp16/fp32, where attn_args.far_prefetch says so, the tile PF_FAR_BYTES of one tile
+ * array ahead into L2. This path's earlier scheme, the whole next tile asked for at once at the start of each
+ * tile, left the memory idle during the compute: on an AMD Zen 3 host (no AVX-512; paired in-process runs against
+ * the read kernel from DRAM, 2 threads) fp16 SmolLM2 256 x 1024 went from 0.52 to 0.66-0.82 of the read kernel
+ * and Llama 64 x 1024 from 0.55 to 0.82-0.98. There the far level cost more than it gave (off / on, three
+ * alternating pairs: SmolLM2 256 x 1024 0.72-0.82 / 0.64-0.76, Llama 64 x 1024 0.82-0.98 / 0.80-0.83; an int8 far
+ * level, whole tiles 16 ahead once per tile as on AVX-512, took int8 from 1.51-1.70x fp16 to 1.10-1.20x), so
+ * without AVX-512 it defaults off (native/cpu.c) and int8 has none. */
 #ifndef PF_NEAR
 #define PF_NEAR 1
 #endif
@@ -190,13 +195,107 @@ T256 INLINE void vaccum_i8(const char *vt, int64_t row0, int nv, int D, const fl
     }
 }
 
+/* int8 dot products (int8 path MADD): AVX2 has no vpdpbusd, so one u8 x s8 product of 4 bytes is vpmaddubsw
+ * (pairs to int16) then vpmaddwd by ones (pairs to int32). The unsigned operand is |k| with k's sign moved onto
+ * q (vpsignb), or the weights, which are quantised to 0..127 (not 255): every int16 pair sum stays below 2^15
+ * (2 * 128 * 127 at most), so nothing saturates and the integer sums are exact. */
+
+/* q rows as int8: per row scale max|q| / 127, 4 dims per int32 (q4), qsc the scale back. cvtps2dq rounds to
+ * nearest even, as lrintf does. */
+T256 INLINE void quantise_q(const float *qs, int rows, int D, int32_t *q4, float *qsc) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int r = 0; r < rows; r++) {
+        const float *x = qs + r * D;
+        __m256 mx = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_load_ps(x + d), abs_mask));
+        const float amax = hmax8(mx), inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int d = 0; d < D; d += 8) {
+            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(x + d), _mm256_set1_ps(inv)));
+            const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v, v), _mm256_setzero_si256());
+            q4[r * (D / 4) + d / 4] = _mm256_extract_epi32(b, 0); /* dims d..d+3 in lane 0, d+4..d+7 in lane 1 */
+            q4[r * (D / 4) + d / 4 + 1] = _mm256_extract_epi32(b, 4);
+        }
+        qsc[r] = amax / 127.0f;
+    }
+}
+
+/* int8 scores of 16 tokens as dot products: each 32-byte half of a K tile row is 8 lanes of [4 dims of one token]
+ * (attn_internal.h). pk / pv: the K and V tiles to prefetch near (NULL: none), spread over the iterations. */
+T256 INLINE void scores_madd(const char *kt, int64_t col, int64_t BS, int D, const int32_t *q4, const float *qsc,
+                             int GB, __m256 *lo, __m256 *hi, const char *pk, const char *pv) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a0[4], a1[4];
+    for (int g = 0; g < GB; g++) a0[g] = a1[g] = _mm256_setzero_si256();
+    const char *kp = kt + col * 4;
+    for (int j = 0; j < D / 4; j++, kp += 4 * BS) {
+        prefetch_walk(&pk, 4 * BS, _MM_HINT_T0);
+        prefetch_walk(&pv, 4 * BS, _MM_HINT_T0);
+        const __m256i k0 = _mm256_loadu_si256((const __m256i *)kp), k1 = _mm256_loadu_si256((const __m256i *)(kp + 32));
+        const __m256i u0 = _mm256_abs_epi8(k0), u1 = _mm256_abs_epi8(k1);
+        for (int g = 0; g < GB; g++) {
+            const __m256i qb = _mm256_set1_epi32(q4[g * (D / 4) + j]);
+            a0[g] = _mm256_add_epi32(a0[g], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(qb, k0)), ones));
+            a1[g] = _mm256_add_epi32(a1[g], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(qb, k1)), ones));
+        }
+    }
+    for (int g = 0; g < GB; g++) {
+        lo[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(a0[g]), _mm256_set1_ps(qsc[g]));
+        hi[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(a1[g]), _mm256_set1_ps(qsc[g]));
+    }
+}
+
+/* One chunk's weights (already times the V scales, >= 0) as u8 0..127 per q head, scaled to its largest:
+ * pw[g * 4 + tg] holds tokens 4 tg .. 4 tg + 3, psc[g] the scale back. */
+T256 INLINE void quantise_p(const float *pb, int GB, int32_t *pw, float *psc) {
+    for (int g = 0; g < GB; g++) {
+        const __m256 p0 = _mm256_load_ps(pb + g * 16), p1 = _mm256_load_ps(pb + g * 16 + 8);
+        const float pm = hmax8(_mm256_max_ps(p0, p1)), inv = pm > 0.0f ? 127.0f / pm : 0.0f;
+        const __m256 iv = _mm256_set1_ps(inv);
+        const __m256i w16 = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(p0, iv)), _mm256_cvtps_epi32(_mm256_mul_ps(p1, iv)));
+        const __m256i b = _mm256_packus_epi16(w16, w16); /* words: 0 tokens 0-3, 1: 8-11, 4: 4-7, 5: 12-15 */
+        pw[g * 4] = _mm256_extract_epi32(b, 0);
+        pw[g * 4 + 1] = _mm256_extract_epi32(b, 4);
+        pw[g * 4 + 2] = _mm256_extract_epi32(b, 1);
+        pw[g * 4 + 3] = _mm256_extract_epi32(b, 5);
+        psc[g] = pm / 127.0f;
+    }
+}
+
+/* int8 V of one chunk as dot products, dims [8 dv, 8 (dv + VC)): each 32-byte piece of a V tile row is 8 lanes of
+ * [one dim of 4 tokens], so 4 u8 weights broadcast as one int32 meet it directly. Tokens past the sequence
+ * have weight 0 and add exact zeros. */
+T256 INLINE void vaccum_madd(const char *vt, int64_t row0, int D, int dv, int VC, const int32_t *pw, const float *psc,
+                             const float *alpha, float *acc, int GB) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i ai[4][8];
+    for (int g = 0; g < GB; g++)
+        for (int v = 0; v < VC; v++) ai[g][v] = _mm256_setzero_si256();
+    for (int tg = 0; tg < 4; tg++) {
+        const char *r = vt + (row0 + tg * 4) * D + dv * 32;
+        for (int v = 0; v < VC; v++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(r + v * 32));
+            for (int g = 0; g < GB; g++)
+                ai[g][v] = _mm256_add_epi32(ai[g][v], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32(pw[g * 4 + tg]), x), ones));
+        }
+    }
+    for (int g = 0; g < GB; g++) {
+        const __m256 al = _mm256_set1_ps(alpha[g]), sc = _mm256_set1_ps(psc[g]);
+        const int same = alpha[g] == 1.0f; /* the max rarely moves: no rescale multiply */
+        for (int v = 0; v < VC; v++) {
+            float *f = acc + g * D + (dv + v) * 8;
+            const __m256 x = _mm256_loadu_ps(f);
+            _mm256_storeu_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[g][v]), sc, same ? x : _mm256_mul_ps(x, al)));
+        }
+    }
+}
+
 /* Scores and online-softmax update of one 16-token chunk of one kv head; the weights go to pb (16 per q head)
  * and the rescale factors to alpha. m: running max per q head; l: 8 lane partial sums of the softmax
- * denominator per q head (l + g * 8, reduced once per item). pk / pkf: the K tiles to prefetch (int8: pkf
- * carries the near V tile). */
+ * denominator per q head (l + g * 8, reduced once per item). q4 / qsc: the quantised q rows (int8 dot
+ * products, else NULL). pk / pkf: the K tiles to prefetch (int8: pkf carries the near V tile). */
 T256 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const float *vs, int c, int nv, int G, int D,
-                              int BS, const float *qs, float *m, float *l, const char *pk, const char *pkf, float *pb,
-                              float *alpha) {
+                              int BS, const float *qs, const int32_t *q4, const float *qsc, float *m, float *l,
+                              const char *pk, const char *pkf, float *pb, float *alpha) {
     const __m256i iota0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), iota1 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     const __m256 m0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota0));
@@ -205,7 +304,15 @@ T256 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const flo
         const int gb = G - g0 < 4 ? G - g0 : 4;
         const char *pkg = g0 ? NULL : pk, *pfg = g0 ? NULL : pkf; /* the first q-head block carries the prefetch */
         __m256 lo[4], hi[4];
-        if (dt == AIOLLM_DT_I8) {
+        if (q4) {
+            const int32_t *qg = q4 + g0 * (D / 4);
+            switch (gb) {
+            case 1: scores_madd(kt, c * 16, BS, D, qg, qsc + g0, 1, lo, hi, pkg, pfg); break;
+            case 2: scores_madd(kt, c * 16, BS, D, qg, qsc + g0, 2, lo, hi, pkg, pfg); break;
+            case 3: scores_madd(kt, c * 16, BS, D, qg, qsc + g0, 3, lo, hi, pkg, pfg); break;
+            default: scores_madd(kt, c * 16, BS, D, qg, qsc + g0, 4, lo, hi, pkg, pfg); break;
+            }
+        } else if (dt == AIOLLM_DT_I8) {
             switch (gb) {
             case 1: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 1, lo, hi, pkg, pfg); break;
             case 2: scores_i8(kt, c * 16, BS, D, qs + g0 * D, 2, lo, hi, pkg, pfg); break;
@@ -258,7 +365,29 @@ T256 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const flo
  * VC x 8 and q heads in blocks of 4: one q head takes 8-wide slabs (8 chains), 2 or 3 heads 4-wide (8 or 12),
  * 4 heads 2-wide (8); the 16 ymm registers bound the rest. pv / pvf: the V tiles to prefetch near / far. */
 T256 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int D, const float *pb, const float *alpha,
-                              float *acc, const char *pv, const char *pvf) {
+                              float *acc, int dot, const char *pv, const char *pvf) {
+    if (dot) { /* slabs of 4 x 8 dims (2 x 8 for 3 or 4 heads) and q heads in blocks of 4, as below */
+        int32_t pw[AIOLLM_MAX_GROUP * 4];
+        float psc[AIOLLM_MAX_GROUP];
+        quantise_p(pb, G, pw, psc);
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const int gb = G - g0 < 4 ? G - g0 : 4;
+            const int32_t *wg = pw + g0 * 4;
+            for (int dv = 0; dv < D / 8;) {
+                const int vc = D / 8 - dv >= 4 && gb < 3 ? 4 : 2;
+                switch (gb * 16 + vc) {
+                case 20: vaccum_madd(vt, c * 16, D, dv, 4, wg, psc + g0, alpha + g0, acc + g0 * D, 1); break;
+                case 36: vaccum_madd(vt, c * 16, D, dv, 4, wg, psc + g0, alpha + g0, acc + g0 * D, 2); break;
+                case 18: vaccum_madd(vt, c * 16, D, dv, 2, wg, psc + g0, alpha + g0, acc + g0 * D, 1); break;
+                case 34: vaccum_madd(vt, c * 16, D, dv, 2, wg, psc + g0, alpha + g0, acc + g0 * D, 2); break;
+                case 50: vaccum_madd(vt, c * 16, D, dv, 2, wg, psc + g0, alpha + g0, acc + g0 * D, 3); break;
+                default: vaccum_madd(vt, c * 16, D, dv, 2, wg, psc + g0, alpha + g0, acc + g0 * D, 4); break;
+                }
+                dv += vc;
+            }
+        }
+        return;
+    }
     for (int g0 = 0; g0 < G; g0 += 4) {
         const int gb = G - g0 < 4 ? G - g0 : 4;
         const float *pg = pb + g0 * 16, *ag = alpha + g0;
@@ -293,7 +422,7 @@ T256 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int 
 
 /* Heads [h0, h1) of one sequence, blocks outer and heads inner (see attn_avx512_impl.h); Dc / BSc: head_dim and
  * block_size as compile-time constants (0: read from the layer). */
-T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, int dt, int Dc, int BSc) {
+T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, int dt, int dot, int Dc, int BSc) {
     const aiollm_kv_layer *kv = a->kv;
     const int G = a->group, D = Dc ? Dc : kv->head_dim, BS = BSc ? BSc : kv->block_size, NH = h1 - h0, GD = G * D;
     const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1;
@@ -305,6 +434,8 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
     float m[AIOLLM_ITEM_FLOATS / 16], alpha[AIOLLM_ITEM_FLOATS / 16];
     float l[AIOLLM_ITEM_FLOATS / 2] __attribute__((aligned(32))); /* 8 lane sums per q head */
     float pb[AIOLLM_ITEM_FLOATS] __attribute__((aligned(32)));    /* one chunk's weights, 16 per q head */
+    int32_t q4[AIOLLM_ITEM_FLOATS / 4];                           /* int8 dot products: q as int8, 4 dims each */
+    float qsc[AIOLLM_ITEM_FLOATS / 16];
 
     for (int r = 0; r < NH * G; r++) {
         m[r] = -INFINITY;
@@ -314,6 +445,7 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
         _mm256_store_ps(qs + i, _mm256_mul_ps(_mm256_loadu_ps(q + i), _mm256_set1_ps(a->scale)));
         _mm256_store_ps(acc + i, _mm256_setzero_ps());
     }
+    if (dot) quantise_q(qs, NH * G, D, q4, qsc);
     const int32_t far_tiles = (int32_t)(PF_FAR_BYTES / (D * BS * es));
     const int32_t pf_far = far_tiles > PF_NEAR ? far_tiles : PF_NEAR + 1;
     for (int32_t blk = 0; blk < n_used; blk++) {
@@ -347,8 +479,9 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                     if (c == 0) pkf = (const char *)kv->k + at;
                 }
                 float *mh = m + h * G, *lh = l + h * G * 8, *pbh = pb + h * G * 16, *alh = alpha + h * G;
-                chunk_scores(dt, kt, ks, vs, c, w, G, D, BS, qs + h * GD, mh, lh, pk, pkf, pbh, alh);
-                chunk_values(dt, vt, c, w, G, D, pbh, alh, acc + h * GD, vn, vf);
+                const int32_t *q4h = dot ? q4 + h * G * (D / 4) : NULL;
+                chunk_scores(dt, kt, ks, vs, c, w, G, D, BS, qs + h * GD, q4h, qsc + h * G, mh, lh, pk, pkf, pbh, alh);
+                chunk_values(dt, vt, c, w, G, D, pbh, alh, acc + h * GD, dot, vn, vf);
             }
         }
     }
@@ -362,22 +495,26 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
 
 /* The item specialised for the common shapes (head_dim 64 or 128, block_size 16): with both constant every loop
  * inside has a fixed trip count and is unrolled; other shapes take the general body. */
-#define ITEM_SPECIALISED(name, dt)                                                  \
+#define ITEM_SPECIALISED(name, dt, dot)                                             \
     T256 static void name(const attn_args *a, int32_t s, int32_t h0, int32_t h1) {  \
         const int D = a->kv->head_dim, BS = a->kv->block_size;                      \
-        if (D == 64 && BS == 16) item(a, s, h0, h1, dt, 64, 16);                    \
-        else if (D == 128 && BS == 16) item(a, s, h0, h1, dt, 128, 16);             \
-        else item(a, s, h0, h1, dt, 0, 0);                                          \
+        if (D == 64 && BS == 16) item(a, s, h0, h1, dt, dot, 64, 16);               \
+        else if (D == 128 && BS == 16) item(a, s, h0, h1, dt, dot, 128, 16);        \
+        else item(a, s, h0, h1, dt, dot, 0, 0);                                     \
     }
-ITEM_SPECIALISED(item_f32, AIOLLM_DT_F32)
-ITEM_SPECIALISED(item_f16, AIOLLM_DT_F16)
-ITEM_SPECIALISED(item_i8, AIOLLM_DT_I8)
+ITEM_SPECIALISED(item_f32, AIOLLM_DT_F32, 0)
+ITEM_SPECIALISED(item_f16, AIOLLM_DT_F16, 0)
+ITEM_SPECIALISED(item_i8, AIOLLM_DT_I8, 0)
+ITEM_SPECIALISED(item_i8_madd, AIOLLM_DT_I8, 1)
 #undef ITEM_SPECIALISED
 
 void attn_item_avx2(const attn_args *a, int32_t seq, int32_t h0, int32_t h1) {
     switch (a->kv->dtype) {
     case AIOLLM_DT_F16: item_f16(a, seq, h0, h1); break;
-    case AIOLLM_DT_I8: item_i8(a, seq, h0, h1); break;
+    case AIOLLM_DT_I8: /* the AVX2 kernel's int8 dot products serve any dot-product path (see aiollm_int8_path) */
+        if (a->int8_dot != AIOLLM_INT8_FP32) item_i8_madd(a, seq, h0, h1);
+        else item_i8(a, seq, h0, h1);
+        break;
     default: item_f32(a, seq, h0, h1); break;
     }
 }

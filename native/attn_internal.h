@@ -18,8 +18,8 @@ typedef struct {
     float scale;
     void *out;
     int32_t out_dtype;
-    int32_t int8_dot; /* AVX-512 int8: AIOLLM_INT8_FP32 or _VNNI (vpdpbusd), see aiollm_int8_path */
-    int32_t far_prefetch; /* AVX-512: issue the far (L2) prefetch level, see aiollm_far_prefetch */
+    int32_t int8_dot; /* int8: AIOLLM_INT8_FP32, _VNNI or _MADD, see aiollm_int8_path */
+    int32_t far_prefetch; /* issue the far (L2) prefetch level, see aiollm_far_prefetch */
 } attn_args;
 
 /* One work item: sequence `seq`, kv heads [h0, h1), all `group` q heads of each at once. The SIMD paths keep

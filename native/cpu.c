@@ -15,11 +15,14 @@ uint32_t aiollm_cpu_features(void) {
     return flags;
 }
 
-/* AuthenticAMD family 0x1A (Zen 5) and later: off. Measured on a Zen 5 host (paired in-process A/B against the
- * read kernel, from DRAM, 2 threads): without the far level fp16 read 1.06-1.08 of the read kernel instead of
- * 0.98-1.04 and int8 0.97-1.03 instead of 0.81-0.84; on the Zen 4 host before it the far level had lifted fp16
- * and int8 (attn_avx512_impl.h), so every other CPU keeps it. */
+/* Whether the far (L2) software prefetch level pays on this CPU. Off where the CPU lacks AVX-512F (the AVX2
+ * kernel runs): on an AMD Zen 3 host it cost fp16 up to 10 % and int8 a third (attn_avx2.c). Off on AuthenticAMD
+ * family 0x1A (Zen 5) and later: measured on a Zen 5 host (paired in-process A/B against the read kernel, from
+ * DRAM, 2 threads) without the far level fp16 read 1.06-1.08 of the read kernel instead of 0.98-1.04 and int8
+ * 0.97-1.03 instead of 0.81-0.84. On the Zen 4 host before it the far level had lifted fp16 and int8
+ * (attn_avx512_impl.h), so every other AVX-512 CPU keeps it. */
 int aiollm_cpu_far_prefetch_default(void) {
+    if (!(aiollm_cpu_features() & AIOLLM_CPU_AVX512F)) return 0;
     unsigned a, b, c, d;
     if (!__get_cpuid(0, &a, &b, &c, &d)) return 1;
     const int amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "Auth" "enti" "cAMD" */

@@ -39,7 +39,7 @@ static void probe(void) {
     atomic_store(&current_isa, probed_isa);
 }
 
-/* ---- int8 path of the AVX-512 variant ---- */
+/* ---- int8 path: fp32 math or int8 dot products ---- */
 
 static _Atomic int current_int8 = -1;
 static int probed_int8 = AIOLLM_INT8_FP32;
@@ -50,6 +50,7 @@ int aiollm_int8_path_supported(int32_t path) {
     switch (path) {
     case AIOLLM_INT8_FP32: return 1; /* every path can compute int8 in fp32 */
     case AIOLLM_INT8_VNNI: return aiollm_isa_supported(AIOLLM_ISA_AVX512) && (f & AIOLLM_CPU_AVX512VNNI);
+    case AIOLLM_INT8_MADD: return aiollm_isa_supported(AIOLLM_ISA_AVX2);
     default: return 0;
     }
 }
@@ -59,10 +60,13 @@ static void probe_int8(void) {
     int want = -1;
     if (env && strcmp(env, "fp32") == 0) want = AIOLLM_INT8_FP32;
     if (env && strcmp(env, "vnni") == 0) want = AIOLLM_INT8_VNNI;
+    if (env && strcmp(env, "madd") == 0) want = AIOLLM_INT8_MADD;
     if (want >= 0 && aiollm_int8_path_supported(want)) {
         probed_int8 = want;
     } else {
-        probed_int8 = aiollm_int8_path_supported(AIOLLM_INT8_VNNI) ? AIOLLM_INT8_VNNI : AIOLLM_INT8_FP32;
+        probed_int8 = aiollm_int8_path_supported(AIOLLM_INT8_VNNI)   ? AIOLLM_INT8_VNNI
+                      : aiollm_int8_path_supported(AIOLLM_INT8_MADD) ? AIOLLM_INT8_MADD
+                                                                     : AIOLLM_INT8_FP32;
     }
     atomic_store(&current_int8, probed_int8);
 }

@@ -20,10 +20,11 @@ runs both set OMP_WAIT_POLICY=PASSIVE before importing torch. A thread that inte
 own torch ops (the colocated decode step) instead runs it on its OpenMP team inside `on_gemm_team()`.
 
 ISA: probed once (AVX-512 > AVX2+FMA+F16C > portable C); the environment variable AIOLLM_ATTN_ISA=ref|avx2|
-avx512, read once at the first call, overrides it; `force_isa` switches at run time (tests). int8 KV on AVX-512
-runs as fp32 math or VNNI dot products (`int8_path`; AIOLLM_ATTN_INT8=fp32|vnni or `force_int8_path`). The
-AVX-512 kernel's far (L2) software prefetch level is on or off per CPU (`far_prefetch`; off on Zen 5, where the
-hardware prefetchers read faster without it; AIOLLM_ATTN_FAR_PREFETCH=0|1 or `force_far_prefetch`).
+avx512, read once at the first call, overrides it; `force_isa` switches at run time (tests). int8 KV runs as
+fp32 math or int8 dot products, VNNI on AVX-512 and vpmaddubsw/vpmaddwd on AVX2 (`int8_path`;
+AIOLLM_ATTN_INT8=fp32|vnni|madd or `force_int8_path`). The far (L2) software prefetch level is on or off per
+CPU (`far_prefetch`; off on Zen 5 and on CPUs without AVX-512, where the kernels read faster without it;
+AIOLLM_ATTN_FAR_PREFETCH=0|1 or `force_far_prefetch`).
 """
 import contextlib
 import math
@@ -93,12 +94,12 @@ def force_isa(name: str | None) -> None:
         raise ValueError(f"isa: this CPU does not support {name!r} (supported: {supported_isas()})")
 
 
-INT8_PATHS = {"fp32": lib.AIOLLM_INT8_FP32, "vnni": lib.AIOLLM_INT8_VNNI}
+INT8_PATHS = {"fp32": lib.AIOLLM_INT8_FP32, "vnni": lib.AIOLLM_INT8_VNNI, "madd": lib.AIOLLM_INT8_MADD}
 _INT8_NAMES = {code: name for name, code in INT8_PATHS.items()}
 
 
 def int8_path() -> str:
-    """How the AVX-512 variant computes int8 KV attention: 'fp32' math or 'vnni' dot products."""
+    """How int8 KV attention is computed: 'fp32' math, or int8 dot products: 'vnni' (AVX-512) or 'madd' (AVX2)."""
     return _INT8_NAMES[lib.aiollm_int8_path()]
 
 
@@ -116,7 +117,7 @@ def force_int8_path(name: str | None) -> None:
 
 
 def far_prefetch() -> bool:
-    """Whether the AVX-512 kernel issues its far (L2) software prefetch level (probed per CPU; see
+    """Whether the SIMD kernels issue their far (L2) software prefetch level (probed per CPU; see
     native/cpu.c). The results are identical either way; only the speed differs."""
     return bool(lib.aiollm_far_prefetch())
 

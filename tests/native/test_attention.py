@@ -13,17 +13,21 @@ from tests.native.conftest import nan_pool, reference, shuffled_tables
 FP32_ATOL = 5e-6  # fp32 storage vs the float64 reference: fp32 rounding over up to 4097 tokens
 FP16_ATOL = 5e-6  # fp16 storage vs the float64 reference fed the same fp16-rounded K/V: math is fp32
 INT8_ATOL = 0.06  # int8 storage vs the float64 reference of fp32 K/V: K/V quantisation (max|x|/254 per element)
-#                   and, on the AVX-512 VNNI path, q per row and softmax weights per chunk quantised too; seen <= 0.03
+#                   and, on the dot-product paths, q per row and softmax weights per chunk quantised too (VNNI
+#                   weights to 1/510 of the chunk's largest, AVX2's to 1/254); seen <= 0.03
 OUT_FP16_ATOL = 2e-3  # fp16 output: one fp16 rounding of an O(1) value (2^-11 relative, ~4 ulp slack)
 OUT_BF16_ATOL = 2e-2  # bf16 output: one bf16 rounding (2^-8 relative)
 
 AWKWARD_LENGTHS = [1, 3, 15, 16, 17, 33, 255, 1023, 4097]
 ISAS = attention.supported_isas()
-# int8 on AVX-512 once per int8 path the CPU has (fp32 math, VNNI dot products)
 INT8_PATHS = attention.supported_int8_paths()
+# int8 on each SIMD ISA once per int8 path it runs: fp32 math, and its own int8 dot products (VNNI on AVX-512,
+# vpmaddubsw on AVX2); the reference path computes fp32 whatever the path says
+ISA_INT8_PATHS = {isa: [p for p in INT8_PATHS if p == "fp32" or {"avx512": "vnni", "avx2": "madd"}.get(isa) == p]
+                  for isa in ISAS if isa != "ref"}
 GRID = [(isa, dtype, d, g, path)
         for isa, dtype, d, g in itertools.product(ISAS, ("fp32", "fp16", "int8"), (64, 80, 128), (1, 3, 4, 8))
-        for path in (INT8_PATHS if (isa, dtype) == ("avx512", "int8") else [None])]
+        for path in (ISA_INT8_PATHS.get(isa, [None]) if dtype == "int8" else [None])]
 
 
 @pytest.fixture(params=["pool", "team"])
@@ -75,8 +79,8 @@ def test_matches_float64_reference(isa_forced, int8_forced, runner, isa, dtype, 
     np.testing.assert_allclose(out, expected, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("isa,int8_path", [(isa, None) for isa in ISAS] + [("avx512", p) for p in INT8_PATHS
-                                                                          if "avx512" in ISAS])
+@pytest.mark.parametrize("isa,int8_path", [(isa, None) for isa in ISAS] + [(isa, p) for isa, paths in ISA_INT8_PATHS.items()
+                                                                          for p in paths])
 @pytest.mark.parametrize("dtype,block_size", [("fp16", 8), ("fp16", 32), ("int8", 32), ("int8", 6)])
 def test_other_block_sizes(isa_forced, int8_forced, runner, isa, int8_path, dtype, block_size):
     """block_size 8 is not a multiple of 16 (reference path); 32 has two 16-token chunks per block; int8 with 6
@@ -115,15 +119,15 @@ def far_forced():
     attention.force_far_prefetch(None)
 
 
-@pytest.mark.skipif("avx512" not in ISAS, reason="the far prefetch level is the AVX-512 kernel's")
+@pytest.mark.parametrize("isa", [isa for isa in ISAS if isa != "ref"])
 @pytest.mark.parametrize("dtype,head_dim,group", [("fp16", 64, 3), ("fp16", 128, 1), ("fp32", 80, 4),
                                                   ("int8", 64, 3), ("int8", 128, 1)])
-def test_far_prefetch_on_and_off_give_identical_outputs(isa_forced, far_forced, dtype, head_dim, group):
+def test_far_prefetch_on_and_off_give_identical_outputs(isa_forced, far_forced, isa, dtype, head_dim, group):
     """Prefetches never change what is computed: the two settings agree bit for bit (long, shuffled tables,
     so the far level reaches across many blocks and past the end of each sequence)."""
     rng = np.random.default_rng(7)
     pool, table, seq_lens, q, _, _ = _case(rng, dtype, head_dim, group, [4097, 700, 33, 1])
-    isa_forced("avx512")
+    isa_forced(isa)
     outs = []
     for on in (True, False):
         far_forced(on)

@@ -25,8 +25,9 @@ def test_native_library_reports_the_cpu_features_linux_reports():
     assert bool(features & lib.AIOLLM_CPU_AVX512VBMI) == ("avx512vbmi" in flags)
 
 
-def test_far_prefetch_default_is_off_exactly_on_amd_family_0x1a_and_later():
-    """The kernel's far prefetch rule (native/cpu.c) reads the same vendor and family Linux reports."""
+def test_far_prefetch_default_is_on_exactly_with_avx512_and_before_amd_family_0x1a():
+    """The kernel's far prefetch rule (native/cpu.c) reads the same flags, vendor and family Linux reports."""
     amd = _cpuinfo_field("vendor_id") == "AuthenticAMD"
     family = int(_cpuinfo_field("cpu family"))
-    assert lib.aiollm_cpu_far_prefetch_default() == (0 if amd and family >= 0x1A else 1)
+    on = "avx512f" in _proc_flags() and not (amd and family >= 0x1A)
+    assert lib.aiollm_cpu_far_prefetch_default() == int(on)
