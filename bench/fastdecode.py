@@ -1,6 +1,7 @@
 """FastDecode: S-worker + R-worker processes vs transformers and the colocated engine; schedule trace; sizing.
 
-What it runs, in one process tree on this machine (SmolLM2-135M, bf16 weights, fp16 KV):
+What it runs, in one process tree on this machine (SmolLM2-135M, bf16 weights where the CPU multiplies bf16
+natively, else fp32 (`fastest_cpu_dtype`), fp16 KV):
 - tokens/s of decode steps at context S (default 1024) for B = 16, 64, 256, 512 with one and two R-worker
   processes. The sequences start with placeholder contexts spread evenly over [16, S) (the steady state the
   load-stabilising schedule keeps), so a step's attention covers ~B*S/2 entries without first generating
@@ -47,6 +48,7 @@ from aiollm.actors.actor import Actor, handler
 from aiollm.graph import Graph
 from aiollm.kv import attention as kv_attention
 from aiollm.kv.pool import KVConfig, KVPool
+from aiollm.model.linear import fastest_cpu_dtype
 from aiollm.model import load
 from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
@@ -140,8 +142,8 @@ def run(args) -> dict:
     print(f"context: {cores} cores shared by the S-worker (this process, 1 torch thread, or {cores} in the "
           f"time-shared rows) and the R-worker processes (1 attention thread each, OMP_WAIT_POLICY=passive); "
           f"baselines at their best of 1 and {cores} torch threads")
-    model = load(MODEL, dtype="bf16")
-    figures: dict = {"cores": cores, "seq_len": seq_len, "quick": quick}
+    model = load(MODEL, dtype=fastest_cpu_dtype())
+    figures: dict = {"cores": cores, "seq_len": seq_len, "quick": quick, "s_dtype": fastest_cpu_dtype()}
     if args.merge and args.json is not None and args.json.exists():
         # the parts run now overwrite their own keys; the ratios across parts are recomputed below
         figures = {**json.loads(args.json.read_text()), **figures}
@@ -376,14 +378,14 @@ def _baselines_part(model, seq_len: int, cores: int, quick: bool, no_transformer
     threads = sorted({1, cores})
     colocated_rows = _colocated(model, 16 if quick else 32, seq_len, threads)
     colocated = max(colocated_rows, key=lambda r: r["tokens_per_s"])
-    print(f"\n-- colocated decode (aiollm.workers.runner, bf16, fp16 KV), prompts of S/2 tokens, both thread "
+    print(f"\n-- colocated decode (aiollm.workers.runner, {fastest_cpu_dtype()}, fp16 KV), prompts of S/2 tokens, both thread "
           f"counts after one prefill\n{table(colocated_rows)}")
     figures.update(colocated=colocated_rows, colocated_best_tokens_per_s=colocated["tokens_per_s"])
     if no_transformers:
         return
     # both dtypes at both batches: which is faster depends on the host (bf16 1.4x faster at B=64 with AMX; on an
     # AVX-512 host without AMX fp32 led bf16 at B=16 by 1.2x, 80 vs 67 tokens/s)
-    configs = [("bf16", 16)] if quick else [("bf16", 16), ("bf16", 64), ("fp32", 16), ("fp32", 64)]
+    configs = [(fastest_cpu_dtype(), 16)] if quick else [("bf16", 16), ("bf16", 64), ("fp32", 16), ("fp32", 64)]
     hf_rows = _transformers(seq_len, configs, threads)
     torch.set_num_threads(1)
     print(f"\n-- transformers generate, prompts of S/2 tokens (each generate times its first half of decode "

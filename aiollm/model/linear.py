@@ -22,9 +22,23 @@ def pack(weight: torch.Tensor) -> Weight:
     if weight.device.type == "cpu" and gemm.supported(weight.dtype):
         return gemm.PackedWeight(weight)
     if weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and \
-            weight.dtype in (torch.float32, torch.bfloat16):
+            (weight.dtype == torch.float32 or weight.dtype == torch.bfloat16 and _onednn_bf16()):
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     return weight
+
+
+def _onednn_bf16() -> bool:
+    """Whether oneDNN has bf16 GEMMs on this CPU (AVX-512BW/VL/DQ or AVX-NE-CONVERT): without them its reorder
+    raises, and bf16 weights stay dense for `F.linear`."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def fastest_cpu_dtype() -> str:
+    """'bf16' where this CPU multiplies bf16 natively (the native kernel or oneDNN), else 'fp32': on a CPU
+    without either (an AVX2-only AMD Zen 3 here) bf16 products are converted element by element and run
+    several times slower than fp32."""
+    native = gemm.supported(torch.bfloat16) or (torch.backends.mkldnn.is_available() and _onednn_bf16())
+    return "bf16" if native else "fp32"
 
 
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:

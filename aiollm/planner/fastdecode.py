@@ -676,6 +676,7 @@ def _load_model(name: str):
         import torch
 
         from aiollm import model as aiollm_model
-        return torch, aiollm_model.load(name, dtype="bf16")
+        from aiollm.model.linear import fastest_cpu_dtype
+        return torch, aiollm_model.load(name, dtype=fastest_cpu_dtype())
     except ImportError as exc:
         raise ImportError(f"measuring needs aiollm.model (not importable: {exc}); pass --t-of-b PATH instead") from None
