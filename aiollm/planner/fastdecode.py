@@ -557,6 +557,14 @@ async def measure_overlap(driver, model, r_workers: list[str], batch: int, conte
                    waits)
 
 
+async def _s_part_off_loop(s_part_now: Callable[[int], float], rows: int) -> float:
+    """s_part_now(rows) in a worker thread: a large T(B) takes seconds on a slow host, and the event loop must keep
+    the R-workers' heartbeats going meanwhile (blocked 5 s, they dropped this node as dead)."""
+    import asyncio
+
+    return await asyncio.to_thread(s_part_now, rows)
+
+
 async def step_costs(driver, model, r_workers: list[str], rows: list[int], t_of_b: dict[int, float],
                      r_per_token: float, context: int = 16, steps: int = 4, pipeline: bool = False,
                      s_part_now: Callable[[int], float] | None = None) -> dict[int, AskCost]:
@@ -580,10 +588,10 @@ async def step_costs(driver, model, r_workers: list[str], rows: list[int], t_of_
     groups = 2 if pipeline else 1
     asks = model.config.n_layers * groups
     for b in rows:
-        before = s_part_now(p * b) if s_part_now else 0.0
+        before = await _s_part_off_loop(s_part_now, p * b) if s_part_now else 0.0
         step, s_cpu, r_cpus, held = await probe_step(driver, model, r_workers, [context] * (groups * p * b), steps,
                                                      pipeline, name=f"cost-probe-{p}-{b}-{groups}")
-        s_part = (before + s_part_now(p * b)) / 2 if s_part_now else interpolate(t_of_b, p * b)
+        s_part = (before + await _s_part_off_loop(s_part_now, p * b)) / 2 if s_part_now else interpolate(t_of_b, p * b)
         r_cpu = max(r_cpus)
         r_over = max(0.0, r_cpu - r_per_token * held / p)
         busy = max(s_cpu, r_cpu) if pipeline else s_cpu + r_cpu
@@ -610,10 +618,10 @@ async def long_step_terms(driver, model, r_workers: list[str], batch: int, conte
     ask = interpolate_cost(costs, batch / p)
     situs, s_tokens = [], []
     for i in range(repeats):
-        before = s_part_now(batch) if s_part_now else 0.0
+        before = await _s_part_off_loop(s_part_now, batch) if s_part_now else 0.0
         _, s_cpu, r_cpus, held = await probe_step(driver, model, r_workers, [context] * batch,
                                                   name=f"long-probe-{p}-{i}")
-        s_part = (before + s_part_now(batch)) / 2 if s_part_now else interpolate(t_of_b, batch)
+        s_part = (before + await _s_part_off_loop(s_part_now, batch)) / 2 if s_part_now else interpolate(t_of_b, batch)
         situs.append((max(r_cpus) - layers * ask.r) / (held / p))
         s_tokens.append(max(0.0, (s_cpu - s_part - layers * p * ask.s) / held))
     situ = float(np.median(situs))
