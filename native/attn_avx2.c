@@ -60,16 +60,6 @@ T256 INLINE float hsum8(__m256 v) {
 #define PF_FAR_BYTES 8192
 #endif
 
-/* Prefetch `bytes` from *p (when set) with `hint`, and advance *p past them. */
-INLINE void prefetch_walk(const char **p, int64_t bytes, int hint) {
-    if (!*p) return;
-    for (int64_t o = 0; o < bytes; o += 64) {
-        if (hint == _MM_HINT_T0) _mm_prefetch(*p + o, _MM_HINT_T0);
-        else _mm_prefetch(*p + o, _MM_HINT_T1);
-    }
-    *p += bytes;
-}
-
 /* Scores of 16 tokens (chunk column `col` of a K tile) as two ymm halves for GB q heads, NP partial sums per
  * half: FMA latency 4 cycles on 2 ports wants >= 8 independent chains (GB * NP * 2). pk / pkf: the K tiles to
  * prefetch near / far (NULL: none), walked in step with this tile's rows. */

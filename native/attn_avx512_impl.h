@@ -91,16 +91,6 @@ static inline void spread_prefetch(const char **pk, const char **pv, int64_t byt
     if (*pv) *pv += bytes;
 }
 
-/* Prefetch `bytes` from *p (when set) with `hint`, and advance *p past them. */
-INLINE void prefetch_walk(const char **p, int64_t bytes, int hint) {
-    if (!*p) return;
-    for (int64_t o = 0; o < bytes; o += 64) {
-        if (hint == _MM_HINT_T0) _mm_prefetch(*p + o, _MM_HINT_T0);
-        else _mm_prefetch(*p + o, _MM_HINT_T1);
-    }
-    *p += bytes;
-}
-
 /* Scores of 16 tokens (chunk column `col` of a K tile) for GB q heads, NP partial sums each to hide FMA
  * latency (4 cycles, 2 ports: GB * NP >= 8 chains, else the chunk is latency-bound; 12 for GQA 3 measured
  * faster than 6). Pointer walks, not index arithmetic: the loop body is loads and FMAs only. pk / pkf: the K

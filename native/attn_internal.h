@@ -3,6 +3,7 @@
 #define AIOLLM_ATTN_INTERNAL_H
 #include <math.h>
 #include <string.h>
+#include <xmmintrin.h>
 #include "aiollm_native.h"
 
 /* Everything one (sequence, kv-head) work item needs; arguments already validated. */
@@ -40,6 +41,16 @@ double read_sum_avx512(const void *buf, int64_t n64);
 typedef void (*pool_task_fn)(void *ctx, int64_t item, int thread);
 int pool_run(int n_threads, int64_t n_items, pool_task_fn fn, void *ctx);
 int pool_size(void);
+
+/* Software prefetch shared by the SIMD kernels: `bytes` from *p (when set) with `hint`, and advance *p past them. */
+static inline __attribute__((always_inline)) void prefetch_walk(const char **p, int64_t bytes, int hint) {
+    if (!*p) return;
+    for (int64_t o = 0; o < bytes; o += 64) {
+        if (hint == _MM_HINT_T0) _mm_prefetch(*p + o, _MM_HINT_T0);
+        else _mm_prefetch(*p + o, _MM_HINT_T1);
+    }
+    *p += bytes;
+}
 
 /* Element offsets of one (block, head) tile. */
 static inline int64_t kv_tile(const aiollm_kv_layer *kv, int64_t block, int32_t head) {
