@@ -421,9 +421,9 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
     const float *q = a->q + seq * a->q_seq_stride + (int64_t)h0 * GD;
     float qs[AIOLLM_ITEM_FLOATS] __attribute__((aligned(32)));
     float acc[AIOLLM_ITEM_FLOATS] __attribute__((aligned(32)));
-    float m[AIOLLM_ITEM_FLOATS / 16], alpha[AIOLLM_ITEM_FLOATS / 16];
-    float l[AIOLLM_ITEM_FLOATS / 2] __attribute__((aligned(32))); /* 8 lane sums per q head */
-    float pb[AIOLLM_ITEM_FLOATS] __attribute__((aligned(32)));    /* one chunk's weights, 16 per q head */
+    float m[AIOLLM_ITEM_FLOATS / 16], alpha[AIOLLM_MAX_GROUP];       /* alpha: one head's rescale factors */
+    float l[AIOLLM_ITEM_FLOATS / 2] __attribute__((aligned(32)));     /* 8 lane sums per q head */
+    float pb[AIOLLM_MAX_GROUP * 16] __attribute__((aligned(32)));     /* one head's chunk weights, 16 per q head */
     int32_t q4[AIOLLM_ITEM_FLOATS / 4];                           /* int8 dot products: q as int8, 4 dims each */
     float qsc[AIOLLM_ITEM_FLOATS / 16];
 
@@ -468,10 +468,10 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                     vf = (const char *)kv->v + at;
                     if (c == 0) pkf = (const char *)kv->k + at;
                 }
-                float *mh = m + h * G, *lh = l + h * G * 8, *pbh = pb + h * G * 16, *alh = alpha + h * G;
+                float *mh = m + h * G, *lh = l + h * G * 8;
                 const int32_t *q4h = dot ? q4 + h * G * (D / 4) : NULL;
-                chunk_scores(dt, kt, ks, vs, c, w, G, D, BS, qs + h * GD, q4h, qsc + h * G, mh, lh, pk, pkf, pbh, alh);
-                chunk_values(dt, vt, c, w, G, D, pbh, alh, acc + h * GD, dot, vn, vf);
+                chunk_scores(dt, kt, ks, vs, c, w, G, D, BS, qs + h * GD, q4h, qsc + h * G, mh, lh, pk, pkf, pb, alpha);
+                chunk_values(dt, vt, c, w, G, D, pb, alpha, acc + h * GD, dot, vn, vf);
             }
         }
     }

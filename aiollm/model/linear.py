@@ -7,6 +7,8 @@ bandwidth at small batch and reuses them from L2 across the rows of larger ones.
 140-200 GFLOPS at batch 32-64 here; `F.linear` (MKL sgemm) re-packs the weight on every call and is
 slower still. Elsewhere (CUDA, no oneDNN) weights stay dense and `F.linear` is used.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -27,12 +29,14 @@ def pack(weight: torch.Tensor) -> Weight:
     return weight
 
 
+@functools.cache
 def _onednn_bf16() -> bool:
     """Whether oneDNN has bf16 GEMMs on this CPU (AVX-512BW/VL/DQ or AVX-NE-CONVERT): without them its reorder
     raises, and bf16 weights stay dense for `F.linear`."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+@functools.cache
 def fastest_cpu_dtype() -> str:
     """'bf16' where this CPU multiplies bf16 natively (the native kernel or oneDNN), else 'fp32': on a CPU
     without either (an AVX2-only AMD Zen 3 here) bf16 products are converted element by element and run
