@@ -11,6 +11,7 @@ from bench.report import print_figures
 BENCHMARKS = {
     "transport": "bench.transport",
     "attention": "bench.attention",
+    "kvalloc": "bench.kvalloc",
     "model": "bench.model",
     "fastdecode": "bench.fastdecode",
     "serve": "bench.serve",

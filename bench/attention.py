@@ -41,7 +41,7 @@ round in the same rounds (pct_read_far_alt, int8_x_fp16_far_alt; the summary's r
 shows whether the default still suits the host it ran on.
 
 Block tables are contiguous per sequence (what a freshly admitted batch gets from BlockAllocator); the
-fp16 2-thread figure is also given for shuffled tables (a fragmented pool). Shapes whose fp16 KV exceeds
+fp16 2-thread figure is also given for shuffled tables (single scattered blocks: the worst case of a fragmented pool; `python -m bench kvalloc` measures the tables a churned pool really hands out). Shapes whose fp16 KV exceeds
 --max-gib are run with a smaller batch (marked "capped"): the Llama shapes at 4096 x 256 need 17 GiB per
 copy, more than this machine's RAM.
 

@@ -1,0 +1,171 @@
+"""Decode attention over the block tables a serving pool really hands out: fresh, after churn, grown in lockstep.
+
+The kernel streams a sequence's blocks in table order, and the hardware prefetchers follow a run of adjacent
+blocks but restart at every jump, so how the allocator lays sequences out in the pool sets the R-part's speed
+as much as the kernel does. One layer of SmolLM2 (9 q / 3 kv heads, d=64, 6 KiB of fp16 K per block), a batch
+of B sequences of S tokens in a pool of twice their blocks, on the bench's threads; each table kind is paired
+in the same rounds with the library's read kernel (bench.attention.paired):
+- fresh: each sequence one run (a pool nothing was freed from yet);
+- churned: the pool first lives through an R-worker's admissions and frees of mixed lengths (4-128 blocks,
+  filled to 95 %, ~4 % freed per round), then the batch is admitted, once with aiollm's BlockAllocator (best-fit
+  runs) and once with a LIFO free list, sorted per sequence (the R-worker's allocation until 2026-12-03), from the
+  same sequence of requests;
+- lockstep: the batch grows from one block each, one block per sequence per round (a decode batch), through
+  BlockTable with its default extent (16 blocks per growth) and with extent 1 (every round's blocks interleaved,
+  the colocated engine until 2026-12-03).
+Figures: blocks per run of the batch's tables, GB/s of KV read, the share of the read kernel (pct_read, median
+over rounds of the same round's ratio), and the ratios between table kinds (`ratio_churned_vs_lifo`,
+`ratio_lockstep_extent_vs_single`, `ratio_churned_vs_fresh`). A histogram of blocks per run goes to --plot.
+"""
+from pathlib import Path
+
+import numpy as np
+
+from bench.attention import WINDOW, paired, paired_ratio, reader
+from bench.report import table
+
+N_Q, N_KV, HEAD_DIM, BLOCK = 9, 3, 64, 16
+CHURN_SIZES = (4, 129)  # blocks per churn sequence: [low, high)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch", type=int, default=256, help="sequences attended per call (default 256)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
+    parser.add_argument("--churn-rounds", type=int, default=2000,
+                        help="admit/free rounds before the batch (an R-worker some hours into its life)")
+    parser.add_argument("--rounds", type=int, default=5, help="paired measurement rounds")
+    parser.add_argument("--threads", type=int, default=2, help="attention threads")
+    parser.add_argument("--plot", type=Path, default=Path("kvalloc_runs.png"), help="PNG of blocks per run")
+
+
+class LifoFreeList:
+    """The peer: a LIFO free list (BlockAllocator until 2026-12-03), each request's ids sorted as the R-worker did."""
+
+    def __init__(self, n_blocks: int) -> None:
+        self._free = list(range(n_blocks - 1, -1, -1))
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        return sorted(self._free.pop() for _ in range(n))
+
+    def free(self, ids: list[int]) -> None:
+        self._free.extend(reversed(ids))
+
+
+def churned_tables(alloc, batch: int, blocks: int, rounds: int) -> np.ndarray:
+    """The batch's tables after `rounds` of admissions (to 95 % full) and random frees; seeded, so every
+    allocator sees the same requests (they depend only on the free count, which all allocators keep alike)."""
+    rng = np.random.default_rng(0)
+    live, n_total = {}, alloc.n_free
+    for step in range(rounds):
+        while True:
+            n = int(rng.integers(*CHURN_SIZES))
+            if alloc.n_free - n < n_total // 20:
+                break
+            live[(step, len(live))] = alloc.allocate(n)
+        for key in [k for k in live if rng.random() < 0.04]:
+            alloc.free(live.pop(key))
+    keys = list(live)
+    for i in rng.permutation(len(keys)):  # make room for the batch, freeing at random
+        if alloc.n_free >= batch * blocks:
+            break
+        alloc.free(live.pop(keys[i]))
+    return np.array([alloc.allocate(blocks) for _ in range(batch)], np.int32)
+
+
+def lockstep_tables(n_blocks: int, batch: int, blocks: int, extent: int) -> np.ndarray:
+    """The batch's tables when it grows one block per sequence per round through BlockTable."""
+    from aiollm.kv.blocks import BlockAllocator, BlockTable
+
+    grow = BlockTable(BlockAllocator(n_blocks), BLOCK, extent=extent)
+    seqs = list(range(batch))
+    for _ in range(blocks):
+        grow.append_batch(seqs, [BLOCK] * batch)
+    return grow.block_tables(seqs)
+
+
+def blocks_per_run(tables: np.ndarray) -> np.ndarray:
+    """Per sequence: its blocks over its maximal runs of consecutive ids."""
+    jumps = np.count_nonzero(np.diff(tables, axis=1) != 1, axis=1)
+    return tables.shape[1] / (1 + jumps)
+
+
+def attention_entry(k, v, scales, tables: np.ndarray, q: np.ndarray, n_threads: int):
+    """(fn, KV bytes the call reads) of decode_attention over tables (the batch's blocks, not the whole pool)."""
+    from aiollm.kv import attention
+
+    lens = np.full(len(tables), tables.shape[1] * BLOCK, np.int32)
+    out = np.empty_like(q)
+    per_block = (k[0].nbytes + v[0].nbytes) + (2 * scales[0].nbytes if scales is not None else 0)
+    return (lambda: attention.decode_attention(k, v, q, tables, lens, k_scale=scales, v_scale=scales, out=out,
+                                               n_threads=n_threads)), tables.size * per_block
+
+
+def run(args) -> dict:
+    from aiollm.kv.blocks import BlockAllocator
+
+    batch, blocks = args.batch, -(-args.seq_len // BLOCK)
+    n_blocks = 2 * batch * blocks
+    kinds = {"fresh": np.arange(batch * blocks, dtype=np.int32).reshape(batch, blocks),
+             "churned": churned_tables(BlockAllocator(n_blocks), batch, blocks, args.churn_rounds),
+             "churned_lifo": churned_tables(LifoFreeList(n_blocks), batch, blocks, args.churn_rounds),
+             "lockstep": lockstep_tables(n_blocks, batch, blocks, 16),
+             "lockstep_single": lockstep_tables(n_blocks, batch, blocks, 1)}
+    k = np.full((n_blocks, N_KV, HEAD_DIM, BLOCK), 0.01, np.float16)
+    v = np.full((n_blocks, N_KV, BLOCK, HEAD_DIM), 0.01, np.float16)
+    k8, v8 = np.ones(k.shape, np.int8), np.ones(v.shape, np.int8)
+    scales = np.full((n_blocks, N_KV, BLOCK), 0.01, np.float32)
+    q = np.random.default_rng(1).standard_normal((batch, N_Q, HEAD_DIM)).astype(np.float32)
+    print(f"SmolLM2 layer, {batch} sequences x {blocks * BLOCK} tokens in a pool of {n_blocks} blocks, "
+          f"{args.threads} threads, {args.rounds} paired rounds against the read kernel (1 GiB)", flush=True)
+    entries = [attention_entry(k, v, None, t, q, args.threads) for t in kinds.values()]
+    entries += [attention_entry(k8, v8, scales, kinds[name], q, args.threads) for name in ("churned", "churned_lifo")]
+    entries.append(reader(np.ones(WINDOW // 4, np.float32), args.threads))
+    got = paired(entries, args.rounds)
+    read = got[-1]
+    rows = []
+    for (name, tables), rates in zip(kinds.items(), got):
+        runs = blocks_per_run(tables)
+        rows.append({"tables": name, "dtype": "fp16", "blocks_per_run": float(runs.mean()),
+                     "blocks_per_run_p10": float(np.percentile(runs, 10)), "gbs": max(rates),
+                     "pct_read": 100 * paired_ratio(rates, read)})
+    for name, rates in zip(("churned", "churned_lifo"), got[len(kinds):-1]):
+        runs = blocks_per_run(kinds[name])
+        rows.append({"tables": name, "dtype": "int8", "blocks_per_run": float(runs.mean()),
+                     "blocks_per_run_p10": float(np.percentile(runs, 10)), "gbs": max(rates),
+                     "pct_read": 100 * paired_ratio(rates, read)})
+    print(table(rows))
+    by = dict(zip(list(kinds) + ["churned_int8", "churned_lifo_int8"], got[:-1]))
+    _plot({name: blocks_per_run(t) for name, t in kinds.items()}, args.plot)
+    print(f"wrote {args.plot}")
+    return {"batch": batch, "seq_len": blocks * BLOCK, "pool_blocks": n_blocks, "threads": args.threads,
+            "read_gbs": max(read), "rows": rows,
+            **{f"blocks_per_run_{name}": float(blocks_per_run(t).mean()) for name, t in kinds.items()},
+            "ratio_churned_vs_lifo": paired_ratio(by["churned"], by["churned_lifo"]),
+            "ratio_churned_vs_lifo_int8": paired_ratio(by["churned_int8"], by["churned_lifo_int8"]),
+            "ratio_lockstep_extent_vs_single": paired_ratio(by["lockstep"], by["lockstep_single"]),
+            "ratio_churned_vs_fresh": paired_ratio(by["churned"], by["fresh"])}
+
+
+def _plot(runs: dict[str, np.ndarray], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    top = max(float(r.max()) for r in runs.values())
+    bins = np.logspace(0, np.log10(max(2.0, top) * 1.2), 30)
+    for name, r in runs.items():
+        ax.hist(r, bins=bins, histtype="step", label=f"{name} (mean {r.mean():.1f})")
+    ax.set_xscale("log")
+    ax.set_xlabel("blocks per run of consecutive ids (per sequence)")
+    ax.set_ylabel("sequences")
+    ax.set_title("How the pool lays out a decode batch's KV")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
