@@ -121,33 +121,30 @@ def run(args) -> dict:
     q = np.random.default_rng(1).standard_normal((batch, N_Q, HEAD_DIM)).astype(np.float32)
     print(f"SmolLM2 layer, {batch} sequences x {blocks * BLOCK} tokens in a pool of {n_blocks} blocks, "
           f"{args.threads} threads, {args.rounds} paired rounds against the read kernel (1 GiB)", flush=True)
-    entries = [attention_entry(k, v, None, t, q, args.threads) for t in kinds.values()]
-    entries += [attention_entry(k8, v8, scales, kinds[name], q, args.threads) for name in ("churned", "churned_lifo")]
+    # (table kind, dtype): every fp16 kind, and int8 where the allocators differ
+    measured = [(name, "fp16") for name in kinds] + [("churned", "int8"), ("churned_lifo", "int8")]
+    caches = {"fp16": (k, v, None), "int8": (k8, v8, scales)}
+    entries = [attention_entry(*caches[dtype], kinds[name], q, args.threads) for name, dtype in measured]
     entries.append(reader(np.ones(WINDOW // 4, np.float32), args.threads))
     got = paired(entries, args.rounds)
     read = got[-1]
     rows = []
-    for (name, tables), rates in zip(kinds.items(), got):
-        runs = blocks_per_run(tables)
-        rows.append({"tables": name, "dtype": "fp16", "blocks_per_run": float(runs.mean()),
-                     "blocks_per_run_p10": float(np.percentile(runs, 10)), "gbs": max(rates),
-                     "pct_read": 100 * paired_ratio(rates, read)})
-    for name, rates in zip(("churned", "churned_lifo"), got[len(kinds):-1]):
+    for (name, dtype), rates in zip(measured, got):
         runs = blocks_per_run(kinds[name])
-        rows.append({"tables": name, "dtype": "int8", "blocks_per_run": float(runs.mean()),
+        rows.append({"tables": name, "dtype": dtype, "blocks_per_run": float(runs.mean()),
                      "blocks_per_run_p10": float(np.percentile(runs, 10)), "gbs": max(rates),
                      "pct_read": 100 * paired_ratio(rates, read)})
     print(table(rows))
-    by = dict(zip(list(kinds) + ["churned_int8", "churned_lifo_int8"], got[:-1]))
+    by = {f"{name}_{dtype}": rates for (name, dtype), rates in zip(measured, got)}
     _plot({name: blocks_per_run(t) for name, t in kinds.items()}, args.plot)
     print(f"wrote {args.plot}")
     return {"batch": batch, "seq_len": blocks * BLOCK, "pool_blocks": n_blocks, "threads": args.threads,
             "read_gbs": max(read), "rows": rows,
             **{f"blocks_per_run_{name}": float(blocks_per_run(t).mean()) for name, t in kinds.items()},
-            "ratio_churned_vs_lifo": paired_ratio(by["churned"], by["churned_lifo"]),
+            "ratio_churned_vs_lifo": paired_ratio(by["churned_fp16"], by["churned_lifo_fp16"]),
             "ratio_churned_vs_lifo_int8": paired_ratio(by["churned_int8"], by["churned_lifo_int8"]),
-            "ratio_lockstep_extent_vs_single": paired_ratio(by["lockstep"], by["lockstep_single"]),
-            "ratio_churned_vs_fresh": paired_ratio(by["churned"], by["fresh"])}
+            "ratio_lockstep_extent_vs_single": paired_ratio(by["lockstep_fp16"], by["lockstep_single_fp16"]),
+            "ratio_churned_vs_fresh": paired_ratio(by["churned_fp16"], by["fresh_fp16"])}
 
 
 def _plot(runs: dict[str, np.ndarray], path: Path) -> None:

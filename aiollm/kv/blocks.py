@@ -64,10 +64,10 @@ class BlockAllocator:
                 if not left:
                     break
             runs.sort()
-        ids = [b for start, length in runs for b in range(start, start + length)]
-        self._free_map[ids] = 0
+        for start, length in runs:
+            self._free_map[start:start + length] = 0
         self._n_free -= n
-        return ids
+        return [b for start, length in runs for b in range(start, start + length)]
 
     def free(self, ids: list[int]) -> None:
         """Return blocks; ValueError (nothing freed) on an unknown id or a block that is not allocated."""
