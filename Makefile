@@ -36,13 +36,14 @@ bench: $(STAMP) native
 	$(VPY) -m bench transport --json bench/results/transport.json
 
 # The kernel tests under AddressSanitizer + UBSan: native/build_asan.py builds an instrumented copy of
-# aiollm._native into build/asan next to a copy of the package and tests (the tree's own .so is untouched),
+# aiollm._native into build/asan next to a copy of the package, the benches (some tests import them) and the
+# tests (the tree's own .so is untouched),
 # then pytest runs there with libasan preloaded (Python is not instrumented; leak checks are off because
 # CPython's own allocations would drown them). Any ASan/UBSan report aborts the run.
 ASAN_DIR := build/asan
 asan: $(STAMP)
 	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR)
-	cp -r aiollm tests pyproject.toml $(ASAN_DIR)/
+	cp -r aiollm bench tests pyproject.toml $(ASAN_DIR)/
 	rm -f $(ASAN_DIR)/aiollm/_native*.so
 	$(VPY) native/build_asan.py $(ASAN_DIR)
 	ldd $(ASAN_DIR)/aiollm/_native.abi3.so | grep -q libasan

@@ -64,6 +64,38 @@ def test_fp16_conversion_rounds_to_nearest_even_like_numpy():
         np.testing.assert_array_equal(got_k.astype(np.float16), k.astype(np.float16))
 
 
+def _edge_rows(rng, n_tokens, heads, head_dim):
+    """fp32 rows with every fp16 edge: NaNs with payloads and signs, infinities, subnormals and values past the
+    smallest one, the largest half and the ties around it, ties between halves, and ordinary values."""
+    bits = np.array([0x7FC00000, 0xFFC00001, 0x7F800001, 0x7FBFFFFF, 0x7F800000, 0xFF800000, 0x00000001,
+                     0x33000000, 0x33000001, 0x387FC000, 0x38800000, 0x477FE000, 0x477FEFFF, 0x477FF000,
+                     0x3F801000, 0x3F803000, 0x80000000, 0x00000000], np.uint32).view(np.float32)
+    x = (rng.standard_normal(n_tokens * heads * head_dim) * 10.0 ** rng.integers(-9, 6, n_tokens * heads * head_dim))
+    x = x.astype(np.float32)
+    x[rng.choice(x.size, len(bits), replace=False)] = bits
+    return x.reshape(n_tokens, heads, head_dim)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("in_dtype", ["fp32", "fp16", "bf16"])
+def test_stored_bytes_do_not_depend_on_the_isa(isa_forced, dtype, in_dtype):
+    """The F16C path (any SIMD ISA) stores exactly what the portable loops store, edge values included."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    slots = rng.permutation(32 * 16)[:200].astype(np.int64)
+    k = torch.from_numpy(_edge_rows(rng, 200, 2, 64)).to(getattr(torch, {"fp32": "float32", "fp16": "float16",
+                                                                          "bf16": "bfloat16"}[in_dtype]))
+    v = torch.flip(k, (0,)).contiguous()
+    stored = {}
+    for isa in attention.supported_isas():
+        isa_forced(isa)
+        pool = _pool(dtype, n_blocks=32)
+        pool.write(0, slots, k, v)
+        stored[isa] = [a.tobytes() for a in (pool.k, pool.v, pool.k_scale, pool.v_scale) if a is not None]
+    for isa, arrays in stored.items():
+        assert arrays == stored["ref"], f"{isa} stored other bytes than the portable path"
+
+
 def test_bf16_and_fp16_inputs_and_int32_slots():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(2)
