@@ -97,7 +97,8 @@ def _cache(batch: int, ctx: int, n_kv: int, d: int, dtype: str):
     fill = 1 if dtype == "int8" else 0.01
     k = np.full((n_blocks, n_kv, d, BLOCK), fill, storage)
     v = np.full((n_blocks, n_kv, BLOCK, d), fill, storage)
-    scales = np.full((n_blocks, n_kv, BLOCK), 0.01, np.float32) if dtype == "int8" else None
+    # int8: K and V scales in arrays of their own, as a pool holds them (one shared array would read half the bytes)
+    scales = tuple(np.full((n_blocks, n_kv, BLOCK), 0.01, np.float32) for _ in range(2)) if dtype == "int8" else None
     return k, v, scales, np.arange(n_blocks, dtype=np.int32).reshape(batch, ctx // BLOCK)
 
 
@@ -141,13 +142,14 @@ def reader(buf: np.ndarray, n_threads: int):
 
 
 def kernel(k, v, scales, tables, q, n_threads: int):
-    """(fn, KV bytes read) of one decode_attention call over one layer."""
+    """(fn, KV bytes read) of one decode_attention call over one layer; scales: (k_scale, v_scale) for int8."""
     from aiollm.kv import attention
 
     lens = np.full(q.shape[0], tables.shape[1] * BLOCK, np.int32)
     out = np.empty_like(q)
-    nbytes = k.nbytes + v.nbytes + (2 * scales.nbytes if scales is not None else 0)
-    return (lambda: attention.decode_attention(k, v, q, tables, lens, k_scale=scales, v_scale=scales, out=out,
+    k_scale, v_scale = scales if scales is not None else (None, None)
+    nbytes = k.nbytes + v.nbytes + (k_scale.nbytes + v_scale.nbytes if scales is not None else 0)
+    return (lambda: attention.decode_attention(k, v, q, tables, lens, k_scale=k_scale, v_scale=v_scale, out=out,
                                                n_threads=n_threads)), nbytes
 
 
