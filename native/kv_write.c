@@ -124,25 +124,24 @@ T_F16C static void store_f16_f16c(uint16_t *restrict out, int64_t step, const fl
         }
     }
 }
+#else
+#define load_head_f16c load_head /* f16c is never set without the F16C path */
 #endif
 
 /* Token slot `off` of tile `tile`: one head's K (is_k) or V row from element `at` of src, through row. */
 static void write_head(const aiollm_kv_layer *kv, int is_k, int64_t tile, int64_t scale_at, int off,
                        const void *src, int64_t at, int32_t in_dtype, int f16c, float *restrict row) {
-#ifdef F16C_PATH
-    if (f16c) {
+    if (f16c)
         load_head_f16c(src, at, in_dtype, kv->head_dim, row);
-        if (kv->dtype == AIOLLM_DT_F16) {
-            uint16_t *dst = (uint16_t *)(is_k ? kv->k : kv->v) + tile + (is_k ? off : (int64_t)off * kv->head_dim);
-            store_f16_f16c(dst, is_k ? kv->block_size : 1, row, kv->head_dim);
-            return;
-        }
-        store_head(kv, is_k, tile, scale_at, off, row);
+    else
+        load_head(src, at, in_dtype, kv->head_dim, row);
+#ifdef F16C_PATH
+    if (f16c && kv->dtype == AIOLLM_DT_F16) {
+        uint16_t *dst = (uint16_t *)(is_k ? kv->k : kv->v) + tile + (is_k ? off : (int64_t)off * kv->head_dim);
+        store_f16_f16c(dst, is_k ? kv->block_size : 1, row, kv->head_dim);
         return;
     }
 #endif
-    (void)f16c;
-    load_head(src, at, in_dtype, kv->head_dim, row);
     store_head(kv, is_k, tile, scale_at, off, row);
 }
 
