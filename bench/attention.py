@@ -98,7 +98,7 @@ def _cache(batch: int, ctx: int, n_kv: int, d: int, dtype: str):
     k = np.full((n_blocks, n_kv, d, BLOCK), fill, storage)
     v = np.full((n_blocks, n_kv, BLOCK, d), fill, storage)
     # int8: K and V scales in arrays of their own, as a pool holds them (one shared array would read half the bytes)
-    scales = tuple(np.full((n_blocks, n_kv, BLOCK), 0.01, np.float32) for _ in range(2)) if dtype == "int8" else None
+    scales = tuple(np.full((n_blocks, n_kv, BLOCK), 0.01, np.float16) for _ in range(2)) if dtype == "int8" else None
     return k, v, scales, np.arange(n_blocks, dtype=np.int32).reshape(batch, ctx // BLOCK)
 
 

@@ -117,7 +117,7 @@ def run(args) -> dict:
     k = np.full((n_blocks, N_KV, HEAD_DIM, BLOCK), 0.01, np.float16)
     v = np.full((n_blocks, N_KV, BLOCK, HEAD_DIM), 0.01, np.float16)
     k8, v8 = np.ones(k.shape, np.int8), np.ones(v.shape, np.int8)
-    scales = np.full((n_blocks, N_KV, BLOCK), 0.01, np.float32)
+    scales = np.full((n_blocks, N_KV, BLOCK), 0.01, np.float16)
     q = np.random.default_rng(1).standard_normal((batch, N_Q, HEAD_DIM)).astype(np.float32)
     print(f"SmolLM2 layer, {batch} sequences x {blocks * BLOCK} tokens in a pool of {n_blocks} blocks, "
           f"{args.threads} threads, {args.rounds} paired rounds against the read kernel (1 GiB)", flush=True)

@@ -283,7 +283,7 @@ T256 INLINE void vaccum_madd(const char *vt, int64_t row0, int D, int dv, int VC
  * and the rescale factors to alpha. m: running max per q head; l: 8 lane partial sums of the softmax
  * denominator per q head (l + g * 8, reduced once per item). q4 / qsc: the quantised q rows (int8 dot
  * products, else NULL). pk / pkf: the K tiles to prefetch (int8: pkf carries the near V tile). */
-T256 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const float *vs, int c, int nv, int G, int D,
+T256 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const uint16_t *vs, int c, int nv, int G, int D,
                               int BS, const float *qs, const int32_t *q4, const float *qsc, float *m, float *l,
                               const char *pk, const char *pkf, float *pb, float *alpha) {
     const __m256i iota0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), iota1 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
@@ -319,8 +319,8 @@ T256 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const flo
         for (int g = 0; g < gb; g++) {
             __m256 s0 = lo[g], s1 = hi[g];
             if (dt == AIOLLM_DT_I8) {
-                s0 = _mm256_mul_ps(s0, _mm256_loadu_ps(ks + c * 16));
-                s1 = _mm256_mul_ps(s1, _mm256_loadu_ps(ks + c * 16 + 8));
+                s0 = _mm256_mul_ps(s0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + c * 16))));
+                s1 = _mm256_mul_ps(s1, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + c * 16 + 8))));
             }
             s0 = _mm256_blendv_ps(ninf, s0, m0);
             s1 = _mm256_blendv_ps(ninf, s1, m1);
@@ -342,8 +342,8 @@ T256 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const flo
             m[g0 + g] = mn;
             alpha[g0 + g] = al;
             if (dt == AIOLLM_DT_I8) {
-                p0 = _mm256_mul_ps(p0, _mm256_and_ps(m0, _mm256_loadu_ps(vs + c * 16)));
-                p1 = _mm256_mul_ps(p1, _mm256_and_ps(m1, _mm256_loadu_ps(vs + c * 16 + 8)));
+                p0 = _mm256_mul_ps(p0, _mm256_and_ps(m0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vs + c * 16)))));
+                p1 = _mm256_mul_ps(p1, _mm256_and_ps(m1, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vs + c * 16 + 8)))));
             }
             _mm256_store_ps(pb + (g0 + g) * 16, p0);
             _mm256_store_ps(pb + (g0 + g) * 16 + 8, p1);
@@ -447,8 +447,8 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
             for (int h = 0; h < NH; h++) {
                 const int64_t tile = kv_tile(kv, block, h0 + h) * es;
                 const char *kt = (const char *)kv->k + tile, *vt = (const char *)kv->v + tile;
-                const float *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
-                const float *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
+                const uint16_t *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
+                const uint16_t *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
                 /* Tiles ahead in this item's order (heads inner): the K tiles by the first chunk's score loop (it
                  * covers whole K rows), the V tiles by every chunk's V loop (its own rows); int8 both K and V in
                  * the first chunk's score loop. */

@@ -279,7 +279,7 @@ T512 INLINE void vaccum_vnni(const char *vt, int64_t row0, int D, int dv, int VC
  * pb (16 per q head) and the rescale factors to alpha, for chunk_values. m: running max per q head; l: 16 lane
  * partial sums of the softmax denominator per q head (l + g * 16). Prefetch: int8 spreads the K and V tiles
  * the near distance ahead (pk, pv) over the score loop; fp16/fp32 the K tiles PF_NEAR and PF_FAR ahead (pk, pv). */
-T512 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const float *vs, int c, int nv,
+T512 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const uint16_t *vs, int c, int nv,
                               int G, int D, int BS, const float *qs, float *m, float *l,
                               const int32_t *q4, const int32_t *corr, const float *qsc, const char *pk, const char *pv,
                               float *pb, float *alpha) {
@@ -316,7 +316,7 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const flo
         }
         for (int g = 0; g < gb; g++) {
             __m512 sc = s[g];
-            if (dt == AIOLLM_DT_I8) sc = _mm512_mul_ps(sc, _mm512_loadu_ps(ks + c * 16));
+            if (dt == AIOLLM_DT_I8) sc = _mm512_mul_ps(sc, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + c * 16))));
             sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), sc);
             /* The max rarely moves after a few chunks: one compare decides, and only then the horizontal max
              * and the rescale run. l is kept as 16 lane sums (reduced once per item), so the common path has
@@ -336,7 +336,7 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const float *ks, const flo
             _mm512_store_ps(l + (g0 + g) * 16, _mm512_add_ps(lv, p));
             m[g0 + g] = mn;
             alpha[g0 + g] = al;
-            if (dt == AIOLLM_DT_I8) p = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(mask, vs + c * 16));
+            if (dt == AIOLLM_DT_I8) p = _mm512_mul_ps(p, _mm512_maskz_mov_ps(mask, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vs + c * 16)))));
             _mm512_store_ps(pb + (g0 + g) * 16, p);
         }
     }
@@ -491,8 +491,8 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
             const int w = nv > 16 ? 16 : nv;
             for (int h = 0; h < NH; h++) {
                 const char *kt = (const char *)kv->k + kv_tile(kv, block, h0 + h) * es;
-                const float *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
-                const float *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
+                const uint16_t *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
+                const uint16_t *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
                 /* Tiles ahead in this item's order (heads inner). The K tiles are prefetched by the first chunk's
                  * score loop (it covers whole K rows); the V tiles by every chunk's V loop (its own rows). */
                 const char *pk = NULL, *pv = NULL, *vn = NULL, *vf = NULL;

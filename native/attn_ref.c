@@ -40,8 +40,8 @@ static void one_head(const attn_args *a, int32_t seq, int32_t head) {
         const int64_t block = table[t / BS];
         const int off = t % BS;
         const int64_t tile = kv_tile(kv, block, head);
-        const float ks = dt == AIOLLM_DT_I8 ? kv->k_scale[kv_scale_tile(kv, block, head) + off] : 1.0f;
-        const float vs = dt == AIOLLM_DT_I8 ? kv->v_scale[kv_scale_tile(kv, block, head) + off] : 1.0f;
+        const float ks = dt == AIOLLM_DT_I8 ? half_to_float(kv->k_scale[kv_scale_tile(kv, block, head) + off]) : 1.0f;
+        const float vs = dt == AIOLLM_DT_I8 ? half_to_float(kv->v_scale[kv_scale_tile(kv, block, head) + off]) : 1.0f;
         for (g = 0; g < G; g++) {
             float s = 0.0f;
             for (d = 0; d < D; d++) s += qs[g * D + d] * kv_elem(kv->k, tile + k_at(kv, d, off), dt);

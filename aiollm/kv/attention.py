@@ -5,7 +5,7 @@ These functions work on the raw arrays of ONE layer of a paged KV pool (KVPool h
 
     k_cache  [n_blocks, n_kv_heads, head_dim, block_size]   K transposed inside a block
     v_cache  [n_blocks, n_kv_heads, block_size, head_dim]
-    k_scale, v_scale  fp32 [n_blocks, n_kv_heads, block_size]   int8 storage only
+    k_scale, v_scale  fp16 [n_blocks, n_kv_heads, block_size]   int8 storage only
 
 all C-contiguous, fp32, fp16 or int8 (numpy arrays or torch CPU tensors, never copied). Every argument is
 checked here before the C call (ValueError naming it, expected vs actual); C checks lengths, block-table
@@ -168,10 +168,10 @@ def _layer(k_cache, v_cache, k_scale, v_scale):
             if arr is None:
                 raise ValueError(f"{name}: required for an int8 cache, got None")
             s = describe(arr, name)
-            check_dtype(s, name, ("fp32",))
+            check_dtype(s, name, ("fp16",))
             check_shape(s, name, (n_blocks, n_kv_heads, block_size))
             check_contiguous(s, name)
-            setattr(desc, field, ffi.cast("float *", s.ptr))
+            setattr(desc, field, ffi.cast("uint16_t *", s.ptr))
     return desc
 
 

@@ -4,8 +4,8 @@ Memory layout (numpy, C-contiguous, allocated lazily by the OS: untouched blocks
 
     k        [n_layers, n_blocks, n_kv_heads, head_dim, block_size]   K transposed inside each block
     v        [n_layers, n_blocks, n_kv_heads, block_size, head_dim]
-    k_scale  [n_layers, n_blocks, n_kv_heads, block_size] fp32        int8 only (None otherwise)
-    v_scale  [n_layers, n_blocks, n_kv_heads, block_size] fp32
+    k_scale  [n_layers, n_blocks, n_kv_heads, block_size] fp16        int8 only (None otherwise)
+    v_scale  [n_layers, n_blocks, n_kv_heads, block_size] fp16
 
 int8 tiles keep those shapes but interleave their bytes for the int8 dot products (VNNI / AMX B-tile order):
 K as [head_dim / 4][block_size][4] (a 64-byte row = 4 dims of 16 tokens), V as [block_size / 4][head_dim][4]
@@ -57,7 +57,7 @@ class KVConfig:
         elems = self.n_kv_heads * self.block_size * self.head_dim
         per_layer = 2 * elems * np.dtype(_STORAGE[self.dtype]).itemsize
         if self.dtype == "int8":
-            per_layer += 2 * self.n_kv_heads * self.block_size * 4
+            per_layer += 2 * self.n_kv_heads * self.block_size * 2  # fp16 scales
         return per_layer * self.n_layers
 
     @property
@@ -115,8 +115,8 @@ class KVPool:
         self.k = np.zeros((c.n_layers, c.n_blocks, c.n_kv_heads, c.head_dim, c.block_size), dtype)
         self.v = np.zeros((c.n_layers, c.n_blocks, c.n_kv_heads, c.block_size, c.head_dim), dtype)
         scales = (c.n_layers, c.n_blocks, c.n_kv_heads, c.block_size)
-        self.k_scale = np.zeros(scales, np.float32) if c.dtype == "int8" else None
-        self.v_scale = np.zeros(scales, np.float32) if c.dtype == "int8" else None
+        self.k_scale = np.zeros(scales, np.float16) if c.dtype == "int8" else None
+        self.v_scale = np.zeros(scales, np.float16) if c.dtype == "int8" else None
         self._descs: list | None = None  # each layer's C descriptor, built at the first prepare_decode
 
     def _layer(self, layer: int) -> dict:

@@ -166,7 +166,7 @@ def test_kv_config_sizes():
     assert c.block_size == 16 and c.dtype == "fp16"
     assert c.bytes_per_block == 30 * 2 * 3 * 16 * 64 * 2 and c.nbytes == 10 * c.bytes_per_block
     i8 = KVConfig(n_layers=30, n_blocks=10, n_kv_heads=3, head_dim=64, dtype="int8")
-    assert i8.bytes_per_block == 30 * (2 * 3 * 16 * 64 + 2 * 3 * 16 * 4)
+    assert i8.bytes_per_block == 30 * (2 * 3 * 16 * 64 + 2 * 3 * 16 * 2)  # fp16 scales
     fit = KVConfig.from_budget(1 << 20, n_layers=30, n_kv_heads=3, head_dim=64)
     assert fit.n_blocks == (1 << 20) // c.bytes_per_block
     assert KVPool(fit).k.nbytes + KVPool(fit).v.nbytes == fit.nbytes

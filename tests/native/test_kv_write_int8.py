@@ -1,6 +1,7 @@
 """int8 kv_write bit for bit: the SSE2 quantiser (head_dim a multiple of 16) and the portable one (any other
-head_dim) store exactly what the definition gives — round(clamp(x * 127 / max|x|, -127, 127)), ties to even, a
-NaN element as -127, scale max|x| / 127 ignoring NaNs — for ordinary, zero, tiny, huge, inf and NaN rows."""
+head_dim) store exactly what the definition gives — scale s = max|x| / 127 ignoring NaNs, rounded to fp16 (a finite
+s beyond fp16's range as 65504), codes round(clamp(x / s, -127, 127)), ties to even, a NaN element as -127, x / s
+taken as 0 where s is 0 or infinite — for ordinary, zero, tiny, fp16-subnormal, huge, inf and NaN rows."""
 import numpy as np
 import pytest
 
@@ -8,14 +9,17 @@ from aiollm.kv.pool import KVConfig, KVPool, int8_logical
 
 
 def _expected(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(codes, scale) of rows x [..., D] (float32) by the definition, in float32 arithmetic."""
+    """(codes, fp16 scale) of rows x [..., D] (float32) by the definition, in float32 arithmetic."""
     mag = np.abs(x)
     amax = np.where(np.isnan(mag), np.float32(0), mag).max(axis=-1, keepdims=True).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    s = amax / np.float32(127)
+    scale = np.where(np.isfinite(s) & (s > 65504), np.float32(65504), s).astype(np.float16)
+    back = scale.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        inv = np.where((back > 0) & np.isfinite(back), np.float32(1) / back, np.float32(0)).astype(np.float32)
         y = (x * inv).astype(np.float32)
     y = np.where(np.isnan(y), np.float32(-127), np.clip(y, -127, 127))
-    return np.rint(y).astype(np.int8), (amax[..., 0] / np.float32(127)).astype(np.float32)
+    return np.rint(y).astype(np.int8), scale[..., 0]
 
 
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (16, 16), (24, 16), (5, 16), (5, 6)])
@@ -32,6 +36,8 @@ def test_int8_codes_and_scales_equal_the_definition(head_dim, block_size):
     x[6, 0] = np.nan
     x[7, 1, :] = 2.5  # with max|x| = 127 the codes are x itself: ties round to even (2, 0, -2), not away
     x[7, 1, :3] = [127.0, 0.5, -1.5]
+    x[8, 2] *= 1e-4 / np.abs(x[8, 2]).max()  # s ~7.9e-7: an fp16 subnormal, whose codes still fill [-127, 127]
+    x[9, 0, 0] = 1e7  # s ~78740: past fp16's largest, stored as 65504; the codes saturate
     v = x[::-1].copy()
     pool = KVPool(KVConfig(n_layers=1, n_blocks=8, n_kv_heads=heads, head_dim=head_dim, block_size=block_size,
                            dtype="int8"))
@@ -43,4 +49,4 @@ def test_int8_codes_and_scales_equal_the_definition(head_dim, block_size):
                                   (v, v_codes[b, :, o, :], pool.v_scale[0][b, :, o])):
         want_codes, want_scales = _expected(want_x)
         np.testing.assert_array_equal(codes, want_codes)
-        np.testing.assert_array_equal(scales.view(np.uint32), want_scales.view(np.uint32))
+        np.testing.assert_array_equal(scales.view(np.uint16), want_scales.view(np.uint16))
