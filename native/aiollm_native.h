@@ -18,6 +18,8 @@ uint32_t aiollm_cpu_features(void);
 /* 1 where the AVX-512 attention kernel's far (L2) software prefetch level pays on this CPU, 0 where the
  * hardware prefetchers do better without it (AMD family 0x1A, Zen 5: see attn_avx512_impl.h). */
 int aiollm_cpu_far_prefetch_default(void);
+/* 1 where the probed int8 path computes a GQA group of 1 on 2+ threads in fp32 math (AMD family 0x1A and later). */
+int aiollm_cpu_int8_group1_fp32(void);
 
 /* ---- status codes: every entry point that can fail returns one ---- */
 #define AIOLLM_OK 0
@@ -97,7 +99,8 @@ int aiollm_set_isa(int32_t isa);
  * weights quantised to 8 bits too: VNNI (vpdpbusd, the AVX-512 kernel on CPUs with AVX512-VNNI) or MADD
  * (vpmaddubsw + vpmaddwd, the AVX2 kernel, which also takes VNNI to mean its own dot products). Probed once (VNNI,
  * else MADD, else FP32), overridable by AIOLLM_ATTN_INT8 (fp32, vnni, madd) or aiollm_set_int8_path (-1: back to
- * the probe; AIOLLM_ERR_UNSUPPORTED if the CPU lacks it). */
+ * the probe; AIOLLM_ERR_UNSUPPORTED if the CPU lacks it). On Zen 5 the probed VNNI path leaves a GQA group of 1 on
+ * 2+ threads to fp32 math (faster there, dispatch.c); a forced path serves every call. */
 #define AIOLLM_INT8_FP32 0
 #define AIOLLM_INT8_VNNI 1
 #define AIOLLM_INT8_MADD 2

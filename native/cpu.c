@@ -15,6 +15,17 @@ uint32_t aiollm_cpu_features(void) {
     return flags;
 }
 
+/* The x86 family of an AuthenticAMD CPU (0x19 Zen 3/4, 0x1A Zen 5), 0 for any other vendor. */
+static unsigned amd_family(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    const int amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "Auth" "enti" "cAMD" */
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    unsigned family = (a >> 8) & 0xfu;
+    if (family == 0xfu) family += (a >> 20) & 0xffu;
+    return family;
+}
+
 /* Whether the far (L2) software prefetch level pays on this CPU. Off where the CPU lacks AVX-512F (the AVX2
  * kernel runs): on an AMD Zen 3 host it cost fp16 up to 10 % and int8 a third (attn_avx2.c). Off on AuthenticAMD
  * family 0x1A (Zen 5) and later: measured on a Zen 5 host (paired in-process A/B against the read kernel, from
@@ -23,11 +34,11 @@ uint32_t aiollm_cpu_features(void) {
  * (attn_avx512_impl.h), so every other AVX-512 CPU keeps it. */
 int aiollm_cpu_far_prefetch_default(void) {
     if (!(aiollm_cpu_features() & AIOLLM_CPU_AVX512F)) return 0;
-    unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return 1;
-    const int amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "Auth" "enti" "cAMD" */
-    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 1;
-    unsigned family = (a >> 8) & 0xfu;
-    if (family == 0xfu) family += (a >> 20) & 0xffu;
-    return family < 0x1au;
+    return amd_family() < 0x1au;
+}
+
+/* Whether this CPU is one on which the probed int8 path leaves a GQA group of 1 on 2+ threads to fp32 math
+ * (dispatch.c, int8_path_for): AuthenticAMD family 0x1A (Zen 5) and later, the only one measured. */
+int aiollm_cpu_int8_group1_fp32(void) {
+    return amd_family() >= 0x1au;
 }

@@ -42,7 +42,8 @@ static void probe(void) {
 /* ---- int8 path: fp32 math or int8 dot products ---- */
 
 static _Atomic int current_int8 = -1;
-static int probed_int8 = AIOLLM_INT8_FP32;
+static _Atomic int int8_forced = 0; /* a path named by AIOLLM_ATTN_INT8 or aiollm_set_int8_path: every call takes it */
+static int probed_int8 = AIOLLM_INT8_FP32, probed_forced = 0, group1_fp32 = 0;
 static pthread_once_t int8_once = PTHREAD_ONCE_INIT;
 
 int aiollm_int8_path_supported(int32_t path) {
@@ -63,12 +64,15 @@ static void probe_int8(void) {
     if (env && strcmp(env, "madd") == 0) want = AIOLLM_INT8_MADD;
     if (want >= 0 && aiollm_int8_path_supported(want)) {
         probed_int8 = want;
+        probed_forced = 1;
     } else {
         probed_int8 = aiollm_int8_path_supported(AIOLLM_INT8_VNNI)   ? AIOLLM_INT8_VNNI
                       : aiollm_int8_path_supported(AIOLLM_INT8_MADD) ? AIOLLM_INT8_MADD
                                                                      : AIOLLM_INT8_FP32;
     }
+    group1_fp32 = aiollm_cpu_int8_group1_fp32();
     atomic_store(&current_int8, probed_int8);
+    atomic_store(&int8_forced, probed_forced);
 }
 
 int aiollm_int8_path(void) {
@@ -78,10 +82,29 @@ int aiollm_int8_path(void) {
 
 int aiollm_set_int8_path(int32_t path) {
     pthread_once(&int8_once, probe_int8);
+    const int forced = path != -1 || probed_forced;
     if (path == -1) path = probed_int8;
     if (!aiollm_int8_path_supported(path)) return AIOLLM_ERR_UNSUPPORTED;
     atomic_store(&current_int8, path);
+    atomic_store(&int8_forced, forced);
     return AIOLLM_OK;
+}
+
+/* The int8 path one call takes. Unless a path was forced, on Zen 5 (aiollm_cpu_int8_group1_fp32) a GQA group of
+ * 1 on 2+ threads in the AVX-512 kernel takes fp32 math instead of the VNNI dot products: from DRAM those read
+ * slower there, although in L2 they compute ~2.6x faster (110 against 42 GB/s a core); why is not located.
+ * Zen 5 host, paired in one process against fp16 and the read kernel, int8 / fp16 tokens/s VNNI -> fp32:
+ * - 2 threads, group 1: Llama (32 / 32 heads, d 128) 64 x 1024 1.56 -> 1.88, 256 x 1024 1.58 -> 1.80, another
+ *   run 64 x 1024 1.62 -> 1.81; d 64 1.72 -> 1.78.
+ * - 2 threads, larger groups: d 64 the dot products win (group 2 2.07 against 1.54, group 3 1.92 against 1.43);
+ *   d 128 one reading had group 2 1.71 against 1.82 and group 4 1.71 / 1.70, left to the dot products.
+ * - 1 thread, group 1: VNNI as fast or faster (Llama 64 x 1024 1.82 against 1.61, 256 x 1024 1.61 / 1.61).
+ * - AVX2's MADD path won at every group measured (1.39-2.08 against 0.95-1.77), so it keeps it. */
+static int int8_path_for(int isa, int32_t group, int32_t n_threads) {
+    const int path = aiollm_int8_path();
+    const int auto_group1 = group1_fp32 && isa == AIOLLM_ISA_AVX512 && group == 1 && n_threads > 1 &&
+                            !atomic_load(&int8_forced);
+    return path == AIOLLM_INT8_VNNI && auto_group1 ? AIOLLM_INT8_FP32 : path;
 }
 
 /* ---- the AVX-512 kernel's far prefetch level ---- */
@@ -226,7 +249,7 @@ int aiollm_decode_attention(const aiollm_kv_layer *kv, const float *q, int64_t q
     };
     const int isa = aiollm_isa(), simd_shape = kv->head_dim % 16 == 0 && kv->block_size % 16 == 0;
     if (simd_shape && isa == AIOLLM_ISA_AVX512) job.fn = attn_item_avx512;
-    job.args.int8_dot = aiollm_int8_path();
+    job.args.int8_dot = int8_path_for(isa, job.args.group, n_threads);
     job.args.far_prefetch = aiollm_far_prefetch();
     if (simd_shape && isa == AIOLLM_ISA_AVX2) job.fn = attn_item_avx2;
 
