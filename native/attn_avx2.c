@@ -319,8 +319,8 @@ T256 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const 
         for (int g = 0; g < gb; g++) {
             __m256 s0 = lo[g], s1 = hi[g];
             if (dt == AIOLLM_DT_I8) {
-                s0 = _mm256_mul_ps(s0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + c * 16))));
-                s1 = _mm256_mul_ps(s1, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + c * 16 + 8))));
+                s0 = _mm256_mul_ps(s0, ld8(AIOLLM_DT_F16, ks, c * 16));
+                s1 = _mm256_mul_ps(s1, ld8(AIOLLM_DT_F16, ks, c * 16 + 8));
             }
             s0 = _mm256_blendv_ps(ninf, s0, m0);
             s1 = _mm256_blendv_ps(ninf, s1, m1);
@@ -342,8 +342,8 @@ T256 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const 
             m[g0 + g] = mn;
             alpha[g0 + g] = al;
             if (dt == AIOLLM_DT_I8) {
-                p0 = _mm256_mul_ps(p0, _mm256_and_ps(m0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vs + c * 16)))));
-                p1 = _mm256_mul_ps(p1, _mm256_and_ps(m1, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vs + c * 16 + 8)))));
+                p0 = _mm256_mul_ps(p0, _mm256_and_ps(m0, ld8(AIOLLM_DT_F16, vs, c * 16)));
+                p1 = _mm256_mul_ps(p1, _mm256_and_ps(m1, ld8(AIOLLM_DT_F16, vs, c * 16 + 8)));
             }
             _mm256_store_ps(pb + (g0 + g) * 16, p0);
             _mm256_store_ps(pb + (g0 + g) * 16 + 8, p1);

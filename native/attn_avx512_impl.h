@@ -316,7 +316,7 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const 
         }
         for (int g = 0; g < gb; g++) {
             __m512 sc = s[g];
-            if (dt == AIOLLM_DT_I8) sc = _mm512_mul_ps(sc, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + c * 16))));
+            if (dt == AIOLLM_DT_I8) sc = _mm512_mul_ps(sc, ld16(AIOLLM_DT_F16, ks, c * 16));
             sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), sc);
             /* The max rarely moves after a few chunks: one compare decides, and only then the horizontal max
              * and the rescale run. l is kept as 16 lane sums (reduced once per item), so the common path has
@@ -336,7 +336,7 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const 
             _mm512_store_ps(l + (g0 + g) * 16, _mm512_add_ps(lv, p));
             m[g0 + g] = mn;
             alpha[g0 + g] = al;
-            if (dt == AIOLLM_DT_I8) p = _mm512_mul_ps(p, _mm512_maskz_mov_ps(mask, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vs + c * 16)))));
+            if (dt == AIOLLM_DT_I8) p = _mm512_mul_ps(p, _mm512_maskz_mov_ps(mask, ld16(AIOLLM_DT_F16, vs, c * 16)));
             _mm512_store_ps(pb + (g0 + g) * 16, p);
         }
     }
