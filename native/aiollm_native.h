@@ -18,8 +18,9 @@ uint32_t aiollm_cpu_features(void);
 /* 1 where the AVX-512 attention kernel's far (L2) software prefetch level pays on this CPU, 0 where the
  * hardware prefetchers do better without it (AMD family 0x1A, Zen 5: see attn_avx512_impl.h). */
 int aiollm_cpu_far_prefetch_default(void);
-/* 1 where the probed int8 path computes a GQA group of 1 on 2+ threads in fp32 math (AMD family 0x1A and later). */
-int aiollm_cpu_int8_group1_fp32(void);
+/* 1 where an int8 GQA group of 1 runs the AVX2 kernel's MADD dot products, not AVX-512 VNNI (AMD family 0x1A and
+ * later), unless an ISA or an int8 path is forced. */
+int aiollm_cpu_int8_group1_madd(void);
 
 /* ---- status codes: every entry point that can fail returns one ---- */
 #define AIOLLM_OK 0

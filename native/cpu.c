@@ -37,8 +37,9 @@ int aiollm_cpu_far_prefetch_default(void) {
     return amd_family() < 0x1au;
 }
 
-/* Whether this CPU is one on which the probed int8 path leaves a GQA group of 1 on 2+ threads to fp32 math
- * (dispatch.c, int8_path_for): AuthenticAMD family 0x1A (Zen 5) and later, the only one measured. */
-int aiollm_cpu_int8_group1_fp32(void) {
+/* Whether this CPU is one on which an int8 GQA group of 1 runs the AVX2 kernel's MADD dot products instead of the
+ * AVX-512 VNNI ones (dispatch.c, int8_group1_madd): AuthenticAMD family 0x1A (Zen 5) and later, the only one
+ * measured. */
+int aiollm_cpu_int8_group1_madd(void) {
     return amd_family() >= 0x1au;
 }

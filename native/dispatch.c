@@ -8,7 +8,8 @@
 #include "gemm_internal.h"
 
 static _Atomic int current_isa = -1;
-static int probed_isa = AIOLLM_ISA_REF;
+static _Atomic int isa_forced = 0; /* an ISA named by AIOLLM_ATTN_ISA or aiollm_set_isa: every call takes its kernel */
+static int probed_isa = AIOLLM_ISA_REF, probed_isa_forced = 0;
 static pthread_once_t probe_once = PTHREAD_ONCE_INIT;
 
 int aiollm_isa_supported(int32_t isa) {
@@ -31,19 +32,21 @@ static void probe(void) {
     if (env && strcmp(env, "avx512") == 0) want = AIOLLM_ISA_AVX512;
     if (want >= 0 && aiollm_isa_supported(want)) {
         probed_isa = want;
+        probed_isa_forced = 1;
     } else {
         probed_isa = aiollm_isa_supported(AIOLLM_ISA_AVX512) ? AIOLLM_ISA_AVX512
                      : aiollm_isa_supported(AIOLLM_ISA_AVX2) ? AIOLLM_ISA_AVX2
                                                             : AIOLLM_ISA_REF;
     }
     atomic_store(&current_isa, probed_isa);
+    atomic_store(&isa_forced, probed_isa_forced);
 }
 
 /* ---- int8 path: fp32 math or int8 dot products ---- */
 
 static _Atomic int current_int8 = -1;
 static _Atomic int int8_forced = 0; /* a path named by AIOLLM_ATTN_INT8 or aiollm_set_int8_path: every call takes it */
-static int probed_int8 = AIOLLM_INT8_FP32, probed_forced = 0, group1_fp32 = 0;
+static int probed_int8 = AIOLLM_INT8_FP32, probed_forced = 0, group1_madd = 0;
 static pthread_once_t int8_once = PTHREAD_ONCE_INIT;
 
 int aiollm_int8_path_supported(int32_t path) {
@@ -70,7 +73,7 @@ static void probe_int8(void) {
                       : aiollm_int8_path_supported(AIOLLM_INT8_MADD) ? AIOLLM_INT8_MADD
                                                                      : AIOLLM_INT8_FP32;
     }
-    group1_fp32 = aiollm_cpu_int8_group1_fp32();
+    group1_madd = aiollm_cpu_int8_group1_madd();
     atomic_store(&current_int8, probed_int8);
     atomic_store(&int8_forced, probed_forced);
 }
@@ -90,21 +93,21 @@ int aiollm_set_int8_path(int32_t path) {
     return AIOLLM_OK;
 }
 
-/* The int8 path one call takes. Unless a path was forced, on Zen 5 (aiollm_cpu_int8_group1_fp32) a GQA group of
- * 1 on 2+ threads in the AVX-512 kernel takes fp32 math instead of the VNNI dot products: from DRAM those read
- * slower there, although in L2 they compute ~2.6x faster (110 against 42 GB/s a core); why is not located.
- * Zen 5 host, paired in one process against fp16 and the read kernel, int8 / fp16 tokens/s VNNI -> fp32:
- * - 2 threads, group 1: Llama (32 / 32 heads, d 128) 64 x 1024 1.56 -> 1.88, 256 x 1024 1.58 -> 1.80, another
- *   run 64 x 1024 1.62 -> 1.81; d 64 1.72 -> 1.78.
- * - 2 threads, larger groups: d 64 the dot products win (group 2 2.07 against 1.54, group 3 1.92 against 1.43);
- *   d 128 one reading had group 2 1.71 against 1.82 and group 4 1.71 / 1.70, left to the dot products.
- * - 1 thread, group 1: VNNI as fast or faster (Llama 64 x 1024 1.82 against 1.61, 256 x 1024 1.61 / 1.61).
- * - AVX2's MADD path won at every group measured (1.39-2.08 against 0.95-1.77), so it keeps it. */
-static int int8_path_for(int isa, int32_t group, int32_t n_threads) {
-    const int path = aiollm_int8_path();
-    const int auto_group1 = group1_fp32 && isa == AIOLLM_ISA_AVX512 && group == 1 && n_threads > 1 &&
-                            !atomic_load(&int8_forced);
-    return path == AIOLLM_INT8_VNNI && auto_group1 ? AIOLLM_INT8_FP32 : path;
+/* Whether one int8 call runs the AVX2 kernel's MADD dot products instead of the probed AVX-512 VNNI ones: on Zen 5
+ * (aiollm_cpu_int8_group1_madd) for a GQA group of 1, unless an ISA or an int8 path was forced. From DRAM the
+ * AVX-512 kernel's VNNI path read slower there at group 1, although in L2 it computes ~2.6x faster than fp32
+ * math (110 against 42 GB/s a core); why is not located. Zen 5 host, paired in one process against fp16 and the
+ * read kernel, Llama (32 / 32 heads, d 128), int8 / fp16 tokens/s, AVX-512 VNNI / AVX-512 fp32 math / AVX2 MADD:
+ * - 2 threads, 64 x 1024: 1.64 / 1.86 / 1.86, 1.68 / 1.82 / 1.90, 1.64 / 1.80 / 1.98, 1.68 / 1.83 / 1.94;
+ *   256 x 1024: 1.67 / 1.90 / 1.85, 1.74 / 1.91 / 2.07, 1.57 / 1.90 / 1.95, 1.72 / 1.85 / 1.90;
+ *   64 x 4096: 1.59 / 1.83 / 2.09, 1.74 / 1.90 / 1.95, 1.73 / 1.89 / 1.97, 1.65 / 1.82 / 1.94;
+ *   32 x 2048: 1.63 / 1.77 / 1.90. Of the read kernel MADD read 0.91-1.00, fp32 math 0.84-0.93, VNNI 0.72-0.86.
+ * - 1 thread: 64 x 1024 1.81 / 1.55 / 1.84, 256 x 1024 1.84 / 1.55 / 1.88, 64 x 4096 1.85 / 1.60 / 1.86.
+ * - Larger groups keep VNNI: SmolLM2 (group 3, d 64) 2 threads 256 x 1024 2.13 / 1.62 / 1.42, 64 x 4096
+ *   1.99 / 1.55 / 1.35; earlier d 64 group 2 2.07 against fp32 math's 1.54. */
+static int int8_group1_madd(int isa, int32_t group) {
+    return group1_madd && isa == AIOLLM_ISA_AVX512 && group == 1 && aiollm_int8_path() == AIOLLM_INT8_VNNI &&
+           !atomic_load(&int8_forced) && !atomic_load(&isa_forced);
 }
 
 /* ---- the AVX-512 kernel's far prefetch level ---- */
@@ -139,9 +142,11 @@ int aiollm_isa(void) {
 
 int aiollm_set_isa(int32_t isa) {
     pthread_once(&probe_once, probe);
+    const int forced = isa != -1 || probed_isa_forced;
     if (isa == -1) isa = probed_isa;
     if (!aiollm_isa_supported(isa)) return AIOLLM_ERR_UNSUPPORTED;
     atomic_store(&current_isa, isa);
+    atomic_store(&isa_forced, forced);
     return AIOLLM_OK;
 }
 
@@ -249,9 +254,13 @@ int aiollm_decode_attention(const aiollm_kv_layer *kv, const float *q, int64_t q
     };
     const int isa = aiollm_isa(), simd_shape = kv->head_dim % 16 == 0 && kv->block_size % 16 == 0;
     if (simd_shape && isa == AIOLLM_ISA_AVX512) job.fn = attn_item_avx512;
-    job.args.int8_dot = int8_path_for(isa, job.args.group, n_threads);
+    job.args.int8_dot = aiollm_int8_path();
     job.args.far_prefetch = aiollm_far_prefetch();
     if (simd_shape && isa == AIOLLM_ISA_AVX2) job.fn = attn_item_avx2;
+    if (simd_shape && kv->dtype == AIOLLM_DT_I8 && int8_group1_madd(isa, job.args.group)) {
+        job.fn = attn_item_avx2;
+        job.args.int8_dot = AIOLLM_INT8_MADD;
+    }
 
     /* Longest first: sort keys (INT32_MAX - len, seq) ascending, then keep the seq part. */
     int64_t *keys = malloc((size_t)n_seqs * sizeof(int64_t));

@@ -101,9 +101,9 @@ _INT8_NAMES = {code: name for name, code in INT8_PATHS.items()}
 def int8_path() -> str:
     """How int8 KV attention is computed: 'fp32' math, or int8 dot products: 'vnni' (AVX-512) or 'madd' (AVX2).
 
-    On Zen 5 the probed 'vnni' leaves calls with one q head per kv head (Llama's GQA 1) on 2+ threads to fp32
-    math, which reads faster there (native/dispatch.c); a path forced by `force_int8_path` or AIOLLM_ATTN_INT8
-    serves every call."""
+    On Zen 5 the probed 'vnni' leaves calls with one q head per kv head (Llama's GQA 1) to the AVX2 kernel's
+    'madd', which reads faster from DRAM there (native/dispatch.c); an ISA forced by `force_isa` or
+    AIOLLM_ATTN_ISA, or a path forced by `force_int8_path` or AIOLLM_ATTN_INT8, serves every call."""
     return _INT8_NAMES[lib.aiollm_int8_path()]
 
 

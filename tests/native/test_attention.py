@@ -113,26 +113,31 @@ def test_int8_paths_are_reported_and_forcing_an_unknown_one_raises(int8_forced):
         int8_forced("int3")
 
 
-@pytest.mark.skipif("vnni" not in INT8_PATHS or "AIOLLM_ATTN_INT8" in os.environ,
-                    reason="needs AVX512-VNNI and the probed int8 path")
-def test_probed_vnni_path_leaves_group_1_on_threads_to_fp32_math_unless_forced(isa_forced, int8_forced):
-    """On Zen 5 the probed VNNI path computes a GQA group of 1 on 2+ threads in fp32 math (it reads faster from
-    DRAM there, native/dispatch.c); 1 thread and larger groups take the dot products, as every call does on other
-    CPUs; a forced path serves every call."""
+@pytest.mark.skipif("vnni" not in INT8_PATHS or "AIOLLM_ATTN_INT8" in os.environ or "AIOLLM_ATTN_ISA" in os.environ,
+                    reason="needs AVX512-VNNI and the probed ISA and int8 path")
+def test_probed_vnni_path_leaves_group_1_to_avx2_madd_unless_forced(isa_forced, int8_forced):
+    """On Zen 5 the probed AVX-512 VNNI path runs a GQA group of 1 in the AVX2 kernel's MADD dot products (they
+    read faster from DRAM there, native/dispatch.c); larger groups take VNNI, as every call does on other CPUs; a
+    forced ISA or int8 path serves every call."""
     rng = np.random.default_rng(11)
-    isa_forced("avx512")
-    rule = bool(attention.lib.aiollm_cpu_int8_group1_fp32())
-    for group, n_threads, probed_takes in ((1, 2, "fp32" if rule else "vnni"), (1, 1, "vnni"), (3, 2, "vnni")):
+    rule = bool(attention.lib.aiollm_cpu_int8_group1_madd())
+    for group, n_threads, probed_takes in ((1, 2, "madd" if rule else "vnni"), (1, 1, "madd" if rule else "vnni"),
+                                          (3, 2, "vnni")):
         pool, table, seq_lens, q, _, _ = _case(rng, "int8", 128, group, [40, 300])
+        isa_forced(None)
         int8_forced(None)
-        assert attention.int8_path() == "vnni"
+        assert attention.isa() == "avx512" and attention.int8_path() == "vnni"
         probed = pool.attend(1, q, table, seq_lens, n_threads=n_threads)
         forced = {}
-        for path in ("fp32", "vnni"):
+        for isa, path in (("avx512", "fp32"), ("avx512", "vnni"), ("avx2", "madd")):
+            isa_forced(isa)
             int8_forced(path)
             forced[path] = pool.attend(1, q, table, seq_lens, n_threads=n_threads)
         np.testing.assert_array_equal(probed, forced[probed_takes])
-        assert not np.array_equal(forced["fp32"], forced["vnni"])
+        assert not np.array_equal(forced["madd"], forced["vnni"])
+        int8_forced(None)
+        isa_forced("avx512")  # a forced ISA keeps its own kernel: the probed VNNI path
+        np.testing.assert_array_equal(pool.attend(1, q, table, seq_lens, n_threads=n_threads), forced["vnni"])
 
 
 @pytest.fixture
