@@ -62,6 +62,7 @@ import time
 
 import numpy as np
 
+from aiollm.kv._arrays import aligned_full
 from bench.report import table
 
 SHAPES = {"smollm2": (9, 3, 64), "llama7b": (32, 32, 128)}
@@ -95,10 +96,10 @@ def _cache(batch: int, ctx: int, n_kv: int, d: int, dtype: str):
     n_blocks = batch * ctx // BLOCK
     storage = {"fp16": np.float16, "int8": np.int8}[dtype]
     fill = 1 if dtype == "int8" else 0.01
-    k = np.full((n_blocks, n_kv, d, BLOCK), fill, storage)
-    v = np.full((n_blocks, n_kv, BLOCK, d), fill, storage)
+    k = aligned_full((n_blocks, n_kv, d, BLOCK), fill, storage)  # on cache lines, as KVPool allocates
+    v = aligned_full((n_blocks, n_kv, BLOCK, d), fill, storage)
     # int8: K and V scales in arrays of their own, as a pool holds them (one shared array would read half the bytes)
-    scales = tuple(np.full((n_blocks, n_kv, BLOCK), 0.01, np.float16) for _ in range(2)) if dtype == "int8" else None
+    scales = tuple(aligned_full((n_blocks, n_kv, BLOCK), 0.01, np.float16) for _ in range(2)) if dtype == "int8" else None
     return k, v, scales, np.arange(n_blocks, dtype=np.int32).reshape(batch, ctx // BLOCK)
 
 
@@ -189,7 +190,7 @@ def kernel_figures(row: dict, shape: tuple, n_threads: int, big: np.ndarray, rou
                far_swapped(int8)]
     bf16, fp32 = sdpa_entry(shape, "bf16", n_threads, reps), sdpa_entry(shape, "fp32", n_threads, reps)
     entries += [bf16, fp32]
-    same = np.ones((k.nbytes + v.nbytes) // 4, np.float32) if k.nbytes + v.nbytes < big.nbytes else None
+    same = aligned_full(((k.nbytes + v.nbytes) // 4,), 1, np.float32) if k.nbytes + v.nbytes < big.nbytes else None
     if same is not None:
         entries.append(reader(same, n_threads))
     got = paired(entries, rounds)
@@ -339,7 +340,7 @@ def run(args) -> dict:
     reps = 2 if args.quick else 3
     rounds = 3 if args.quick else 5
     nt = args.threads
-    buf = np.ones(WINDOW // 4, np.float32)
+    buf = aligned_full((WINDOW // 4,), 1, np.float32)  # aligned like the KV, so the read is the best one
     far = attention.far_prefetch()
     print(f"kernel {attention.isa()}, far prefetch {'on' if far else 'off'} (this CPU's default; *_far_alt: the other "
           f"way, paired in the same rounds); read bandwidth measured beside each kernel figure (1 GiB, 1 and {nt} threads; "

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from aiollm.kv._arrays import aligned_full
 from bench.attention import WINDOW, paired, paired_ratio, reader
 from bench.report import table
 
@@ -114,10 +115,10 @@ def run(args) -> dict:
              "churned_lifo": churned_tables(LifoFreeList(n_blocks), batch, blocks, args.churn_rounds),
              "lockstep": lockstep_tables(n_blocks, batch, blocks, 16),
              "lockstep_single": lockstep_tables(n_blocks, batch, blocks, 1)}
-    k = np.full((n_blocks, N_KV, HEAD_DIM, BLOCK), 0.01, np.float16)
-    v = np.full((n_blocks, N_KV, BLOCK, HEAD_DIM), 0.01, np.float16)
-    k8, v8 = np.ones(k.shape, np.int8), np.ones(v.shape, np.int8)
-    scales = np.full((n_blocks, N_KV, BLOCK), 0.01, np.float16)
+    k = aligned_full((n_blocks, N_KV, HEAD_DIM, BLOCK), 0.01, np.float16)  # on cache lines, as KVPool allocates
+    v = aligned_full((n_blocks, N_KV, BLOCK, HEAD_DIM), 0.01, np.float16)
+    k8, v8 = aligned_full(k.shape, 1, np.int8), aligned_full(v.shape, 1, np.int8)
+    scales = aligned_full((n_blocks, N_KV, BLOCK), 0.01, np.float16)
     q = np.random.default_rng(1).standard_normal((batch, N_Q, HEAD_DIM)).astype(np.float32)
     print(f"SmolLM2 layer, {batch} sequences x {blocks * BLOCK} tokens in a pool of {n_blocks} blocks, "
           f"{args.threads} threads, {args.rounds} paired rounds against the read kernel (1 GiB)", flush=True)

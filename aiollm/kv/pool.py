@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from aiollm.kv import attention
+from aiollm.kv._arrays import aligned_full
 
 _STORAGE = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8}
 
@@ -112,11 +113,13 @@ class KVPool:
         c = config
         self.config = c
         dtype = _STORAGE[c.dtype]
-        self.k = np.zeros((c.n_layers, c.n_blocks, c.n_kv_heads, c.head_dim, c.block_size), dtype)
-        self.v = np.zeros((c.n_layers, c.n_blocks, c.n_kv_heads, c.block_size, c.head_dim), dtype)
+        # on cache lines (aligned_full), and with it every K and V tile whose size is a multiple of 64 bytes (any
+        # head_dim at block_size 16)
+        self.k = aligned_full((c.n_layers, c.n_blocks, c.n_kv_heads, c.head_dim, c.block_size), 0, dtype)
+        self.v = aligned_full((c.n_layers, c.n_blocks, c.n_kv_heads, c.block_size, c.head_dim), 0, dtype)
         scales = (c.n_layers, c.n_blocks, c.n_kv_heads, c.block_size)
-        self.k_scale = np.zeros(scales, np.float16) if c.dtype == "int8" else None
-        self.v_scale = np.zeros(scales, np.float16) if c.dtype == "int8" else None
+        self.k_scale = aligned_full(scales, 0, np.float16) if c.dtype == "int8" else None
+        self.v_scale = aligned_full(scales, 0, np.float16) if c.dtype == "int8" else None
         self._descs: list | None = None  # each layer's C descriptor, built at the first prepare_decode
 
     def _layer(self, layer: int) -> dict:

@@ -218,3 +218,24 @@ def test_pool_write_then_attend_matches_reference_for_smollm2_shape():
         q = rng.standard_normal((1, 9, 64)).astype(np.float32)
         out = pool.attend(0, q, table.block_tables([0]), table.seq_lens([0]))
         np.testing.assert_allclose(out, reference(q, [ks[:t + 1]], [vs[:t + 1]]), atol=5e-6)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "int8"])
+def test_pool_arrays_start_on_cache_lines_and_start_zeroed(dtype):
+    pool = KVPool(KVConfig(n_layers=2, n_blocks=33, n_kv_heads=3, head_dim=64, dtype=dtype))
+    arrays = [pool.k, pool.v] + ([pool.k_scale, pool.v_scale] if dtype == "int8" else [])
+    for arr in arrays:
+        assert arr.ctypes.data % 64 == 0
+        assert arr.flags.c_contiguous and arr.flags.writeable
+        assert not arr.any()
+    assert pool.k.shape == (2, 33, 3, 64, 16) and pool.v.shape == (2, 33, 3, 16, 64)
+
+
+def test_aligned_full_fills_every_element_of_the_shape():
+    from aiollm.kv._arrays import aligned_full
+
+    for shape, fill, dtype in (((7, 5), 0.25, np.float16), ((3,), 1, np.int8), ((2, 0, 4), 3.0, np.float32)):
+        arr = aligned_full(shape, fill, dtype)
+        assert arr.shape == shape and arr.dtype == dtype
+        assert arr.size == 0 or arr.ctypes.data % 64 == 0  # an empty array has no data to place
+        np.testing.assert_array_equal(arr, np.full(shape, fill, dtype))
