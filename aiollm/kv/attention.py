@@ -77,7 +77,8 @@ def on_gemm_team():
 
 
 def isa() -> str:
-    """The kernel variant in use: 'ref', 'avx2' or 'avx512'."""
+    """The kernel variant in use: 'ref', 'avx2' or 'avx512' (on Zen 5, unforced 'avx512' runs int8 calls with one q
+    head per kv head in the AVX2 kernel: see `int8_path`)."""
     return _ISA_NAMES[lib.aiollm_isa()]
 
 
