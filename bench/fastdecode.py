@@ -324,6 +324,8 @@ def _throughput_part(model, batches: list[int], seq_len: int, cores: int, figure
           f"{chosen['r_workers']} R-worker(s), {sizing.mode}): "
           f"{chosen['predicted_ms']:.1f} ms vs {chosen['step_ms']:.1f} ms (its CPU: S-worker {chosen['s_cpu_ms']:.0f} "
           f"ms, R-workers {chosen['r_cpu_ms']:.0f} ms, {chosen['busy']:.2f} of {c_eff:.2f} cores busy over the step; "
+          f"effective cores read {' and '.join(f'{c:.2f}' for c in chosen['cores_before_after'])} before and after it, "
+          f"the mean priced; "
           f"the model's bounds price CPU, so a step that leaves cores idle is under-predicted by that idle time); "
           f"B={check['batch']} with 2 R-workers "
           f"{check['predicted_ms']:.1f} vs {check['step_ms']:.1f} ms; over all {len(ratios)} rows: worst ratio "
@@ -336,13 +338,16 @@ async def _chosen_row(model, batch: int, workers: int, seq_len: int, time_shared
     async with Graph(startup_timeout=120.0) as graph:
         urls = await _r_workers(graph, workers)
         threads = len(os.sched_getaffinity(0)) if time_shared else 1
-        cores = await asyncio.to_thread(measure_effective_cores, len(os.sched_getaffinity(0)))
-        # median of 6 steps and T(B) of 8 readings around them: this row is the sizing's check, and the machine's slow
-        # phases last seconds
-        return {"cores_local": cores, **await _synthetic_step(graph, model, urls, batch, seq_len, "s-chosen", steps=6,
-                                        t_rounds=4,
-                                        pipeline=not time_shared and batch >= 2, s_threads=threads),
-                "kv": "fp16", "sizing": True}
+        n_cpus = len(os.sched_getaffinity(0))
+        before = await asyncio.to_thread(measure_effective_cores, n_cpus)
+        # median of 6 steps and T(B) of 8 readings around them, and the effective cores read before and after: this
+        # row is the sizing's check, and the machine's slow phases last seconds (one reading of 1.6 before it, where
+        # the other rows read 1.8-2.0, priced its "cores" bound a quarter high)
+        row = await _synthetic_step(graph, model, urls, batch, seq_len, "s-chosen", steps=6, t_rounds=4,
+                                    pipeline=not time_shared and batch >= 2, s_threads=threads)
+        after = await asyncio.to_thread(measure_effective_cores, n_cpus)
+        return {"cores_local": (before + after) / 2, "cores_before_after": [before, after], **row, "kv": "fp16",
+                "sizing": True}
 
 
 def _steady_state_schedule_gain(spread: dict, ramp: list[dict], seq_len: int, figures: dict, price, c_eff: float
