@@ -535,8 +535,10 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
         urls = await _r_workers(graph, 1, prefix=("taskset", "-c", ",".join(map(str, r_cpus))))
         r_kernel = _measure_r(model, 1024)
         plain = await step_costs(graph.driver, model, urls, [batch], curve, r_kernel)
+        # the median of 3 probes, as the throughput part takes: one probe read 1274 ns per entry where the traces
+        # around it read 770-836, and the trace then ran at an S far below the balance it went on to show
         r_situ, s_per_token = await long_step_terms(graph.driver, model, urls, batch, longest // 2, curve, plain,
-                                                    r_kernel)
+                                                    r_kernel, repeats=3)
         trips = await step_costs(graph.driver, model, urls, [max(1, batch // 2)], curve, r_kernel, pipeline=True)
         cores, r_cores = 1 + len(r_cpus), len(r_cpus)
 
