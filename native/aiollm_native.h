@@ -100,8 +100,8 @@ int aiollm_set_isa(int32_t isa);
  * weights quantised to 8 bits too: VNNI (vpdpbusd, the AVX-512 kernel on CPUs with AVX512-VNNI) or MADD
  * (vpmaddubsw + vpmaddwd, the AVX2 kernel, which also takes VNNI to mean its own dot products). Probed once (VNNI,
  * else MADD, else FP32), overridable by AIOLLM_ATTN_INT8 (fp32, vnni, madd) or aiollm_set_int8_path (-1: back to
- * the probe; AIOLLM_ERR_UNSUPPORTED if the CPU lacks it). On Zen 5 the probed VNNI path leaves a GQA group of 1 on
- * 2+ threads to fp32 math (faster there, dispatch.c); a forced path serves every call. */
+ * the probe; AIOLLM_ERR_UNSUPPORTED if the CPU lacks it). On Zen 5 the probed VNNI path leaves a GQA group of 1 to
+ * the AVX2 kernel's MADD (faster there from DRAM, dispatch.c); a forced ISA or path serves every call. */
 #define AIOLLM_INT8_FP32 0
 #define AIOLLM_INT8_VNNI 1
 #define AIOLLM_INT8_MADD 2

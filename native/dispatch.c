@@ -105,8 +105,8 @@ int aiollm_set_int8_path(int32_t path) {
  * - 1 thread: 64 x 1024 1.81 / 1.55 / 1.84, 256 x 1024 1.84 / 1.55 / 1.88, 64 x 4096 1.85 / 1.60 / 1.86.
  * - Larger groups keep VNNI: SmolLM2 (group 3, d 64) 2 threads 256 x 1024 2.13 / 1.62 / 1.42, 64 x 4096
  *   1.99 / 1.55 / 1.35; earlier d 64 group 2 2.07 against fp32 math's 1.54. */
-static int int8_group1_madd(int isa, int32_t group) {
-    return group1_madd && isa == AIOLLM_ISA_AVX512 && group == 1 && aiollm_int8_path() == AIOLLM_INT8_VNNI &&
+static int int8_group1_madd(int isa, int path, int32_t group) {
+    return group1_madd && isa == AIOLLM_ISA_AVX512 && group == 1 && path == AIOLLM_INT8_VNNI &&
            !atomic_load(&int8_forced) && !atomic_load(&isa_forced);
 }
 
@@ -257,7 +257,7 @@ int aiollm_decode_attention(const aiollm_kv_layer *kv, const float *q, int64_t q
     job.args.int8_dot = aiollm_int8_path();
     job.args.far_prefetch = aiollm_far_prefetch();
     if (simd_shape && isa == AIOLLM_ISA_AVX2) job.fn = attn_item_avx2;
-    if (simd_shape && kv->dtype == AIOLLM_DT_I8 && int8_group1_madd(isa, job.args.group)) {
+    if (simd_shape && kv->dtype == AIOLLM_DT_I8 && int8_group1_madd(isa, job.args.int8_dot, job.args.group)) {
         job.fn = attn_item_avx2;
         job.args.int8_dot = AIOLLM_INT8_MADD;
     }
