@@ -32,6 +32,7 @@ import copy
 import hashlib
 import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -71,11 +72,15 @@ from aiollm.sched.sls import SLSConfig
 from aiollm.workers import runner
 from aiollm.workers.fastdecode_messages import GetTrace
 from aiollm.workers.messages import Generate, GetLoad, Sampling, Tokens
-from aiollm.workers.s_worker import SWorker, SWorkerConfig
+from aiollm.workers.s_worker import SWorkerConfig
 from bench.model import s_part_step
 from bench.report import table
+from bench.turns import TakingTurns, Turns, active_clock
 
 PROMPT_LEN = 16
+# seconds a turn of the interleaved schedule trace lasts (bench.turns): short beside the host's drift, which moves
+# the step by a quarter over minutes, and long beside a handover (one event-loop wake-up)
+TURN_S = 6.0
 # libgomp (torch's OpenMP) reads OMP_WAIT_POLICY once, when torch loads: setting it later reaches the R-worker
 # processes started afterwards but not this process's own S-part threads, which then spin ~20 ms after every
 # parallel region (measured: a 2-thread bf16 GEMM loop with 5 ms sleeps used 0.55-0.65 s CPU without, 0.30 s
@@ -102,7 +107,8 @@ def add_arguments(parser) -> None:
                              "on the Zen 5 host the balanced S=1856 at B=128 took ~520-590 s a pair, and in a slower "
                              "phase 700 s capped S at 1856 while the model balanced at 2048; quick 120)")
     parser.add_argument("--trace-repeats", type=int, default=1,
-                        help="pairs of trace runs with and without the schedule, alternating which goes first")
+                        help="pairs of trace runs with and without the schedule (taking turns; which takes the "
+                             "first turn alternates)")
     parser.add_argument("--trace-micro-batch", type=int, default=8,
                         help="M of the schedule trace; F = M*(S - prompt)/B steps between micro-batches")
     parser.add_argument("--plot", type=Path, default=Path("fastdecode_sls_trace.png"), help="PNG of the trace")
@@ -405,8 +411,9 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
     FastDecode deploys: the S-worker (this process) on a core of its own, the R-worker on the other, the
     two-minibatch pipeline on, so a step costs ~max(S-part, R-part) and not their sum. B is given; S is the
     one at which the step model (fed T(B), C(b) and R measured in this placement first) balances the S-part
-    against the R-part at the unscheduled life's mean W. Runs alternate with and without, `--trace-repeats`
-    pairs; tokens/s is pooled per mode over whole periods in steady state."""
+    against the R-part at the unscheduled life's mean W. The runs with and without the schedule take turns of
+    ~TURN_S seconds (bench.turns), `--trace-repeats` pairs, so that both sample the same minutes of the host;
+    tokens/s is pooled per mode over whole periods in steady state, on each run's own clock."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise RuntimeError("the schedule trace places the S-worker and the R-worker on cores of their own: "
@@ -445,15 +452,18 @@ def _trace_part(model, args, quick: bool, figures: dict) -> None:
              else summary[i]["tokens_per_s"] / summary[i + 1]["tokens_per_s"] for i in range(0, len(summary) - 1, 2)]
     life = seq - PROMPT_LEN
     title = (f"B={batch}, S={seq}, F={schedule.interval}, M={schedule.micro_batch_size}, W_lim={schedule.limit}, "
-             f"S-worker on cpu {sorted(s_cpus)}, 1 R-worker on cpu {r_cpus}")
+             f"S-worker on cpu {sorted(s_cpus)}, an R-worker per run on cpu {r_cpus}, runs taking turns")
     print(f"\n-- load-stabilising schedule as FastDecode places it: the S-worker (this process, 1 torch thread) "
-          f"pinned to cpu {sorted(s_cpus)}, one R-worker process (1 attention thread) pinned to cpu {r_cpus}, "
+          f"pinned to cpu {sorted(s_cpus)}, R-worker processes (1 attention thread each) pinned to cpu {r_cpus}, "
           f"OMP_WAIT_POLICY=passive, two-minibatch pipeline on; {title}; prompts of {PROMPT_LEN} tokens, "
-          f"completions to S ({life} tokens); runs alternate, {len(pairs)} pair(s) (--trace-repeats; more by running "
+          f"completions to S ({life} tokens); the runs with and without take turns of ~{TURN_S:.0f} s on these "
+          f"cores, each S-worker with an R-worker of its own (both on cpu {r_cpus}), {len(pairs)} pair(s) "
+          f"(--trace-repeats; more by running "
           f"the trace part again with --merge and this --trace-seq-len, on the same committed code); figures over steady-state "
           f"windows (without: one whole life from the second step to the next batch's first, its prefill "
           f"included; with: after {life + schedule.interval} steps of ramp-up, whole F-periods); step latency = "
-          f"time between consecutive steps' ends (prefills included)\n{table(summary)}")
+          f"time between consecutive steps' ends on the run's own clock, the other run's turns cut out (prefills "
+          f"included)\n{table(summary)}")
     print(f"   pooled: tokens/s with {pooled['with']['tokens_per_s']:.1f} / without "
           f"{pooled['without']['tokens_per_s']:.1f} = {pooled['with']['tokens_per_s'] / pooled['without']['tokens_per_s']:.3f}"
           f"; per pair " + ", ".join(f"{x:.3f}" for x in pairs)
@@ -532,7 +542,9 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
     the traces, alternating with and without the schedule."""
     layers = model.config.n_layers
     async with Graph(startup_timeout=120.0) as graph:
-        urls = await _r_workers(graph, 1, prefix=("taskset", "-c", ",".join(map(str, r_cpus))))
+        # two R-workers on the same core: the probes and the run without the schedule use the first, the run with
+        # it the second, and the two runs take turns (bench.turns); one waits idle while the other runs
+        urls = await _r_workers(graph, 2, prefix=("taskset", "-c", ",".join(map(str, r_cpus))))
         r_kernel = _measure_r(model, 1024)
         plain = await step_costs(graph.driver, model, urls, [batch], curve, r_kernel)
         # the median of 3 probes, as the throughput part takes: one probe read 1274 ns per entry where the traces
@@ -585,21 +597,27 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
               + ("" if balance <= affordable else ", beyond the budget: this trace cannot show the schedule's gain")
               + ")", flush=True)
         window = schedule.interval * max(1, round(life / 4 / schedule.interval))
+        ramp = life + schedule.interval  # steps until the schedule's batch is full
+        needs = {"without": life + 2, "with": ramp + window}
+        # turns of ~TURN_S seconds by the step model over the interleaved stretch (the life, and the held window)
+        rounds = max(1, round(((life + 2) * price(batch * (PROMPT_LEN + seq) / 2)
+                               + window * price(schedule.limit)) / TURN_S))
         traces, windows = [], []
         for rep in range(args.trace_repeats):
-            for name in (("without", "with") if (rep + offset) % 2 == 0 else ("with", "without")):
-                sls = schedule if name == "with" else None
-                steps = life + 2 if sls is None else life + schedule.interval + window
-                trace = await _trace(graph, model, urls, batch, seq, sls, max(2, batch // 2), steps, f"{rep}")
-                if sls is None:  # one whole life: from the first batch's second step to the next batch's first
+            order = ("without", "with") if (rep + offset) % 2 == 0 else ("with", "without")
+            runs = await _interleaved_traces(graph, model, {"without": urls[0], "with": urls[1]}, batch, seq,
+                                             schedule, max(2, batch // 2), ramp, needs, order, rounds, f"{rep}")
+            for name in order:
+                trace = runs[name]
+                if name == "without":  # one whole life: from the first batch's second step to the next batch's first
                     first = 0
                     last = next(i for i in range(1, len(trace["started"])) if trace["started"][i])
                 else:
-                    first, last = steps - window - 1, steps - 1
+                    first, last = ramp - 1, ramp + window - 1
                 traces.append((name, trace))
                 windows.append((first, last))
-                print(f"   trace {name} the schedule: {steps} steps in {trace['ended'][-1] - trace['ended'][0]:.0f} s",
-                      flush=True)
+                print(f"   trace {name} the schedule: {needs[name]} steps in {trace['ended'][-1] - trace['ended'][0]:.0f} s "
+                      f"of its own ({trace['turns']} turns)", flush=True)
     return traces, trips, r_situ, seq, balance, schedule, price, windows, overlap, price_perfect, ceilings, s_per_token
 
 
@@ -985,24 +1003,41 @@ def _trace_schedule(batch: int, seq_len: int, micro_batch: int) -> SLSConfig:
                      + config.micro_batch_size * seq_len)
 
 
-async def _trace(graph: Graph, model, urls: list[str], batch: int, seq_len: int, schedule: SLSConfig | None,
-                 pipeline_min: int, steps: int, tag: str) -> dict:
-    """Real requests (prompts of PROMPT_LEN, completions to `seq_len`) through the R-workers at `urls` for
-    `steps` steps: the S-worker's trace. The S-worker's stop releases what it still holds there."""
-    name = f"s-trace-{'with' if schedule else 'without'}-{tag}"
-    config = SWorkerConfig(max_batch=batch, pipeline_min_batch=pipeline_min, schedule=schedule)
-    s = await graph.driver.spawn(SWorker(model, urls, config), name)
-    sink_ref = await graph.driver.spawn(_Sink(), f"sink-{name}")
+async def _interleaved_traces(graph: Graph, model, urls: dict[str, str], batch: int, seq_len: int,
+                              schedule: SLSConfig, pipeline_min: int, ramp: int, steps: dict[str, int],
+                              order: tuple[str, str], rounds: int, tag: str) -> dict[str, dict]:
+    """Real requests (prompts of PROMPT_LEN, completions to `seq_len`) through two S-workers, "with" the schedule
+    and "without", each on its own R-worker (`urls[name]`), taking turns on this core (bench.turns): "with" ramps up
+    alone for `ramp` iterations, then they alternate in `order`, `rounds` turns each, until each has run
+    `steps[name]` steps. Their traces, each step's end on its worker's own clock."""
+    cycle = [(name, math.ceil((steps[name] - (ramp if name == "with" else 0)) / rounds)) for name in order]
+    turns = Turns(cycle, lead=("with", ramp))
+    workers = {}
+    for name in ("with", "without"):
+        config = SWorkerConfig(max_batch=batch, pipeline_min_batch=pipeline_min,
+                               schedule=schedule if name == "with" else None)
+        actor = f"s-trace-{name}-{tag}"
+        workers[name] = (actor, await graph.driver.spawn(TakingTurns(model, [urls[name]], config, turns=turns,
+                                                                     turn_name=name), actor))
+    sink_name = f"sink-trace-{tag}"
+    sink_ref = await graph.driver.spawn(_Sink(), sink_name)
     sampling = Sampling(max_tokens=seq_len - PROMPT_LEN, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                         ignore_eos=True)
-    for i, prompt in enumerate(_prompts(model, 4 * batch, PROMPT_LEN)):
-        await s.tell(Generate(f"trace-{tag}-{i}", prompt, sampling, sink_ref))
-    await _wait_steps(s, steps)
-    trace = await s.ask(GetTrace())
-    await graph.driver.stop_actor(name)
-    await graph.driver.stop_actor(f"sink-{name}")
-    return {"step_s": trace.step_s[:steps], "batch": trace.batch[:steps], "tokens": trace.tokens[:steps],
-            "ended": trace.ended[:steps], "started": trace.started[:steps]}
+    for name, (_, ref) in workers.items():
+        for i, prompt in enumerate(_prompts(model, 4 * batch, PROMPT_LEN)):
+            await ref.tell(Generate(f"trace-{name}-{tag}-{i}", prompt, sampling, sink_ref))
+    out = {}
+    for name, (actor, ref) in workers.items():
+        await _wait_steps(ref, steps[name])
+        trace = await ref.ask(GetTrace())
+        n = steps[name]
+        out[name] = {"step_s": trace.step_s[:n], "batch": trace.batch[:n], "tokens": trace.tokens[:n],
+                     "ended": active_clock(trace.ended[:n], turns.starts[name]), "started": trace.started[:n],
+                     "turns": len(turns.starts[name])}
+    for actor, _ in workers.values():
+        await graph.driver.stop_actor(actor)
+    await graph.driver.stop_actor(sink_name)
+    return out
 
 
 def _summarise(name: str, trace: dict, first: int, last: int) -> dict:

@@ -236,6 +236,7 @@ class SWorker(Actor):
 
     async def _loop(self) -> None:
         while True:
+            await self._turn()
             await self._drop_cancelled()
             await self._recover()
             starting = self._pick()
@@ -257,6 +258,11 @@ class SWorker(Actor):
                 _log().exception("decode step failed", worker=self.name, batch=len(self._live), step=self.step_no)
                 for req in list(self._live.values()):
                     await self._finish(req, error=f"failed: decode step: {exc}")
+
+    async def _turn(self) -> None:
+        """Awaited before each iteration of the loop (admissions, their prefill, one decode step). A serving
+        S-worker's turn is always now; `bench fastdecode` interleaves two S-workers on one core by waiting here, so
+        that runs with and without the schedule are measured over the same minutes of a drifting host."""
 
     def _pick(self) -> list[_Request]:
         """Requests to start before this step: a micro-batch under the schedule, else all that fit."""

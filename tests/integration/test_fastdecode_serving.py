@@ -31,6 +31,7 @@ from aiollm.workers.fastdecode_messages import (
     Synthetic,
 )
 from aiollm.workers.s_worker import SWorker, SWorkerConfig
+from bench.turns import TakingTurns, Turns
 from tests.unit.tiny_llama import write_hf_dir
 
 # mixed lengths, crossing 16-token block boundaries while decoding
@@ -111,6 +112,41 @@ async def test_tokens_equal_colocated_generate_with_and_without_pipeline_and_sch
                 break
             await asyncio.sleep(0.05)
         assert all(load.sequences == 0 and load.blocks_used == 0 for load in loads)
+
+
+@pytest.mark.slow
+async def test_s_workers_taking_turns_give_the_same_tokens_and_never_step_at_once(tiny):
+    """The schedule trace's two S-workers (bench.turns), one with the schedule: each decodes exactly as alone, and
+    one's steps (its S-part and its R-worker round trips) never overlap the other's."""
+    model, directory = tiny
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    expected = [c.token_ids for c in generate(model, PROMPTS, params)]
+    async with Graph() as graph:
+        urls = await _r_workers(graph, directory, 2, "4MiB")
+        turns = Turns([("plain", 3), ("scheduled", 2)], lead=("scheduled", 4))
+        refs = {}
+        for name, url, schedule in (("plain", urls[0], None),
+                                    ("scheduled", urls[1], SLSConfig(batch_size=4, seq_len=48, interval=4))):
+            config = SWorkerConfig(max_batch=4, pipeline=True, schedule=schedule)
+            refs[name] = await graph.driver.spawn(TakingTurns(model, [url], config, turns=turns, turn_name=name),
+                                                  f"s-{name}")
+
+        async def run(name: str) -> list[list[int]]:
+            client = ClusterClient(refs[name].url)
+            await graph.driver.spawn(client, f"client-{name}")
+            got = await _generate(client, PROMPTS, params)
+            await turns.leave(name)  # done: its idle loop would hold its next turn
+            return got
+
+        got = await asyncio.wait_for(asyncio.gather(run("plain"), run("scheduled")), 120)
+        assert got == [expected, expected]
+        spans = {}
+        for name, ref in refs.items():
+            trace = await ref.ask(GetTrace())
+            spans[name] = [(end - step, end) for step, end in zip(trace.step_s, trace.ended)]
+        assert all(b_end <= a_start or a_end <= b_start
+                   for a_start, a_end in spans["plain"] for b_start, b_end in spans["scheduled"])
+        assert len(turns.starts["plain"]) >= 2 and len(turns.starts["scheduled"]) >= 2  # they did take turns
 
 
 @pytest.mark.slow
