@@ -538,13 +538,14 @@ def _pin(cpus: set[int]) -> set[int]:
 
 
 async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list[int], longest: int, offset: int):
-    """In one graph with one R-worker pinned to `r_cpus`: C(b) and R in this placement, the balanced S, then
-    the traces, alternating with and without the schedule."""
+    """In one graph with two R-workers pinned to `r_cpus`: C(b) and R in this placement (on the first), the
+    balanced S, then the traces with and without the schedule, taking turns (one R-worker each)."""
     layers = model.config.n_layers
     async with Graph(startup_timeout=120.0) as graph:
         # two R-workers on the same core: the probes and the run without the schedule use the first, the run with
         # it the second, and the two runs take turns (bench.turns); one waits idle while the other runs
-        urls = await _r_workers(graph, 2, prefix=("taskset", "-c", ",".join(map(str, r_cpus))))
+        runs = await _r_workers(graph, 2, prefix=("taskset", "-c", ",".join(map(str, r_cpus))))
+        urls = runs[:1]
         r_kernel = _measure_r(model, 1024)
         plain = await step_costs(graph.driver, model, urls, [batch], curve, r_kernel)
         # the median of 3 probes, as the throughput part takes: one probe read 1274 ns per entry where the traces
@@ -605,10 +606,10 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
         traces, windows = [], []
         for rep in range(args.trace_repeats):
             order = ("without", "with") if (rep + offset) % 2 == 0 else ("with", "without")
-            runs = await _interleaved_traces(graph, model, {"without": urls[0], "with": urls[1]}, batch, seq,
+            pair = await _interleaved_traces(graph, model, {"without": runs[0], "with": runs[1]}, batch, seq,
                                              schedule, max(2, batch // 2), ramp, needs, order, rounds, f"{rep}")
             for name in order:
-                trace = runs[name]
+                trace = pair[name]
                 if name == "without":  # one whole life: from the first batch's second step to the next batch's first
                     first = 0
                     last = next(i for i in range(1, len(trace["started"])) if trace["started"][i])
