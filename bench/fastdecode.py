@@ -70,9 +70,9 @@ from aiollm.planner.fastdecode import (
 )
 from aiollm.sched.sls import SLSConfig
 from aiollm.workers import runner
-from aiollm.workers.fastdecode_messages import GetTrace
+from aiollm.workers.fastdecode_messages import GetRLoad, GetTrace, Synthetic
 from aiollm.workers.messages import Generate, GetLoad, Sampling, Tokens
-from aiollm.workers.s_worker import SWorkerConfig
+from aiollm.workers.s_worker import SWorker, SWorkerConfig
 from bench.model import s_part_step
 from bench.report import table
 from bench.turns import TakingTurns, Turns, active_clock
@@ -603,6 +603,9 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
         # turns of ~TURN_S seconds by the step model over the interleaved stretch (the life, and the held window)
         rounds = max(1, round(((life + 2) * price(batch * (PROMPT_LEN + seq) / 2)
                                + window * price(schedule.limit)) / TURN_S))
+        touched = [await _touch_kv(graph, model, url, batch, seq) for url in runs]
+        print("   both R-workers wrote zeros over the runs' whole reservation first (fresh memory here costs ~20 ms "
+              "per 2 MiB on its first touch): " + ", ".join(f"{t:.1f} s" for t in touched), flush=True)
         traces, windows = [], []
         for rep in range(args.trace_repeats):
             order = ("without", "with") if (rep + offset) % 2 == 0 else ("with", "without")
@@ -1002,6 +1005,20 @@ def _trace_schedule(batch: int, seq_len: int, micro_batch: int) -> SLSConfig:
     config = SLSConfig(batch, life, interval)
     return SLSConfig(batch, life, interval, workload_limit=batch * (PROMPT_LEN + (life + interval + 1) // 2)
                      + config.micro_batch_size * seq_len)
+
+
+async def _touch_kv(graph: Graph, model, url: str, batch: int, seq_len: int) -> float:
+    """Have the R-worker at `url` write zeros over what `batch` sequences of `seq_len` entries reserve, then release
+    them; the seconds it took. On this VM a page a process touches for the first time is slow (1 GiB page by page
+    11 s, the same again 0.21 s), so without this the run whose R-worker grows into fresh memory pays seconds
+    the other does not: a fresh R-worker's admissions took ~1 s each instead of 0.1 (16 KV regions of 30 layers)."""
+    started = time.perf_counter()
+    s = await graph.driver.spawn(SWorker(model, [url], SWorkerConfig(max_batch=batch)), "s-touch")
+    await s.ask(Synthetic([PROMPT_LEN] * batch, seq_len - PROMPT_LEN - 1), timeout=600.0)
+    await graph.driver.stop_actor("s-touch")  # releases them on the R-worker (a tell)
+    while (await graph.ref(url).ask(GetRLoad())).sequences:
+        await asyncio.sleep(0.05)
+    return time.perf_counter() - started
 
 
 async def _interleaved_traces(graph: Graph, model, urls: dict[str, str], batch: int, seq_len: int,
