@@ -1011,7 +1011,7 @@ async def _touch_kv(graph: Graph, model, url: str, batch: int, seq_len: int) -> 
     """Have the R-worker at `url` write zeros over what `batch` sequences of `seq_len` entries reserve, then release
     them; the seconds it took. On this VM a page a process touches for the first time is slow (1 GiB page by page
     11 s, the same again 0.21 s), so without this the run whose R-worker grows into fresh memory pays seconds
-    the other does not: a fresh R-worker's admissions took ~1 s each instead of 0.1 (16 KV regions of 30 layers)."""
+    the other does not: on a fresh R-worker each admission of 8 prompts took ~1 s instead of 0.1."""
     started = time.perf_counter()
     s = await graph.driver.spawn(SWorker(model, [url], SWorkerConfig(max_batch=batch)), "s-touch")
     await s.ask(Synthetic([PROMPT_LEN] * batch, seq_len - PROMPT_LEN - 1), timeout=600.0)
