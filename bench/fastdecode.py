@@ -1041,8 +1041,9 @@ async def _interleaved_traces(graph: Graph, model, urls: dict[str, str], batch: 
     sink_ref = await graph.driver.spawn(_Sink(), sink_name)
     sampling = Sampling(max_tokens=seq_len - PROMPT_LEN, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                         ignore_eos=True)
+    prompts = _prompts(model, 4 * batch, PROMPT_LEN)  # the same prompts for both runs
     for name, (_, ref) in workers.items():
-        for i, prompt in enumerate(_prompts(model, 4 * batch, PROMPT_LEN)):
+        for i, prompt in enumerate(prompts):
             await ref.tell(Generate(f"trace-{name}-{tag}-{i}", prompt, sampling, sink_ref))
     out = {}
     for name, (actor, ref) in workers.items():
