@@ -58,16 +58,8 @@ def cmd_distserve(args: argparse.Namespace) -> int:
 
 
 def cmd_fastdecode(args: argparse.Namespace) -> int:
-    from aiollm.planner.fastdecode import (
-        AskCost,
-        Overlap,
-        measure_costs,
-        measure_effective_cores,
-        measure_r,
-        measure_t_of_b,
-        read_t_of_b,
-        size,
-    )
+    from aiollm.planner.fastdecode import AskCost, Overlap, read_t_of_b, size
+    from aiollm.planner.fastdecode_probes import measure_costs, measure_effective_cores, measure_r, measure_t_of_b
     from aiollm.workers.r_worker import model_config
 
     get_model(args.model)
