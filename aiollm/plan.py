@@ -58,6 +58,10 @@ def cmd_distserve(args: argparse.Namespace) -> int:
 
 
 def cmd_fastdecode(args: argparse.Namespace) -> int:
+    # libgomp reads OMP_WAIT_POLICY once, when torch loads (below): passive, as `bench fastdecode` measures, so that
+    # OpenMP threads sleep instead of spinning through the waits for an R-worker; the R-workers started for the
+    # probes inherit it
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     from aiollm.planner.fastdecode import AskCost, Overlap, read_t_of_b, size
     from aiollm.planner.fastdecode_probes import measure_costs, measure_effective_cores, measure_r, measure_t_of_b
     from aiollm.workers.r_worker import model_config

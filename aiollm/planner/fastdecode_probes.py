@@ -9,6 +9,7 @@ processes share, is one a synthetic ping-pong misses (it measured 2-3x less here
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -28,14 +29,32 @@ from aiollm.planner.fastdecode import (
     predict_step,
 )
 
+# threads of the S-part and of each R-worker's attention while measuring: the roles' defaults (`--role s-worker
+# --threads 1`, `--role r-worker --threads 1`), the placement the model prices. Left at torch's default (every
+# core), the sizing CLI measured the S-part on 2 threads, whose CPU per step then read ~1.7x its wall time, and
+# priced B=256 on one R-worker at 499 ms where `bench fastdecode` measures ~220
+S_THREADS = 1
+R_THREADS = 1
+
+
+@contextlib.contextmanager
+def _s_part_threads(torch):
+    """The S-part on S_THREADS torch threads within the block (as the S-worker role runs it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(S_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
 
 def measure_t_of_b(model_name: str, batches: str | list[int], repeats: int = 3) -> dict[int, float]:
-    """S-part step time (every layer's dense work and the logits, no attention) per batch size."""
+    """S-part step time (every layer's dense work and the logits, no attention) per batch size, on S_THREADS."""
     torch, model = _load_model(model_name)
     sizes = [int(b) for b in batches.split(",")] if isinstance(batches, str) else list(batches)
     out = {}
     c = model.config
-    with torch.inference_mode():
+    with torch.inference_mode(), _s_part_threads(torch):
         for batch in sizes:
             ids = torch.randint(0, c.vocab, (batch,))
             positions = torch.full((batch,), 100)
@@ -54,7 +73,7 @@ def measure_t_of_b(model_name: str, batches: str | list[int], repeats: int = 3) 
 
 
 def measure_r(model_name: str, seq_len: int, batch: int = 16, repeats: int = 3) -> float:
-    """Seconds of decode attention per context token (all layers) on one R-worker, via aiollm.kv."""
+    """Seconds of decode attention per context token (all layers) on one R-worker (R_THREADS), via aiollm.kv."""
     try:
         from aiollm.kv.pool import KVConfig, KVPool
     except ImportError as exc:
@@ -75,7 +94,7 @@ def measure_r(model_name: str, seq_len: int, batch: int = 16, repeats: int = 3) 
     for _ in range(repeats):
         start = time.perf_counter()
         for layer in range(c.n_layers):
-            pool.attend(layer, q, tables, lens)
+            pool.attend(layer, q, tables, lens, n_threads=R_THREADS)
         best = min(best, time.perf_counter() - start)
     return best / (batch * seq_len)
 
@@ -90,12 +109,12 @@ def measure_costs(model_name: str, rows: list[int], t_of_b: dict[int, float], r_
 
     from aiollm.graph import Graph
 
-    _, model = _load_model(model_name)
+    torch, model = _load_model(model_name)
 
     async def run() -> tuple[dict[int, dict[int, AskCost]], float, float, Overlap]:
         async with Graph(startup_timeout=120.0) as graph:
             nodes = [await graph.start_node("r-worker", process=True, args=(
-                "--model", model_name, "--kv-memory", "4GiB", "--kv-dtype", kv_dtype, "--threads", "1"))
+                "--model", model_name, "--kv-memory", "4GiB", "--kv-dtype", kv_dtype, "--threads", str(R_THREADS)))
                 for _ in range(max(workers))]
             urls = [node.actors["r-worker"] for node in nodes]
             # the sizing prices pipelined steps; the long probe runs unpipelined, so it subtracts that mode's costs
@@ -113,7 +132,8 @@ def measure_costs(model_name: str, rows: list[int], t_of_b: dict[int, float], r_
             loss = await measure_overlap(graph.driver, model, urls[:p], batch, context, costs[p], cores)
             return costs, *terms, loss
 
-    return asyncio.run(run())
+    with _s_part_threads(torch):  # the probes' S-worker runs in this process
+        return asyncio.run(run())
 
 
 async def probe_step(driver, model, r_workers: list[str], context_lens: list[int], steps: int = 4,
