@@ -82,3 +82,31 @@ async def test_probes_read_real_steps_and_give_every_sequence_back(tiny):
 
         with pytest.raises(ValueError, match="repeats must be >= 1"):
             await long_step_terms(graph.driver, model, urls, 4, 32, {4: 0.001}, costs, 1e-9, repeats=0)
+
+
+def test_t_of_b_and_r_are_measured_on_the_roles_threads(tiny, monkeypatch):
+    """The S-part on the S-worker role's torch threads and R on the R-worker role's attention threads (1 each by
+    default), whatever this process uses otherwise: on torch's default the sizing priced a 2-thread S-part."""
+    import torch
+
+    from aiollm.kv.pool import KVPool
+    from aiollm.planner import fastdecode_probes
+
+    model, _ = tiny
+    monkeypatch.setattr(fastdecode_probes, "_load_model", lambda name: (torch, model))
+    seen = {"s": set(), "r": set()}
+    logits = model.logits
+    monkeypatch.setattr(model, "logits", lambda h: (seen["s"].add(torch.get_num_threads()), logits(h))[1])
+    attend = KVPool.attend
+    monkeypatch.setattr(KVPool, "attend", lambda self, *a, n_threads=None, **k: (
+        seen["r"].add(n_threads), attend(self, *a, n_threads=n_threads, **k))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        curve = fastdecode_probes.measure_t_of_b("tiny", [1, 4], repeats=2)
+        assert set(curve) == {1, 4} and all(t > 0 for t in curve.values())
+        assert torch.get_num_threads() == 2  # given back
+        assert fastdecode_probes.measure_r("tiny", 40, batch=2, repeats=1) > 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {"s": {fastdecode_probes.S_THREADS}, "r": {fastdecode_probes.R_THREADS}}
