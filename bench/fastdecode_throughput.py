@@ -85,7 +85,8 @@ def throughput_part(model, batches: list[int], seq_len: int, cores: int, figures
     figures.update(sizing_batch=sizing.batch, sizing_workers=sizing.workers, sizing_mode=sizing.mode,
                    sizing_cores=c_size)
     # the configuration it chose, run as chosen (its mode, spread contexts over [16, S)): the honest check
-    chosen = uvloop.run(_chosen_row(model, sizing.batch, sizing.workers, seq_len, sizing.mode == "time-shared"))
+    chosen, chosen_inputs = uvloop.run(_chosen_row(model, sizing.batch, sizing.workers, seq_len, sizing.mode == "time-shared",
+                                    pooled(curve, 1), kernel["fp16"]))
     rows.append(chosen)
     # every row's step predicted from the inputs measured above (no fitting to the measured steps)
     def at(by_workers: dict, n: int):  # inputs measured with the most R-workers up to n
@@ -93,14 +94,18 @@ def throughput_part(model, batches: list[int], seq_len: int, cores: int, figures
 
     for row in rows + [off]:
         n = row["r_workers"]
+        group = {"r_situ": at(r_of, n)[row["kv"]], "trips": at(trips[row["pipelined"]], n),
+                 "s_per_token": at(s_tok, n), "loss": at(loss, n)}
 
-        def price(t_of_b: dict[int, float]):
-            return predict_step(t_of_b, at(r_of, n)[row["kv"]], at(trips[row["pipelined"]], n),
-                                model.config.n_layers, row["batch"], row["kv_tokens"], n, row["pipelined"],
-                                row["cores_local"],
-                                s_per_token=at(s_tok, n), overlap=at(loss, n))
+        def price(t_of_b: dict[int, float], inputs: dict = group):
+            return predict_step(t_of_b, inputs["r_situ"], inputs["trips"], model.config.n_layers, row["batch"],
+                                row["kv_tokens"], n, row["pipelined"], row["cores_local"],
+                                s_per_token=inputs["s_per_token"], overlap=inputs["loss"])
         first = curve if row["s_threads"] == 1 else curve_shared
-        p = price({**first, **{int(b): t / 1e3 for b, t in row["t_local_ms"].items()}})
+        t_local = {**first, **{int(b): t / 1e3 for b, t in row["t_local_ms"].items()}}
+        p = price(t_local, chosen_inputs if row is chosen else group)
+        if row is chosen:  # priced on the inputs read beside it; the group's kept for comparison
+            row["predicted_group_inputs_ms"] = 1e3 * price(t_local).step
         row["predicted_ms"] = 1e3 * p.step
         row["predicted_first_curve_ms"] = 1e3 * price(first).step
         row["overlap_loss_ms"] = 1e3 * p.idle
@@ -114,6 +119,11 @@ def throughput_part(model, batches: list[int], seq_len: int, cores: int, figures
           f"(cores kept busy)\n"
           f"{table(rows + [off])}")
     figures["fastdecode"] = rows + [off]
+    figures["chosen_local_inputs"] = {
+        "r_per_token_in_situ_s": {str(w): r for w, r in chosen_inputs["r_situ"].items()},
+        "s_cpu_per_kv_token_s": chosen_inputs["s_per_token"], "overlap_loss": chosen_inputs["loss"],
+        "ask_cost_ms": {str(b): {"s": 1e3 * t.s, "r": 1e3 * t.r, "wait": 1e3 * t.wait}
+                        for b, t in chosen_inputs["trips"].items()}}
     best = max(rows, key=lambda r: r["tokens_per_s"])
     best_fp16 = max((r for r in rows if r["kv"] == "fp16"), key=lambda r: r["tokens_per_s"])
     figures.update(fastdecode_best_tokens_per_s=best["tokens_per_s"], fastdecode_best_kv=best["kv"],
@@ -147,6 +157,7 @@ def throughput_part(model, batches: list[int], seq_len: int, cores: int, figures
     figures.update(predicted_step_ms=chosen["predicted_ms"], measured_step_ms=chosen["step_ms"],
                    predicted_batch=chosen["batch"], predicted_r_workers=chosen["r_workers"],
                    ratio_predicted_vs_measured_step=chosen["predicted_ms"] / chosen["step_ms"],
+                   predicted_vs_measured_group_inputs=chosen["predicted_group_inputs_ms"] / chosen["step_ms"],
                    predicted_vs_measured_check_row=check["predicted_ms"] / check["step_ms"],
                    predicted_vs_measured_worst=max(ratios, key=lambda x: abs(x - 1)),
                    predicted_within_15pct=sum(abs(x - 1) <= 0.15 for x in ratios) / len(ratios),
@@ -154,7 +165,10 @@ def throughput_part(model, batches: list[int], seq_len: int, cores: int, figures
                                                           for r in rows + [off]) / len(ratios))
     print(f"\n-- predicted vs measured step for the sizing model's choice (B={chosen['batch']}, "
           f"{chosen['r_workers']} R-worker(s), {sizing.mode}): "
-          f"{chosen['predicted_ms']:.1f} ms vs {chosen['step_ms']:.1f} ms (its CPU: S-worker {chosen['s_cpu_ms']:.0f} "
+          f"{chosen['predicted_ms']:.1f} ms vs {chosen['step_ms']:.1f} ms, on the step model's inputs read beside it "
+          f"(R in situ {1e9 * next(iter(chosen_inputs['r_situ'].values())):.0f} ns per entry, S-worker "
+          f"{1e9 * chosen_inputs['s_per_token']:.0f} ns per streamed entry, overlap loss {chosen_inputs['loss']:.3f}; "
+          f"on the group's inputs {chosen['predicted_group_inputs_ms']:.1f} ms) (its CPU: S-worker {chosen['s_cpu_ms']:.0f} "
           f"ms, R-workers {chosen['r_cpu_ms']:.0f} ms, {chosen['busy']:.2f} of {c_eff:.2f} cores busy over the step; "
           f"effective cores read {' and '.join(f'{c:.2f}' for c in chosen['cores_before_after'])} before and after it, "
           f"the mean priced; "
@@ -165,21 +179,47 @@ def throughput_part(model, batches: list[int], seq_len: int, cores: int, figures
           f"({100 * figures['predicted_first_curve_within_15pct']:.0f} % from the first-measured T(B) alone)")
 
 
-async def _chosen_row(model, batch: int, workers: int, seq_len: int, time_shared: bool) -> dict:
-    """The sizing model's configuration (B, P, pipelined or time-shared), run as it chose it."""
+async def _chosen_row(model, batch: int, workers: int, seq_len: int, time_shared: bool, curve: dict[int, float],
+                      r_kernel: float) -> tuple[dict, dict]:
+    """The sizing model's configuration (B, P, pipelined or time-shared), run as it chose it, and the step model's
+    inputs read again right beside it on its own R-workers ("local": the ask cost at its rows per ask, R in situ and
+    the S-worker's CPU per streamed entry, and for a pipelined row the overlap loss), as T(B) is: the host's phases
+    last seconds to minutes, and the group's inputs were read minutes before (session 20's check row used 1.07 us of
+    R per entry from them while its R-worker spent ~2 us)."""
     async with Graph(startup_timeout=120.0) as graph:
         urls = await start_r_workers(graph, workers)
         threads = len(os.sched_getaffinity(0)) if time_shared else 1
         n_cpus = len(os.sched_getaffinity(0))
+        pipeline = not time_shared and batch >= 2
+        layers = model.config.n_layers
+
+        def s_part_now(b: int) -> float:
+            return t_samples(model, [b], 1)[b][0]
+
+        plain = await step_costs(graph.driver, model, urls, [max(1, batch // workers)], curve, r_kernel,
+                                 s_part_now=s_part_now)
+        r_situ, s_per_token = await long_step_terms(graph.driver, model, urls, batch, seq_len // 2, curve, plain,
+                                                    r_kernel, floor=False, s_part_now=s_part_now, repeats=3)
+        local = {"trips": plain, "r_situ": {batch * (seq_len // 2 + 3) // workers: r_situ},
+                 "s_per_token": s_per_token, "loss": 0.0}
         before = await asyncio.to_thread(measure_effective_cores, n_cpus)
+        if pipeline:
+            piped = await step_costs(graph.driver, model, urls, [max(1, batch // (2 * workers))], curve, r_kernel,
+                                     pipeline=True, s_part_now=s_part_now)
+            probe = max(2, batch // 2)
+            context = balanced_context(lambda c: predict_step(curve, local["r_situ"], piped, layers, probe, probe * c,
+                                                              workers, True, before, s_per_token=s_per_token),
+                                       seq_len - 8)
+            overlap = await measure_overlap(graph.driver, model, urls, probe, context, piped, before, longest=seq_len - 8)
+            local.update(trips=piped, loss=overlap.loss)
         # median of 6 steps and T(B) of 8 readings around them, and the effective cores read before and after: this
         # row is the sizing's check, and the machine's slow phases last seconds (one reading of 1.6 before it, where
         # the other rows read 1.8-2.0, priced its "cores" bound a quarter high)
         row = await synthetic_step(graph, model, urls, batch, seq_len, "s-chosen", steps=6, t_rounds=4,
-                                    pipeline=not time_shared and batch >= 2, s_threads=threads)
+                                   pipeline=pipeline, s_threads=threads)
         after = await asyncio.to_thread(measure_effective_cores, n_cpus)
         return {"cores_local": (before + after) / 2, "cores_before_after": [before, after], **row, "kv": "fp16",
-                "sizing": True}
+                "sizing": True}, local
 
 
 def _steady_state_schedule_gain(spread: dict, ramp: list[dict], seq_len: int, figures: dict, price, c_eff: float
@@ -262,7 +302,8 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
             probe = max(2, check // 2)
             context = balanced_context(lambda c: predict_step(curve, r_situ, trips_pipe[n], layers, probe, probe * c, n,
                                                               True, cores, s_per_token=situ[n][1]), seq_len - 8)
-            overlap[n] = await measure_overlap(graph.driver, model, urls, probe, context, trips_pipe[n], cores)
+            overlap[n] = await measure_overlap(graph.driver, model, urls, probe, context, trips_pipe[n], cores,
+                                              longest=seq_len - 8)
             for batch in batches:
                 pipe = pipelined(batch, n, r_situ)
                 rows.append(here({**await synthetic_step(graph, model, urls, batch, seq_len, f"s-{n}-{batch}",

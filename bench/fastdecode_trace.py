@@ -177,7 +177,7 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
         # the pipeline's overlap loss in this placement, from a balanced probe of the trace's own batch: holding W
         # pays most where the sides balance, which is where the two mini-batches' chains overlap worst
         context = balanced_context(lambda c: priced(batch * c), longest - 8)
-        overlap = await measure_overlap(graph.driver, model, urls, batch, context, trips, cores)
+        overlap = await measure_overlap(graph.driver, model, urls, batch, context, trips, cores, longest=longest - 8)
 
         def price(w: float, b: int = batch) -> float:
             return priced(w, b, overlap.loss).step
