@@ -22,8 +22,8 @@ natively, else fp32 (`fastest_cpu_dtype`), fp16 KV):
   W being the KV entries a step attends over; each row's T(B) re-measured right before and after it (median of
   interleaved readings: the machine's speed drifts by up to 2x in phases of seconds), the first-measured
   curve's prediction kept beside it. The sizing's B, P and mode are the ones it predicts the most tokens/s for;
-  that configuration is run as chosen, every other input of its prediction (the ask cost, R in situ, the S-worker's
-  CPU per streamed entry, the overlap loss) read again beside it on its own R-workers.
+  that configuration is run as chosen, and also priced on every other input of its prediction (the ask cost, R in
+  situ, the S-worker's CPU per streamed entry, the overlap loss) read again beside it on its own R-workers.
   The throughput part runs in a process started with OMP_WAIT_POLICY=passive (libgomp reads it once).
 Each section prints its wall time; `--parts` runs a subset (e.g. `--parts trace` while tuning the schedule).
 
