@@ -7,26 +7,12 @@ import math
 import pytest
 
 from aiollm.graph import Graph
-from aiollm.model.loader import load
 from aiollm.planner.fastdecode import AskCost, Overlap
 from aiollm.planner.fastdecode_probes import long_step_terms, measure_overlap, probe_step, step_costs
 from aiollm.workers.fastdecode_messages import GetRLoad
-from tests.unit.tiny_llama import write_hf_dir
+from tests.integration.fastdecode_cluster import start_r_workers, tiny  # noqa: F401 (fixture)
 
 CONTEXTS = [5, 9, 30, 17, 40, 3]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_probes")
-    write_hf_dir(directory, init_std=0.2)
-    return load(directory), directory
-
-
-async def _r_workers(graph: Graph, directory, n: int) -> list[str]:
-    args = ("--model", str(directory), "--kv-dtype", "fp16", "--kv-memory", "8MiB", "--threads", "1")
-    nodes = await asyncio.gather(*(graph.start_node("r-worker", process=True, args=args) for _ in range(n)))
-    return [node.actors["r-worker"] for node in nodes]
 
 
 async def _nothing_held(graph: Graph, urls: list[str]) -> bool:
@@ -48,7 +34,7 @@ async def test_probes_read_real_steps_and_give_every_sequence_back(tiny):
     model, directory = tiny
     layers = model.config.n_layers
     async with Graph() as graph:
-        urls = await _r_workers(graph, directory, 2)
+        urls = await start_r_workers(graph, directory, 2, "8MiB", kv_dtype="fp16")
         steps = 3
         for pipeline in (False, True):
             step, s_cpu, r_cpus, held = await probe_step(graph.driver, model, urls, CONTEXTS, steps, pipeline,

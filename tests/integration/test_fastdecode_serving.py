@@ -32,25 +32,12 @@ from aiollm.workers.fastdecode_messages import (
 )
 from aiollm.workers.s_worker import SWorker, SWorkerConfig
 from bench.turns import TakingTurns, Turns
-from tests.unit.tiny_llama import write_hf_dir
+from tests.integration.fastdecode_cluster import start_r_workers, tiny  # noqa: F401 (fixture)
 
 # mixed lengths, crossing 16-token block boundaries while decoding
 PROMPTS = [[5, 17, 42, 99, 3], list(range(20, 57)), [33], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 200],
            list(range(100, 131)), [9, 9]]
 MAX_TOKENS = [14, 9, 20, 12, 6, 17]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_fastdecode")
-    write_hf_dir(directory, init_std=0.2)
-    return load(directory), directory
-
-
-async def _r_workers(graph: Graph, directory, n: int, kv_memory: str, kv_dtype: str = "fp32") -> list[str]:
-    args = ("--model", str(directory), "--kv-dtype", kv_dtype, "--kv-memory", kv_memory, "--threads", "1")
-    nodes = await asyncio.gather(*(graph.start_node("r-worker", process=True, args=args) for _ in range(n)))
-    return [node.actors["r-worker"] for node in nodes]
 
 
 async def _generate(client: ClusterClient, prompts, params) -> list[list[int]]:
@@ -68,7 +55,7 @@ async def test_tokens_equal_colocated_generate_with_and_without_pipeline_and_sch
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     expected = [c.token_ids for c in generate(model, PROMPTS, params)]
     async with Graph() as graph:
-        urls = await _r_workers(graph, directory, 2, "4MiB")
+        urls = await start_r_workers(graph, directory, 2, "4MiB")
         workers = [graph.ref(u) for u in urls]
         driver = graph.driver
         for i, (pipeline, schedule) in enumerate([(False, None), (True, None),
@@ -92,7 +79,7 @@ async def test_tokens_equal_colocated_generate_with_and_without_pipeline_and_sch
         # bf16 weights (bf16 q/o on the wire) with fp16 KV, as served: equal to colocated bf16 with fp16 KV
         bf16 = load(directory, dtype="bf16")
         expected = [c.token_ids for c in generate(bf16, PROMPTS, params, kv_dtype="fp16")]
-        urls = await _r_workers(graph, directory, 2, "4MiB", kv_dtype="fp16")
+        urls = await start_r_workers(graph, directory, 2, "4MiB", kv_dtype="fp16")
         s = await driver.spawn(SWorker(bf16, urls, SWorkerConfig(max_batch=8)), "s-bf16")
         client = ClusterClient(s.url)
         await driver.spawn(client, "client-bf16")
@@ -122,7 +109,7 @@ async def test_s_workers_taking_turns_give_the_same_tokens_and_never_step_at_onc
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     expected = [c.token_ids for c in generate(model, PROMPTS, params)]
     async with Graph() as graph:
-        urls = await _r_workers(graph, directory, 2, "4MiB")
+        urls = await start_r_workers(graph, directory, 2, "4MiB")
         turns = Turns([("plain", 3), ("scheduled", 2)], lead=("scheduled", 4))
         refs = {}
         for name, url, schedule in (("plain", urls[0], None),
@@ -155,7 +142,7 @@ async def test_killed_r_worker_its_sequences_resume_on_the_survivor_with_the_sam
     params = [SamplingParams(max_tokens=n + 120, ignore_eos=True) for n in MAX_TOKENS]
     expected = [c.token_ids for c in generate(model, PROMPTS, params)]
     async with Graph() as graph:
-        urls = await _r_workers(graph, directory, 2, "4MiB")
+        urls = await start_r_workers(graph, directory, 2, "4MiB")
         victim = next(h for h in graph.nodes if h.actors.get("r-worker") == urls[0])
         s = await graph.driver.spawn(SWorker(model, urls, SWorkerConfig(max_batch=8, pipeline=True)), "s")
         client = ClusterClient(s.url)
@@ -177,7 +164,7 @@ async def test_r_worker_at_budget_refuses_and_keeps_what_it_holds(tiny):
     c = model.config
     # fp32, 2 layers, 2 KV heads x 16 dims: 8 KiB per 16-token block; 64 KiB = 8 blocks = 128 tokens
     async with Graph() as graph:
-        (url,) = await _r_workers(graph, directory, 1, "64KiB")
+        (url,) = await start_r_workers(graph, directory, 1, "64KiB")
         r = graph.ref(url)
         load = await r.ask(Admit(0, "a", 20, 100))
         assert (load.sequences, load.tokens, load.blocks_used, load.blocks_total) == (1, 20, 7, 8)
