@@ -82,14 +82,24 @@ async def interleaved_traces(graph: Graph, model, urls: dict[str, str], batch: i
     for name, (_, ref) in workers.items():
         for i, prompt in enumerate(prompts):
             await ref.tell(Generate(f"trace-{name}-{tag}-{i}", prompt, sampling, sink_ref))
+    await asyncio.gather(*(wait_steps(ref, steps[name]) for name, (_, ref) in workers.items()))
     out = {}
     for name, (actor, ref) in workers.items():
-        await wait_steps(ref, steps[name])
         trace = await ref.ask(GetTrace())
         n = steps[name]
         out[name] = {"step_s": trace.step_s[:n], "batch": trace.batch[:n], "tokens": trace.tokens[:n],
                      "ended": active_clock(trace.ended[:n], turns.starts[name]), "started": trace.started[:n],
                      "turns": len(turns.starts[name])}
+    # both done: each finishes the iteration it is in (an admission may be streaming a prompt's KV to its R-worker)
+    # and stops at its next turn; only then is it stopped (an idle one waits inside an iteration: not after 60 s)
+    for name in workers:
+        await turns.leave(name)
+    for name in workers:
+        try:
+            await asyncio.wait_for(turns.parked(name), timeout=60.0)
+        except TimeoutError:
+            print(f"   the trace's S-worker {name!r} did not come back to its turn within 60 s; stopping it anyway",
+                  flush=True)
     for actor, _ in workers.values():
         await graph.driver.stop_actor(actor)
     await graph.driver.stop_actor(sink_name)

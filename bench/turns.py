@@ -28,6 +28,9 @@ class Turns:
         self._changed = asyncio.Condition()
         self._running: str | None = None
         self._gone: set[str] = set()
+        # workers inside `wait`: their loop is between iterations, so nothing of theirs (an admission streaming a
+        # prompt's KV, a step) is under way
+        self._at_turn: set[str] = set()
         # perf_counter at the start of each of a worker's stretches of turns
         self.starts: dict[str, list[float]] = {name: [] for name, _ in first + list(cycle)}
         self._cycle_names = {name for name, _ in cycle}
@@ -37,9 +40,14 @@ class Turns:
         if name not in self.starts:
             raise ValueError(f"name: {name!r} has no turn (the turns are {sorted(self.starts)}'s)")
         async with self._changed:
-            if self.current == name and self._left == 0:
-                self._advance()
-            await self._changed.wait_for(lambda: self.current == name)
+            self._at_turn.add(name)
+            self._changed.notify_all()
+            try:
+                if self.current == name and self._left == 0:
+                    self._advance()
+                await self._changed.wait_for(lambda: self.current == name)
+            finally:
+                self._at_turn.discard(name)
             if self._running != name:  # a worker's consecutive turns are one stretch of its clock
                 self.starts[name].append(time.perf_counter())
                 self._running = name
@@ -53,6 +61,15 @@ class Turns:
             self._gone.add(name)
             if self.current == name:
                 self._advance()
+            self._changed.notify_all()
+
+    async def parked(self, name: str) -> None:
+        """Return once `name`, having left, waits at the top of its loop (see `leave`): stopping it then cuts off
+        no admission half-way (stopped inside one, its R-worker's `Admit` failed on the vanished KV source)."""
+        if name not in self._gone:
+            raise ValueError(f"name: {name!r} has not left (parked waits for a worker that left)")
+        async with self._changed:
+            await self._changed.wait_for(lambda: name in self._at_turn)
 
     def _advance(self) -> None:
         """To the next turn of a worker still taking turns (None once all have left); the lock is held."""

@@ -74,3 +74,34 @@ def test_active_clock_on_one_turn_is_the_wall_clock_from_its_start():
     assert active_clock([2.0, 2.5, 4.0], [1.0]) == [1.0, 1.5, 3.0]
     with pytest.raises(ValueError, match="starts"):
         active_clock([1.0], [])
+
+
+async def test_parked_returns_once_a_worker_that_left_is_between_iterations():
+    turns = Turns([("a", 1), ("b", 1)])
+    in_iteration = asyncio.Event()
+    finish = asyncio.Event()
+
+    async def a() -> None:  # one iteration that lasts until told to finish (an admission streaming, say)
+        while True:
+            await turns.wait("a")
+            in_iteration.set()
+            await finish.wait()
+
+    task = asyncio.create_task(a())
+    await in_iteration.wait()
+    await turns.leave("a")
+    await turns.leave("b")
+    with pytest.raises(ValueError, match="has not left"):
+        await Turns([("c", 1)]).parked("c")
+    parked = asyncio.create_task(turns.parked("a"))
+    await asyncio.sleep(0.01)
+    assert not parked.done()  # a is still inside its iteration
+    finish.set()
+    await asyncio.wait_for(parked, timeout=1.0)  # back at its turn, which never comes again
+    b_parked = asyncio.create_task(turns.parked("b"))
+    waiting_b = asyncio.create_task(turns.wait("b"))  # b waits at the top of its loop
+    await asyncio.wait_for(b_parked, timeout=1.0)
+    assert not waiting_b.done()
+    for t in (task, waiting_b):
+        t.cancel()
+    await asyncio.gather(task, waiting_b, return_exceptions=True)
