@@ -63,6 +63,11 @@ def t_samples(model, sizes: list[int], rounds: int, warm: bool = True) -> dict[i
     return out
 
 
+def t_now(model, b: int) -> float:
+    """T(b) read once, now: the `s_part_now` that step_costs and long_step_terms read around each probe."""
+    return t_samples(model, [b], 1)[b][0]
+
+
 async def t_samples_async(model, sizes: list[int], rounds: int, warm: bool = True) -> dict[int, list[float]]:
     """`t_samples` giving the event loop a turn after each run: the R-worker connections' heartbeats time out after
     5 s, which a few runs at B=512 in a slow phase exceed."""

@@ -4,6 +4,7 @@ step model (aiollm.planner.fastdecode) beside the measured one, with the sizing'
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import statistics
 
@@ -20,7 +21,7 @@ from bench.fastdecode_steps import (
     start_r_workers,
     synthetic_step,
     t_median,
-    t_samples,
+    t_now,
 )
 from bench.report import table
 
@@ -195,10 +196,7 @@ async def _chosen_row(model, batch: int, workers: int, seq_len: int, time_shared
         n_cpus = len(os.sched_getaffinity(0))
         pipeline = not time_shared and batch >= 2
         layers = model.config.n_layers
-
-        def s_part_now(b: int) -> float:
-            return t_samples(model, [b], 1)[b][0]
-
+        s_part_now = functools.partial(t_now, model)
         plain = await step_costs(graph.driver, model, urls, [max(1, batch // workers)], curve, r_kernel,
                                  s_part_now=s_part_now)
         r_situ, s_per_token = await long_step_terms(graph.driver, model, urls, batch, seq_len // 2, curve, plain,
@@ -282,8 +280,7 @@ async def _throughput(model, batches: list[int], seq_len: int, check: int, curve
     def here(row: dict) -> dict:  # the effective cores measured next to the row, for its prediction
         return {**row, "cores_local": cores}
 
-    def s_part_now(b: int) -> float:  # T(b) read around each cost probe (step_costs)
-        return t_samples(model, [b], 1)[b][0]
+    s_part_now = functools.partial(t_now, model)  # T(b) read around each cost probe (step_costs)
 
     for n in (1, 2):
         async with Graph(startup_timeout=120.0) as graph:
