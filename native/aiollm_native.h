@@ -36,6 +36,7 @@ int aiollm_cpu_int8_group1_madd(void);
 #define AIOLLM_DT_F16 1
 #define AIOLLM_DT_BF16 2
 #define AIOLLM_DT_I8 3
+#define AIOLLM_DT_I4 4 /* KV storage only: two 4-bit codes per byte, see aiollm_kv_layer */
 
 /* ---- kernel variants (ISA) ---- */
 #define AIOLLM_ISA_REF 0
@@ -51,10 +52,12 @@ int aiollm_cpu_int8_group1_madd(void);
  *   k:       [n_blocks, n_kv_heads, head_dim, block_size]  (K transposed inside a block: the 16 tokens of a
  *            chunk are contiguous per dimension, so 16 scores come out of FMAs with no horizontal sums)
  *   v:       [n_blocks, n_kv_heads, block_size, head_dim]
- *   k_scale, v_scale: int8 only, fp16 bits [n_blocks, n_kv_heads, block_size] (symmetric, per token per head;
- *            fp16 rather than fp32 saves 2 of the 68 bytes a SmolLM2 int8 head row cost);
+ *   k_scale, v_scale: int8 and int4 only, fp16 bits [n_blocks, n_kv_heads, block_size] (symmetric, per token per
+ *            head; fp16 rather than fp32 saves 2 of the 68 bytes a SmolLM2 int8 head row cost);
  *            NULL for fp32/fp16 storage.
- * dtype is AIOLLM_DT_F32, AIOLLM_DT_F16 or AIOLLM_DT_I8. */
+ * dtype is AIOLLM_DT_F32, AIOLLM_DT_F16, AIOLLM_DT_I8 or AIOLLM_DT_I4. int8 and int4 tiles interleave their codes
+ * for the int8 dot products (native/attn_internal.h); an int4 tile is head_dim * block_size / 2 bytes and needs
+ * head_dim % 32 == 0 and block_size % 4 == 0 (every byte then holds two codes of one token). */
 typedef struct {
     void *k;
     void *v;
@@ -69,7 +72,8 @@ typedef struct {
 
 /* Write n_tokens new tokens into their slots (slot = block_id * block_size + offset).
  * k, v: [n_tokens, n_kv_heads, head_dim] of in_dtype (F32, F16 or BF16); heads and dims contiguous, tokens
- * token_stride elements apart. Converts to the pool dtype; int8 is quantised here (scale = max|x| / 127).
+ * token_stride elements apart. Converts to the pool dtype; int8 and int4 are quantised here (scale = max|x| / 127
+ * or / 7).
  * Every slot is checked before anything is written. */
 int aiollm_kv_write(const aiollm_kv_layer *kv, const int64_t *slots, int64_t n_tokens,
                     const void *k, int64_t k_token_stride, const void *v, int64_t v_token_stride,

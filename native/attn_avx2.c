@@ -190,22 +190,29 @@ T256 INLINE void vaccum_i8(const char *vt, int64_t row0, int nv, int D, const fl
  * q (vpsignb), or the weights, which are quantised to 0..127 (not 255): every int16 pair sum stays below 2^15
  * (2 * 128 * 127 at most), so nothing saturates and the integer sums are exact. */
 
-/* q rows as int8: per row scale max|q| / 127, 4 dims per int32 (q4), qsc the scale back. cvtps2dq rounds to
- * nearest even, as lrintf does. */
-T256 INLINE void quantise_q(const float *qs, int rows, int D, int32_t *q4, float *qsc) {
+/* q rows as int8: per row scale max|q| / 127, 4 dims per int32 (q4), qsc the scale back, and corr = 8 * sum(q)
+ * (int4's codes are offset by 8; NULL: not wanted). cvtps2dq rounds to nearest even, as lrintf does. */
+T256 INLINE void quantise_q(const float *qs, int rows, int D, int32_t *q4, int32_t *corr, float *qsc) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int r = 0; r < rows; r++) {
         const float *x = qs + r * D;
         __m256 mx = _mm256_setzero_ps();
         for (int d = 0; d < D; d += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_load_ps(x + d), abs_mask));
         const float amax = hmax8(mx), inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256i sum = _mm256_setzero_si256();
         for (int d = 0; d < D; d += 8) {
             const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(x + d), _mm256_set1_ps(inv)));
+            sum = _mm256_add_epi32(sum, v);
             const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v, v), _mm256_setzero_si256());
             q4[r * (D / 4) + d / 4] = _mm256_extract_epi32(b, 0); /* dims d..d+3 in lane 0, d+4..d+7 in lane 1 */
             q4[r * (D / 4) + d / 4 + 1] = _mm256_extract_epi32(b, 4);
         }
         qsc[r] = amax / 127.0f;
+        if (corr) {
+            int32_t lanes[8];
+            _mm256_storeu_si256((__m256i *)lanes, sum);
+            corr[r] = 8 * (lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7]);
+        }
     }
 }
 
@@ -231,6 +238,35 @@ T256 INLINE void scores_madd(const char *kt, int64_t col, int64_t BS, int D, con
     for (int g = 0; g < GB; g++) {
         lo[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(a0[g]), _mm256_set1_ps(qsc[g]));
         hi[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(a1[g]), _mm256_set1_ps(qsc[g]));
+    }
+}
+
+/* int4 scores of 16 tokens: each K tile row pair holds two int8-layout rows in its low and high nibbles
+ * (attn_internal.h), stored unsigned (c + 8), so they meet q directly (vpmaddubsw's unsigned operand, no sign
+ * moves) and corr = 8 * sum(q) removes the offset. The two rows' int16 pair sums are added before vpmaddwd
+ * (|sum| <= 4 * 15 * 127, no saturation). */
+T256 INLINE void scores_madd4(const char *kt, int64_t col, int64_t BS, int D, const int32_t *q4, const int32_t *corr,
+                              const float *qsc, int GB, __m256 *lo, __m256 *hi, const char *pk, const char *pv) {
+    const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(15);
+    __m256i a0[4], a1[4];
+    for (int g = 0; g < GB; g++) a0[g] = a1[g] = _mm256_setzero_si256();
+    const char *kp = kt + col * 4;
+    for (int j = 0; j < D / 4; j += 2, kp += 4 * BS) {
+        prefetch_walk(&pk, 4 * BS, _MM_HINT_T0);
+        prefetch_walk(&pv, 4 * BS, _MM_HINT_T0);
+        const __m256i p0 = _mm256_loadu_si256((const __m256i *)kp), p1 = _mm256_loadu_si256((const __m256i *)(kp + 32));
+        const __m256i k00 = _mm256_and_si256(p0, nib), k01 = _mm256_and_si256(_mm256_srli_epi16(p0, 4), nib);
+        const __m256i k10 = _mm256_and_si256(p1, nib), k11 = _mm256_and_si256(_mm256_srli_epi16(p1, 4), nib);
+        for (int g = 0; g < GB; g++) {
+            const __m256i qa = _mm256_set1_epi32(q4[g * (D / 4) + j]), qb = _mm256_set1_epi32(q4[g * (D / 4) + j + 1]);
+            a0[g] = _mm256_add_epi32(a0[g], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(k00, qa), _mm256_maddubs_epi16(k01, qb)), ones));
+            a1[g] = _mm256_add_epi32(a1[g], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(k10, qa), _mm256_maddubs_epi16(k11, qb)), ones));
+        }
+    }
+    for (int g = 0; g < GB; g++) {
+        const __m256i cg = _mm256_set1_epi32(corr[g]);
+        lo[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a0[g], cg)), _mm256_set1_ps(qsc[g]));
+        hi[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a1[g], cg)), _mm256_set1_ps(qsc[g]));
     }
 }
 
@@ -279,12 +315,46 @@ T256 INLINE void vaccum_madd(const char *vt, int64_t row0, int D, int dv, int VC
     }
 }
 
+/* int4 V of one chunk as dot products, dims [8 dv, 8 dv + 32) (dv % 4 == 0) for GB <= 2 q heads: the 64-byte line
+ * of a packed 4-token row holds those 32 dims, its two 32-byte halves' low nibbles dims 8 dv .. + 16 and high
+ * nibbles the next 16 (attn_internal.h), made signed again (- 8) for vpmaddubsw's signed operand. */
+T256 INLINE void vaccum_madd4(const char *vt, int64_t row0, int D, int dv, const int32_t *pw, const float *psc,
+                              const float *alpha, float *acc, int GB) {
+    const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);
+    __m256i ai[2][4];
+    for (int g = 0; g < GB; g++)
+        for (int v = 0; v < 4; v++) ai[g][v] = _mm256_setzero_si256();
+    for (int tg = 0; tg < 4; tg++) {
+        const char *r = vt + (row0 / 4 + tg) * 2 * D + dv * 16;
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)r), x1 = _mm256_loadu_si256((const __m256i *)(r + 32));
+        const __m256i x[4] = {_mm256_sub_epi8(_mm256_and_si256(x0, nib), eight),
+                              _mm256_sub_epi8(_mm256_and_si256(x1, nib), eight),
+                              _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(x0, 4), nib), eight),
+                              _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(x1, 4), nib), eight)};
+        for (int g = 0; g < GB; g++) {
+            const __m256i w = _mm256_set1_epi32(pw[g * 4 + tg]);
+            for (int v = 0; v < 4; v++)
+                ai[g][v] = _mm256_add_epi32(ai[g][v], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x[v]), ones));
+        }
+    }
+    for (int g = 0; g < GB; g++) {
+        const __m256 al = _mm256_set1_ps(alpha[g]), sc = _mm256_set1_ps(psc[g]);
+        const int same = alpha[g] == 1.0f;
+        for (int v = 0; v < 4; v++) {
+            float *f = acc + g * D + (dv + v) * 8;
+            const __m256 y = _mm256_loadu_ps(f);
+            _mm256_storeu_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[g][v]), sc, same ? y : _mm256_mul_ps(y, al)));
+        }
+    }
+}
+
 /* Scores and online-softmax update of one 16-token chunk of one kv head; the weights go to pb (16 per q head)
  * and the rescale factors to alpha. m: running max per q head; l: 8 lane partial sums of the softmax
  * denominator per q head (l + g * 8, reduced once per item). q4 / qsc: the quantised q rows (int8 dot
  * products, else NULL). pk / pkf: the K tiles to prefetch (int8: pkf carries the near V tile). */
 T256 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const uint16_t *vs, int c, int nv, int G, int D,
-                              int BS, const float *qs, const int32_t *q4, const float *qsc, float *m, float *l,
+                              int BS, const float *qs, const int32_t *q4, const int32_t *corr, const float *qsc,
+                              float *m, float *l,
                               const char *pk, const char *pkf, float *pb, float *alpha) {
     const __m256i iota0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), iota1 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
@@ -294,7 +364,15 @@ T256 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const 
         const int gb = G - g0 < 4 ? G - g0 : 4;
         const char *pkg = g0 ? NULL : pk, *pfg = g0 ? NULL : pkf; /* the first q-head block carries the prefetch */
         __m256 lo[4], hi[4];
-        if (q4) {
+        if (q4 && dt == AIOLLM_DT_I4) {
+            const int32_t *qg = q4 + g0 * (D / 4), *cg = corr + g0;
+            switch (gb) {
+            case 1: scores_madd4(kt, c * 16, BS, D, qg, cg, qsc + g0, 1, lo, hi, pkg, pfg); break;
+            case 2: scores_madd4(kt, c * 16, BS, D, qg, cg, qsc + g0, 2, lo, hi, pkg, pfg); break;
+            case 3: scores_madd4(kt, c * 16, BS, D, qg, cg, qsc + g0, 3, lo, hi, pkg, pfg); break;
+            default: scores_madd4(kt, c * 16, BS, D, qg, cg, qsc + g0, 4, lo, hi, pkg, pfg); break;
+            }
+        } else if (q4) {
             const int32_t *qg = q4 + g0 * (D / 4);
             switch (gb) {
             case 1: scores_madd(kt, c * 16, BS, D, qg, qsc + g0, 1, lo, hi, pkg, pfg); break;
@@ -318,7 +396,7 @@ T256 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const 
         }
         for (int g = 0; g < gb; g++) {
             __m256 s0 = lo[g], s1 = hi[g];
-            if (dt == AIOLLM_DT_I8) {
+            if (kv_quantised(dt)) {
                 s0 = _mm256_mul_ps(s0, ld8(AIOLLM_DT_F16, ks, c * 16));
                 s1 = _mm256_mul_ps(s1, ld8(AIOLLM_DT_F16, ks, c * 16 + 8));
             }
@@ -341,7 +419,7 @@ T256 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const 
             _mm256_store_ps(l + (g0 + g) * 8, _mm256_add_ps(lv, _mm256_add_ps(p0, p1)));
             m[g0 + g] = mn;
             alpha[g0 + g] = al;
-            if (dt == AIOLLM_DT_I8) {
+            if (kv_quantised(dt)) {
                 p0 = _mm256_mul_ps(p0, _mm256_and_ps(m0, ld8(AIOLLM_DT_F16, vs, c * 16)));
                 p1 = _mm256_mul_ps(p1, _mm256_and_ps(m1, ld8(AIOLLM_DT_F16, vs, c * 16 + 8)));
             }
@@ -360,7 +438,14 @@ T256 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int 
         int32_t pw[AIOLLM_MAX_GROUP * 4];
         float psc[AIOLLM_MAX_GROUP];
         quantise_p(pb, G, pw, psc);
-        for (int g0 = 0; g0 < G; g0 += 4) {
+        for (int g0 = 0; dt == AIOLLM_DT_I4 && g0 < G; g0 += 2) { /* int4: 32-dim slabs, q heads in pairs */
+            const int gb = G - g0 < 2 ? G - g0 : 2;
+            for (int dv = 0; dv < D / 8; dv += 4) {
+                if (gb == 1) vaccum_madd4(vt, c * 16, D, dv, pw + g0 * 4, psc + g0, alpha + g0, acc + g0 * D, 1);
+                else vaccum_madd4(vt, c * 16, D, dv, pw + g0 * 4, psc + g0, alpha + g0, acc + g0 * D, 2);
+            }
+        }
+        for (int g0 = 0; dt != AIOLLM_DT_I4 && g0 < G; g0 += 4) {
             const int gb = G - g0 < 4 ? G - g0 : 4;
             const int32_t *wg = pw + g0 * 4;
             for (int dv = 0; dv < D / 8;) {
@@ -425,6 +510,7 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
     float l[AIOLLM_ITEM_FLOATS / 2] __attribute__((aligned(32)));     /* 8 lane sums per q head */
     float pb[AIOLLM_MAX_GROUP * 16] __attribute__((aligned(32)));     /* one head's chunk weights, 16 per q head */
     int32_t q4[AIOLLM_ITEM_FLOATS / 4];                           /* int8 dot products: q as int8, 4 dims each */
+    int32_t corr[AIOLLM_ITEM_FLOATS / 16];                        /* int4: 8 * sum(q) per q head */
     float qsc[AIOLLM_ITEM_FLOATS / 16];
 
     for (int r = 0; r < NH * G; r++) {
@@ -435,7 +521,7 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
         _mm256_store_ps(qs + i, _mm256_mul_ps(_mm256_loadu_ps(q + i), _mm256_set1_ps(a->scale)));
         _mm256_store_ps(acc + i, _mm256_setzero_ps());
     }
-    if (dot) quantise_q(qs, NH * G, D, q4, qsc);
+    if (dot) quantise_q(qs, NH * G, D, q4, dt == AIOLLM_DT_I4 ? corr : NULL, qsc);
     const int32_t far_tiles = (int32_t)(PF_FAR_BYTES / (D * BS * es));
     const int32_t pf_far = far_tiles > PF_NEAR ? far_tiles : PF_NEAR + 1;
     for (int32_t blk = 0; blk < n_used; blk++) {
@@ -445,32 +531,33 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
             if (nv <= 0) break;
             const int w = nv > 16 ? 16 : nv;
             for (int h = 0; h < NH; h++) {
-                const int64_t tile = kv_tile(kv, block, h0 + h) * es;
+                const int64_t tile = kv_tile_bytes(kv, dt, block, h0 + h);
                 const char *kt = (const char *)kv->k + tile, *vt = (const char *)kv->v + tile;
-                const uint16_t *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
-                const uint16_t *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
+                const uint16_t *ks = kv_quantised(dt) ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
+                const uint16_t *vs = kv_quantised(dt) ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
                 /* Tiles ahead in this item's order (heads inner): the K tiles by the first chunk's score loop (it
                  * covers whole K rows), the V tiles by every chunk's V loop (its own rows); int8 both K and V in
                  * the first chunk's score loop. */
                 const char *pk = NULL, *pkf = NULL, *vn = NULL, *vf = NULL;
                 const int32_t t0 = blk * NH + h, nb = (t0 + PF_NEAR) / NH, fb = (t0 + pf_far) / NH;
                 if (nb < n_used) {
-                    const int64_t at = kv_tile(kv, table[nb], h0 + (t0 + PF_NEAR) % NH) * es;
-                    if (dt == AIOLLM_DT_I8) {
+                    const int64_t at = kv_tile_bytes(kv, dt, table[nb], h0 + (t0 + PF_NEAR) % NH);
+                    if (kv_quantised(dt)) {
                         if (c == 0) pk = (const char *)kv->k + at, pkf = (const char *)kv->v + at;
                     } else {
                         vn = (const char *)kv->v + at;
                         if (c == 0) pk = (const char *)kv->k + at;
                     }
                 }
-                if (dt != AIOLLM_DT_I8 && a->far_prefetch && fb < n_used) {
-                    const int64_t at = kv_tile(kv, table[fb], h0 + (t0 + pf_far) % NH) * es;
+                if (!kv_quantised(dt) && a->far_prefetch && fb < n_used) {
+                    const int64_t at = kv_tile_bytes(kv, dt, table[fb], h0 + (t0 + pf_far) % NH);
                     vf = (const char *)kv->v + at;
                     if (c == 0) pkf = (const char *)kv->k + at;
                 }
                 float *mh = m + h * G, *lh = l + h * G * 8;
                 const int32_t *q4h = dot ? q4 + h * G * (D / 4) : NULL;
-                chunk_scores(dt, kt, ks, vs, c, w, G, D, BS, qs + h * GD, q4h, qsc + h * G, mh, lh, pk, pkf, pb, alpha);
+                chunk_scores(dt, kt, ks, vs, c, w, G, D, BS, qs + h * GD, q4h, corr + h * G, qsc + h * G, mh, lh, pk, pkf,
+                             pb, alpha);
                 chunk_values(dt, vt, c, w, G, D, pb, alpha, acc + h * GD, dot, vn, vf);
             }
         }
@@ -496,6 +583,7 @@ ITEM_SPECIALISED(item_f32, AIOLLM_DT_F32, 0)
 ITEM_SPECIALISED(item_f16, AIOLLM_DT_F16, 0)
 ITEM_SPECIALISED(item_i8, AIOLLM_DT_I8, 0)
 ITEM_SPECIALISED(item_i8_madd, AIOLLM_DT_I8, 1)
+ITEM_SPECIALISED(item_i4_madd, AIOLLM_DT_I4, 1)
 #undef ITEM_SPECIALISED
 
 void attn_item_avx2(const attn_args *a, int32_t seq, int32_t h0, int32_t h1) {
@@ -505,6 +593,7 @@ void attn_item_avx2(const attn_args *a, int32_t seq, int32_t h0, int32_t h1) {
         if (a->int8_dot != AIOLLM_INT8_FP32) item_i8_madd(a, seq, h0, h1);
         else item_i8(a, seq, h0, h1);
         break;
+    case AIOLLM_DT_I4: item_i4_madd(a, seq, h0, h1); break; /* int4 always runs dot products (dispatch.c) */
     default: item_f32(a, seq, h0, h1); break;
     }
 }

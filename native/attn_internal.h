@@ -56,6 +56,23 @@ static inline __attribute__((always_inline)) void prefetch_walk(const char **p, 
 static inline int64_t kv_tile(const aiollm_kv_layer *kv, int64_t block, int32_t head) {
     return (block * kv->n_kv_heads + head) * (int64_t)kv->head_dim * kv->block_size;
 }
+/* Byte offset of one (block, head) tile in a K or V array of storage dtype dt (int4: two codes a byte). */
+static inline int64_t kv_tile_bytes(const aiollm_kv_layer *kv, int dt, int64_t block, int32_t head) {
+    const int64_t e = kv_tile(kv, block, head);
+    return dt == AIOLLM_DT_F32 ? 4 * e : dt == AIOLLM_DT_F16 ? 2 * e : dt == AIOLLM_DT_I4 ? e / 2 : e;
+}
+static inline int kv_quantised(int dt) { return dt == AIOLLM_DT_I8 || dt == AIOLLM_DT_I4; }
+
+/* The storage checks every entry point makes on a layer whose sizes are already checked: a storage dtype, the
+ * scales of a quantised one, and int4's geometry (attn_internal.h's layout needs it). */
+static inline int kv_storage_check(const aiollm_kv_layer *kv) {
+    const int dt = kv->dtype;
+    if (dt != AIOLLM_DT_F32 && dt != AIOLLM_DT_F16 && dt != AIOLLM_DT_I8 && dt != AIOLLM_DT_I4)
+        return AIOLLM_ERR_UNSUPPORTED;
+    if (kv_quantised(dt) && (!kv->k_scale || !kv->v_scale)) return AIOLLM_ERR_ARG;
+    if (dt == AIOLLM_DT_I4 && (kv->head_dim % 32 || kv->block_size % 4)) return AIOLLM_ERR_ARG;
+    return AIOLLM_OK;
+}
 static inline int64_t kv_scale_tile(const aiollm_kv_layer *kv, int64_t block, int32_t head) {
     return (block * kv->n_kv_heads + head) * (int64_t)kv->block_size;
 }
@@ -72,6 +89,18 @@ static inline int64_t i8_k_at(int D, int BS, int d, int t) {
 static inline int64_t i8_v_at(int D, int BS, int t, int d) {
     const int g = t & ~3, w = BS - g < 4 ? BS - g : 4;
     return (int64_t)g * D + (int64_t)d * w + (t & 3);
+}
+
+/* int4 tiles pair the int8 layout's 4-byte-lane rows, so one load and two nibble masks give two int8 rows: K row
+ * pair d / 8 ([4 dims][block_size tokens] twice, 4 * BS bytes) holds dims d & ~7 .. +3 in the low nibbles and the
+ * next 4 dims in the high ones; in V each 64-byte line of a 4-token row holds dims [32 k, 32 k + 16) low and
+ * [32 k + 16, 32 k + 32) high. Every byte holds two codes of one token (so tokens are written independently),
+ * and a 64-byte line unpacks into two lines of the int8 layout. Codes are stored as c + 8, c in [-7, 7].
+ * Byte offsets inside a tile (head_dim % 32 == 0, block_size % 4 == 0); the nibble is (d >> 2) & 1 for K and
+ * (d >> 4) & 1 for V. */
+static inline int64_t i4_k_at(int BS, int d, int t) { return (int64_t)(d >> 3) * 4 * BS + t * 4 + (d & 3); }
+static inline int64_t i4_v_at(int D, int t, int d) {
+    return (int64_t)(t >> 2) * 2 * D + (d >> 5) * 64 + (d & 15) * 4 + (t & 3);
 }
 
 /* Portable fp16 / bf16 conversions (round to nearest even), used by the reference path and kv_write. */

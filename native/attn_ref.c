@@ -10,12 +10,27 @@ static inline float kv_elem(const void *base, int64_t i, int32_t dtype) {
     }
 }
 
-/* Offsets inside a tile of K element (d, t) and V element (t, d): int8 has its own interleaved layout. */
-static inline int64_t k_at(const aiollm_kv_layer *kv, int d, int t) {
-    return kv->dtype == AIOLLM_DT_I8 ? i8_k_at(kv->head_dim, kv->block_size, d, t) : (int64_t)d * kv->block_size + t;
+/* An int4 code at byte `at` of a tile array, nibble `hi`, as its value c (stored c + 8). */
+static inline float i4_elem(const void *base, int64_t at, int hi) {
+    const uint8_t b = ((const uint8_t *)base)[at];
+    return (float)((hi ? b >> 4 : b & 15) - 8);
 }
-static inline int64_t v_at(const aiollm_kv_layer *kv, int t, int d) {
-    return kv->dtype == AIOLLM_DT_I8 ? i8_v_at(kv->head_dim, kv->block_size, t, d) : (int64_t)t * kv->head_dim + d;
+
+/* K element (d, t) and V element (t, d) of the tile at element offset `tile` (unscaled codes for int8 / int4,
+ * whose tiles have their own interleaved layouts). */
+static inline float k_elem(const aiollm_kv_layer *kv, int64_t tile, int d, int t) {
+    switch (kv->dtype) {
+    case AIOLLM_DT_I4: return i4_elem(kv->k, tile / 2 + i4_k_at(kv->block_size, d, t), (d >> 2) & 1);
+    case AIOLLM_DT_I8: return kv_elem(kv->k, tile + i8_k_at(kv->head_dim, kv->block_size, d, t), AIOLLM_DT_I8);
+    default: return kv_elem(kv->k, tile + (int64_t)d * kv->block_size + t, kv->dtype);
+    }
+}
+static inline float v_elem(const aiollm_kv_layer *kv, int64_t tile, int t, int d) {
+    switch (kv->dtype) {
+    case AIOLLM_DT_I4: return i4_elem(kv->v, tile / 2 + i4_v_at(kv->head_dim, t, d), (d >> 4) & 1);
+    case AIOLLM_DT_I8: return kv_elem(kv->v, tile + i8_v_at(kv->head_dim, kv->block_size, t, d), AIOLLM_DT_I8);
+    default: return kv_elem(kv->v, tile + (int64_t)t * kv->head_dim + d, kv->dtype);
+    }
 }
 
 static void one_head(const attn_args *a, int32_t seq, int32_t head) {
@@ -40,18 +55,18 @@ static void one_head(const attn_args *a, int32_t seq, int32_t head) {
         const int64_t block = table[t / BS];
         const int off = t % BS;
         const int64_t tile = kv_tile(kv, block, head);
-        const float ks = dt == AIOLLM_DT_I8 ? half_to_float(kv->k_scale[kv_scale_tile(kv, block, head) + off]) : 1.0f;
-        const float vs = dt == AIOLLM_DT_I8 ? half_to_float(kv->v_scale[kv_scale_tile(kv, block, head) + off]) : 1.0f;
+        const float ks = kv_quantised(dt) ? half_to_float(kv->k_scale[kv_scale_tile(kv, block, head) + off]) : 1.0f;
+        const float vs = kv_quantised(dt) ? half_to_float(kv->v_scale[kv_scale_tile(kv, block, head) + off]) : 1.0f;
         for (g = 0; g < G; g++) {
             float s = 0.0f;
-            for (d = 0; d < D; d++) s += qs[g * D + d] * kv_elem(kv->k, tile + k_at(kv, d, off), dt);
+            for (d = 0; d < D; d++) s += qs[g * D + d] * k_elem(kv, tile, d, off);
             s *= ks;
             const float m_new = s > m[g] ? s : m[g];
             const float alpha = expf(m[g] - m_new), p = expf(s - m_new), pv = p * vs;
             l[g] = l[g] * alpha + p;
             m[g] = m_new;
             for (d = 0; d < D; d++)
-                acc[g * D + d] = acc[g * D + d] * alpha + pv * kv_elem(kv->v, tile + v_at(kv, off, d), dt);
+                acc[g * D + d] = acc[g * D + d] * alpha + pv * v_elem(kv, tile, off, d);
         }
     }
     for (g = 0; g < G; g++) {

@@ -208,6 +208,20 @@ static void split_heads(attn_job *job, int32_t n_seqs, int32_t n_threads) {
     job->n_splits = splits;
 }
 
+/* int4 runs int8 dot products only, on the AVX2 kernel's MADD path (vpmaddubsw + vpmaddwd; also on AVX-512 CPUs,
+ * which all have AVX2), or fp32 math on the portable reference where the ISA is the reference, the shape is not a
+ * SIMD one, or the int8 path is forced to fp32 (a SIMD fp32-math int4 kernel would convert each code to fp32, the
+ * work the dot products avoid). An AVX-512 VNNI int4 kernel is not built: written on a host without AVX-512, it
+ * could not be run or tested there. */
+static void int4_kernel(attn_job *job, int isa, int simd_shape) {
+    if (!simd_shape || isa == AIOLLM_ISA_REF || job->args.int8_dot == AIOLLM_INT8_FP32) {
+        job->fn = attn_item_ref;
+    } else {
+        job->fn = attn_item_avx2;
+        job->args.int8_dot = AIOLLM_INT8_MADD;
+    }
+}
+
 static int by_key(const void *x, const void *y) {
     const int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
     return (a > b) - (a < b);
@@ -235,14 +249,13 @@ int aiollm_decode_attention(const aiollm_kv_layer *kv, const float *q, int64_t q
         kv->head_dim < 1 || kv->head_dim > AIOLLM_MAX_HEAD_DIM || n_q_heads < 1 || n_q_heads % kv->n_kv_heads != 0 ||
         n_q_heads / kv->n_kv_heads > AIOLLM_MAX_GROUP)
         return AIOLLM_ERR_ARG;
-    if (kv->dtype != AIOLLM_DT_F32 && kv->dtype != AIOLLM_DT_F16 && kv->dtype != AIOLLM_DT_I8)
-        return AIOLLM_ERR_UNSUPPORTED;
+    const int storage = kv_storage_check(kv);
+    if (storage != AIOLLM_OK) return storage;
     if (out_dtype != AIOLLM_DT_F32 && out_dtype != AIOLLM_DT_F16 && out_dtype != AIOLLM_DT_BF16)
         return AIOLLM_ERR_UNSUPPORTED;
     if (n_seqs == 0) return AIOLLM_OK;
     if (!q || !block_tables || !seq_lens || !out || !kv->k || !kv->v || q_seq_stride < (int64_t)n_q_heads * kv->head_dim)
         return AIOLLM_ERR_ARG;
-    if (kv->dtype == AIOLLM_DT_I8 && (!kv->k_scale || !kv->v_scale)) return AIOLLM_ERR_ARG;
     const int rc = check_tables(kv, n_seqs, block_tables, max_blocks, seq_lens);
     if (rc != AIOLLM_OK) return rc;
 
@@ -261,6 +274,7 @@ int aiollm_decode_attention(const aiollm_kv_layer *kv, const float *q, int64_t q
         job.fn = attn_item_avx2;
         job.args.int8_dot = AIOLLM_INT8_MADD;
     }
+    if (kv->dtype == AIOLLM_DT_I4) int4_kernel(&job, isa, simd_shape);
 
     /* Longest first: sort keys (INT32_MAX - len, seq) ascending, then keep the seq part. */
     int64_t *keys = malloc((size_t)n_seqs * sizeof(int64_t));

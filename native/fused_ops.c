@@ -405,9 +405,8 @@ static int check_kv_target(const aiollm_kv_layer *kv, const int64_t *slots, int6
     if (!slots || !kv->k || !kv->v || kv->block_size < 1 || kv->n_blocks < 0 || kv->n_kv_heads != n_kv_heads ||
         kv->head_dim != head_dim || head_dim > AIOLLM_MAX_HEAD_DIM)
         return AIOLLM_ERR_ARG;
-    if (kv->dtype != AIOLLM_DT_F32 && kv->dtype != AIOLLM_DT_F16 && kv->dtype != AIOLLM_DT_I8)
-        return AIOLLM_ERR_UNSUPPORTED;
-    if (kv->dtype == AIOLLM_DT_I8 && (!kv->k_scale || !kv->v_scale)) return AIOLLM_ERR_ARG;
+    const int storage = kv_storage_check(kv);
+    if (storage != AIOLLM_OK) return storage;
     const int64_t n_slots = kv->n_blocks * kv->block_size;
     for (int64_t r = 0; r < n_rows; r++)
         if (slots[r] < 0 || slots[r] >= n_slots) return AIOLLM_ERR_SLOT;

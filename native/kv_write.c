@@ -3,7 +3,8 @@
  * F16C path (taken unless aiollm_isa() is the reference) stores the same bits (hardware fp16 conversion rounds
  * to nearest even as float_to_half does; a NaN is rewritten to float_to_half's quiet NaN).
  * int8 is quantised here: symmetric, one fp16 scale per token per head, s = max|x| / 127 rounded to fp16 (a finite
- * s above fp16's range stored as its largest, 65504), codes x / s. Rounding s to fp16 moves a code's value by at
+ * s above fp16's range stored as its largest, 65504), codes x / s. int4 the same way with s = max|x| / 7, codes
+ * in [-7, 7] stored as c + 8, two a byte (attn_internal.h). Rounding s to fp16 moves a code's value by at
  * most 127 x 2^-11 ~ 0.06 of a step (rounding x to a code: 0.5), and saves SmolLM2 12 of the 408 bytes a token
  * cost with fp32 scales (2 KV x 3 heads x 64 codes + scales).
  *
@@ -33,10 +34,10 @@ static void load_head(const void *base, int64_t at, int32_t dtype, int D, float 
     }
 }
 
-/* The stored scale of a row whose largest magnitude is amax (never NaN), and through *inv the factor that
- * turns the row into codes: 1 / the stored scale, 0 where it is 0 or infinite. */
-static uint16_t row_scale(float amax, float *inv) {
-    const float s = amax / 127.0f;
+/* The stored scale of a row whose largest magnitude is amax (never NaN) for codes in [-qmax, qmax], and through
+ * *inv the factor that turns the row into codes: 1 / the stored scale, 0 where it is 0 or infinite. */
+static uint16_t row_scale(float amax, float qmax, float *inv) {
+    const float s = amax / qmax;
     const uint16_t h = float_to_half(s > 65504.0f && s <= FLT_MAX ? 65504.0f : s);
     const float back = half_to_float(h);
     *inv = back > 0.0f && back <= FLT_MAX ? 1.0f / back : 0.0f;
@@ -44,23 +45,23 @@ static uint16_t row_scale(float amax, float *inv) {
 }
 
 /* The portable quantiser (and the SSE2 one's fallback for a head_dim that is not a multiple of 16). */
-static uint16_t quantise_head_scalar(const float *restrict x, int D, int8_t *restrict q) {
+static uint16_t quantise_head_scalar(const float *restrict x, int D, float qmax, int8_t *restrict q) {
     float amax = 0.0f, inv;
     int d;
     for (d = 0; d < D; d++) amax = fmaxf(amax, fabsf(x[d]));
-    const uint16_t scale = row_scale(amax, &inv);
-    for (d = 0; d < D; d++) q[d] = (int8_t)lrintf(fminf(fmaxf(x[d] * inv, -127.0f), 127.0f)); /* fmaxf: NaN -> -127 */
+    const uint16_t scale = row_scale(amax, qmax, &inv);
+    for (d = 0; d < D; d++) q[d] = (int8_t)lrintf(fminf(fmaxf(x[d] * inv, -qmax), qmax)); /* fmaxf: NaN -> -qmax */
     return scale;
 }
 
-/* int8 codes of one head's row and its fp16 scale: x / s (row_scale) clamped to [-127, 127] (NaN -> -127),
- * rounded to the nearest integer, ties to even. */
+/* Codes of one head's row and its fp16 scale: x / s (row_scale) clamped to [-qmax, qmax] (NaN -> -qmax), rounded
+ * to the nearest integer, ties to even; qmax is 127 (int8) or 7 (int4). */
 #if defined(__SSE2__)
 #include <emmintrin.h>
 /* SSE2 (every x86-64): maxps/minps return their second operand for a NaN, which gives fmaxf/fminf's answers
  * here, and cvtps2dq rounds as lrintf does (the default rounding mode): the same bytes as the scalar loop. */
-static uint16_t quantise_head(const float *restrict x, int D, int8_t *restrict q) {
-    if (D % 16) return quantise_head_scalar(x, D, q);
+static uint16_t quantise_head(const float *restrict x, int D, float qmax, int8_t *restrict q) {
+    if (D % 16) return quantise_head_scalar(x, D, qmax, q);
     const __m128 sign = _mm_set1_ps(-0.0f);
     __m128 m = _mm_setzero_ps();
     int d;
@@ -68,8 +69,8 @@ static uint16_t quantise_head(const float *restrict x, int D, int8_t *restrict q
     m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
     m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
     float inv;
-    const uint16_t scale = row_scale(_mm_cvtss_f32(m), &inv);
-    const __m128 vinv = _mm_set1_ps(inv), lo = _mm_set1_ps(-127.0f), hi = _mm_set1_ps(127.0f);
+    const uint16_t scale = row_scale(_mm_cvtss_f32(m), qmax, &inv);
+    const __m128 vinv = _mm_set1_ps(inv), lo = _mm_set1_ps(-qmax), hi = _mm_set1_ps(qmax);
     for (d = 0; d < D; d += 16) {
         __m128i c[4];
         for (int j = 0; j < 4; j++)
@@ -82,8 +83,21 @@ static uint16_t quantise_head(const float *restrict x, int D, int8_t *restrict q
 #define quantise_head quantise_head_scalar
 #endif
 
-/* Store one head's row x[0..D) of token slot `off` in tile `tile`; fp32/fp16: K transposed (stride BS), V
- * row-major; int8: the interleaved layouts of attn_internal.h. */
+/* int4: one head's codes q of token slot `off` into its K or V tile (byte offset `tile`), whole bytes: each holds
+ * this token's dims d and d + 4 (K) or d and d + 16 (V), as c + 8 (attn_internal.h). */
+static void store_i4(const aiollm_kv_layer *kv, int is_k, int64_t tile, int off, const int8_t *restrict q) {
+    const int D = kv->head_dim, BS = kv->block_size, pair = is_k ? 4 : 16;
+    uint8_t *out = (uint8_t *)(is_k ? kv->k : kv->v) + tile;
+    for (int d = 0; d < D; d++) {
+        if (d & pair) continue; /* the high nibble of the byte written for d - pair */
+        const uint8_t b = (uint8_t)((q[d] + 8) | (q[d + pair] + 8) << 4);
+        out[is_k ? i4_k_at(BS, d, off) : i4_v_at(D, off, d)] = b;
+    }
+}
+
+/* Store one head's row x[0..D) of token slot `off` in tile `tile` (elements: the tile's byte offset / 2 for
+ * int4); fp32/fp16: K transposed (stride BS), V row-major; int8 and int4: the interleaved layouts of
+ * attn_internal.h. */
 static void store_head(const aiollm_kv_layer *kv, int is_k, int64_t tile, int64_t scale_at, int off,
                        const float *restrict x) {
     const int D = kv->head_dim, BS = kv->block_size;
@@ -96,10 +110,14 @@ static void store_head(const aiollm_kv_layer *kv, int is_k, int64_t tile, int64_
     } else if (kv->dtype == AIOLLM_DT_F16) {
         uint16_t *out = (uint16_t *)dst + at;
         for (d = 0; d < D; d++) out[d * step] = float_to_half(x[d]);
+    } else if (kv->dtype == AIOLLM_DT_I4) {
+        int8_t q[AIOLLM_MAX_HEAD_DIM];
+        (is_k ? kv->k_scale : kv->v_scale)[scale_at] = quantise_head(x, D, 7.0f, q);
+        store_i4(kv, is_k, tile / 2, off, q);
     } else { /* int8: the dot-product layout of attn_internal.h (i8_k_at, i8_v_at) */
         int8_t q[AIOLLM_MAX_HEAD_DIM];
         int8_t *out = (int8_t *)dst + tile;
-        (is_k ? kv->k_scale : kv->v_scale)[scale_at] = quantise_head(x, D, q);
+        (is_k ? kv->k_scale : kv->v_scale)[scale_at] = quantise_head(x, D, 127.0f, q);
         for (d = 0; d < D; d++) out[is_k ? i8_k_at(D, BS, d, off) : i8_v_at(D, BS, off, d)] = q[d];
     }
 }
@@ -171,9 +189,8 @@ int aiollm_kv_write(const aiollm_kv_layer *kv, const int64_t *slots, int64_t n_t
     if (!slots || !k || !v || !kv->k || !kv->v) return AIOLLM_ERR_ARG;
     if (in_dtype != AIOLLM_DT_F32 && in_dtype != AIOLLM_DT_F16 && in_dtype != AIOLLM_DT_BF16)
         return AIOLLM_ERR_UNSUPPORTED;
-    if (kv->dtype != AIOLLM_DT_F32 && kv->dtype != AIOLLM_DT_F16 && kv->dtype != AIOLLM_DT_I8)
-        return AIOLLM_ERR_UNSUPPORTED;
-    if (kv->dtype == AIOLLM_DT_I8 && (!kv->k_scale || !kv->v_scale)) return AIOLLM_ERR_ARG;
+    const int storage = kv_storage_check(kv);
+    if (storage != AIOLLM_OK) return storage;
     const int H = kv->n_kv_heads, D = kv->head_dim, BS = kv->block_size;
     if (k_token_stride < (int64_t)H * D || v_token_stride < (int64_t)H * D) return AIOLLM_ERR_ARG;
     const int64_t n_slots = kv->n_blocks * BS;

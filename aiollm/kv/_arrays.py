@@ -15,6 +15,7 @@ _NUMPY_DTYPES = {
     np.dtype(np.float32): "fp32",
     np.dtype(np.float16): "fp16",
     np.dtype(np.int8): "int8",
+    np.dtype(np.uint8): "uint8",
     np.dtype(np.int32): "int32",
     np.dtype(np.int64): "int64",
 }
@@ -23,6 +24,7 @@ _TORCH_DTYPE_NAMES = {
     "torch.float16": "fp16",
     "torch.bfloat16": "bf16",
     "torch.int8": "int8",
+    "torch.uint8": "uint8",
     "torch.int32": "int32",
     "torch.int64": "int64",
 }

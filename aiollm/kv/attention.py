@@ -5,9 +5,11 @@ These functions work on the raw arrays of ONE layer of a paged KV pool (KVPool h
 
     k_cache  [n_blocks, n_kv_heads, head_dim, block_size]   K transposed inside a block
     v_cache  [n_blocks, n_kv_heads, block_size, head_dim]
-    k_scale, v_scale  fp16 [n_blocks, n_kv_heads, block_size]   int8 storage only
+    k_scale, v_scale  fp16 [n_blocks, n_kv_heads, block_size]   int8 and int4 storage only
 
-all C-contiguous, fp32, fp16 or int8 (numpy arrays or torch CPU tensors, never copied). Every argument is
+all C-contiguous, fp32, fp16 or int8 (numpy arrays or torch CPU tensors, never copied). int4 storage is uint8
+with two codes a byte and the last dim halved: k_cache [n_blocks, n_kv_heads, head_dim, block_size / 2], v_cache
+[n_blocks, n_kv_heads, block_size, head_dim / 2]; it needs head_dim % 32 == 0 and block_size % 4 == 0. Every argument is
 checked here before the C call (ValueError naming it, expected vs actual); C checks lengths, block-table
 entries and slots again and returns a status code, turned into the same exception.
 
@@ -22,7 +24,8 @@ own torch ops (the colocated decode step) instead runs it on its OpenMP team ins
 ISA: probed once (AVX-512 > AVX2+FMA+F16C > portable C); the environment variable AIOLLM_ATTN_ISA=ref|avx2|
 avx512, read once at the first call, overrides it; `force_isa` switches at run time (tests). int8 KV runs as
 fp32 math or int8 dot products, VNNI on AVX-512 and vpmaddubsw/vpmaddwd on AVX2 (`int8_path`;
-AIOLLM_ATTN_INT8=fp32|vnni|madd or `force_int8_path`). The far (L2) software prefetch level is on or off per
+AIOLLM_ATTN_INT8=fp32|vnni|madd or `force_int8_path`); int4 KV always runs int8 dot products (VNNI, else MADD) on
+the SIMD kernels, and in fp32 math on the reference path, which the fp32 int8 path also selects for it. The far (L2) software prefetch level is on or off per
 CPU (`far_prefetch`; off on Zen 5 and on CPUs without AVX-512, where the kernels read faster without it;
 AIOLLM_ATTN_FAR_PREFETCH=0|1 or `force_far_prefetch`).
 """
@@ -37,7 +40,8 @@ from aiollm.kv._arrays import NUMPY_OF, check_contiguous, check_dtype, check_sha
 
 ISAS = {"ref": lib.AIOLLM_ISA_REF, "avx2": lib.AIOLLM_ISA_AVX2, "avx512": lib.AIOLLM_ISA_AVX512}
 _ISA_NAMES = {code: name for name, code in ISAS.items()}
-_DT = {"fp32": lib.AIOLLM_DT_F32, "fp16": lib.AIOLLM_DT_F16, "bf16": lib.AIOLLM_DT_BF16, "int8": lib.AIOLLM_DT_I8}
+_DT = {"fp32": lib.AIOLLM_DT_F32, "fp16": lib.AIOLLM_DT_F16, "bf16": lib.AIOLLM_DT_BF16, "int8": lib.AIOLLM_DT_I8,
+       "uint8": lib.AIOLLM_DT_I4}  # a uint8 cache holds int4 codes, two a byte
 _STATUS = {
     lib.AIOLLM_ERR_ARG: "an argument is out of range",
     lib.AIOLLM_ERR_BLOCK: "block_tables: an entry in use lies outside the pool",
@@ -153,25 +157,31 @@ def _threads(n_threads: int | None) -> int:
 def _layer(k_cache, v_cache, k_scale, v_scale):
     """Check one layer's cache arrays and build the C descriptor (the caller's arrays keep the memory alive)."""
     k = describe(k_cache, "k_cache")
-    check_dtype(k, "k_cache", ("fp32", "fp16", "int8"))
+    check_dtype(k, "k_cache", ("fp32", "fp16", "int8", "uint8"))
     if len(k.shape) != 4:
         raise ValueError(f"k_cache: expected 4 dims [n_blocks, n_kv_heads, head_dim, block_size], got shape {k.shape}")
     n_blocks, n_kv_heads, head_dim, block_size = k.shape
+    int4 = k.dtype == "uint8"
+    if int4:
+        block_size *= 2
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"k_cache: head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if int4 and (head_dim % 32 or block_size % 4):
+        raise ValueError(f"k_cache: int4 (uint8) storage needs head_dim % 32 == 0 and block_size % 4 == 0, got "
+                         f"head_dim {head_dim}, block_size {block_size}")
     v = describe(v_cache, "v_cache")
     check_dtype(v, "v_cache", (k.dtype,))
-    check_shape(v, "v_cache", (n_blocks, n_kv_heads, block_size, head_dim))
+    check_shape(v, "v_cache", (n_blocks, n_kv_heads, block_size, head_dim // 2 if int4 else head_dim))
     check_contiguous(k, "k_cache")
     check_contiguous(v, "v_cache")
     desc = ffi.new("aiollm_kv_layer *")
     desc.k, desc.v = ffi.cast("void *", k.ptr), ffi.cast("void *", v.ptr)
     desc.n_blocks, desc.block_size, desc.n_kv_heads, desc.head_dim = n_blocks, block_size, n_kv_heads, head_dim
     desc.dtype = _DT[k.dtype]
-    if k.dtype == "int8":
+    if k.dtype in ("int8", "uint8"):
         for arr, name, field in ((k_scale, "k_scale", "k_scale"), (v_scale, "v_scale", "v_scale")):
             if arr is None:
-                raise ValueError(f"{name}: required for an int8 cache, got None")
+                raise ValueError(f"{name}: required for an {'int4' if int4 else 'int8'} cache, got None")
             s = describe(arr, name)
             check_dtype(s, name, ("fp16",))
             check_shape(s, name, (n_blocks, n_kv_heads, block_size))
@@ -183,7 +193,8 @@ def _layer(k_cache, v_cache, k_scale, v_scale):
 def kv_write(k_cache, v_cache, slot_mapping, k, v, *, k_scale=None, v_scale=None) -> None:
     """Write new tokens' k, v [n_tokens, n_kv_heads, head_dim] (fp32, fp16 or bf16; heads and dims contiguous,
     any token stride) into slots `slot_mapping` (int64/int32 [n_tokens], block_id * block_size + offset).
-    Converts to the cache dtype; int8 is quantised per token per head. A repeated slot keeps the last token."""
+    Converts to the cache dtype; int8 and int4 are quantised per token per head. A repeated slot keeps the last
+    token."""
     desc = _layer(k_cache, v_cache, k_scale, v_scale)
     n_slots = desc.n_blocks * desc.block_size
     slots = describe(slot_mapping, "slot_mapping")

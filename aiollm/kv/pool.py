@@ -4,13 +4,17 @@ Memory layout (numpy, C-contiguous, allocated lazily by the OS: untouched blocks
 
     k        [n_layers, n_blocks, n_kv_heads, head_dim, block_size]   K transposed inside each block
     v        [n_layers, n_blocks, n_kv_heads, block_size, head_dim]
-    k_scale  [n_layers, n_blocks, n_kv_heads, block_size] fp16        int8 only (None otherwise)
+    k_scale  [n_layers, n_blocks, n_kv_heads, block_size] fp16        int8 and int4 only (None otherwise)
     v_scale  [n_layers, n_blocks, n_kv_heads, block_size] fp16
 
 int8 tiles keep those shapes but interleave their bytes for the int8 dot products (VNNI / AMX B-tile order):
 K as [head_dim / 4][block_size][4] (a 64-byte row = 4 dims of 16 tokens), V as [block_size / 4][head_dim][4]
 (a 64-byte row = 4 tokens of 16 dims); a last group narrower than 4 is packed that wide. `int8_logical` undoes
 it (tests, inspection); `read` / `write_blocks` ship the raw bytes unchanged.
+int4 stores two codes a byte in uint8 arrays whose last dim is halved (k [..., head_dim, block_size / 2], v
+[..., block_size, head_dim / 2]): pairs of the int8 layout's rows share bytes, one in each nibble
+(native/attn_internal.h), so a tile is half an int8 one; `int4_logical` undoes it. It needs head_dim % 32 == 0
+and block_size % 4 == 0.
 
 One (block, kv head) tile of K or V is one contiguous run of head_dim * block_size elements, so the kernel
 streams whole tiles and can prefetch the next block of a table. K is transposed inside a tile: 16 tokens of
@@ -28,7 +32,8 @@ import numpy as np
 from aiollm.kv import attention
 from aiollm.kv._arrays import aligned_full
 
-_STORAGE = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8}
+_STORAGE = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8, "int4": np.uint8}
+_QUANTISED = ("int8", "int4")  # per-token-per-head fp16 scales beside the codes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,13 +56,16 @@ class KVConfig:
             raise ValueError(f"KVConfig.head_dim: expected at most {attention.MAX_HEAD_DIM}, got {self.head_dim}")
         if self.dtype not in _STORAGE:
             raise ValueError(f"KVConfig.dtype: expected one of {sorted(_STORAGE)}, got {self.dtype!r}")
+        if self.dtype == "int4" and (self.head_dim % 32 or self.block_size % 4):
+            raise ValueError(f"KVConfig.dtype: int4 needs head_dim % 32 == 0 and block_size % 4 == 0, got "
+                             f"head_dim {self.head_dim}, block_size {self.block_size}")
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block over all layers: K and V, plus the two scales per token per head for int8."""
+        """Bytes of one block over all layers: K and V, plus the two scales per token per head for int8 / int4."""
         elems = self.n_kv_heads * self.block_size * self.head_dim
-        per_layer = 2 * elems * np.dtype(_STORAGE[self.dtype]).itemsize
-        if self.dtype == "int8":
+        per_layer = elems if self.dtype == "int4" else 2 * elems * np.dtype(_STORAGE[self.dtype]).itemsize
+        if self.dtype in _QUANTISED:
             per_layer += 2 * self.n_kv_heads * self.block_size * 2  # fp16 scales
         return per_layer * self.n_layers
 
@@ -97,6 +105,22 @@ def int8_logical(k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return flat_k[..., k_at], flat_v[..., v_at]
 
 
+def int4_logical(k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int8 copies of int4 K [..., head_dim, block_size / 2] and V [..., block_size, head_dim / 2] tiles (uint8,
+    two codes a byte) as codes in [-7, 7] in plain order: K [..., head_dim, block_size], V [..., block_size,
+    head_dim] (i4_k_at / i4_v_at in native/attn_internal.h)."""
+    d, half = k.shape[-2:]
+    bs = 2 * half
+    dk, tk = np.arange(d)[:, None], np.arange(bs)[None, :]
+    k_at, k_hi = (dk >> 3) * 4 * bs + tk * 4 + (dk & 3), (dk >> 2) & 1
+    tv, dv = np.arange(bs)[:, None], np.arange(d)[None, :]
+    v_at, v_hi = (tv >> 2) * 2 * d + (dv >> 5) * 64 + (dv & 15) * 4 + (tv & 3), (dv >> 4) & 1
+    flat_k = np.ascontiguousarray(k).reshape(*k.shape[:-2], d * half)
+    flat_v = np.ascontiguousarray(v).reshape(*v.shape[:-2], d * half)
+    codes = (lambda b, hi: (np.where(hi, b >> 4, b & 15).astype(np.int8) - 8))
+    return codes(flat_k[..., k_at], k_hi), codes(flat_v[..., v_at], v_hi)
+
+
 class KVBlocks(NamedTuple):
     """Raw contents of some blocks (of one layer, or of all layers with a leading layer axis)."""
 
@@ -115,11 +139,12 @@ class KVPool:
         dtype = _STORAGE[c.dtype]
         # on cache lines (aligned_full), and with it every K and V tile whose size is a multiple of 64 bytes (any
         # head_dim at block_size 16)
-        self.k = aligned_full((c.n_layers, c.n_blocks, c.n_kv_heads, c.head_dim, c.block_size), 0, dtype)
-        self.v = aligned_full((c.n_layers, c.n_blocks, c.n_kv_heads, c.block_size, c.head_dim), 0, dtype)
+        pack = 2 if c.dtype == "int4" else 1  # int4: two codes a byte along the last dim
+        self.k = aligned_full((c.n_layers, c.n_blocks, c.n_kv_heads, c.head_dim, c.block_size // pack), 0, dtype)
+        self.v = aligned_full((c.n_layers, c.n_blocks, c.n_kv_heads, c.block_size, c.head_dim // pack), 0, dtype)
         scales = (c.n_layers, c.n_blocks, c.n_kv_heads, c.block_size)
-        self.k_scale = aligned_full(scales, 0, np.float16) if c.dtype == "int8" else None
-        self.v_scale = aligned_full(scales, 0, np.float16) if c.dtype == "int8" else None
+        self.k_scale = aligned_full(scales, 0, np.float16) if c.dtype in _QUANTISED else None
+        self.v_scale = aligned_full(scales, 0, np.float16) if c.dtype in _QUANTISED else None
         self._descs: list | None = None  # each layer's C descriptor, built at the first prepare_decode
 
     def _layer(self, layer: int) -> dict:
@@ -155,7 +180,7 @@ class KVPool:
         return ids
 
     def read(self, layer: int | None, block_ids) -> KVBlocks:
-        """The raw K/V (and int8 scales) of `block_ids` in one layer, or all layers (layer=None, leading axis).
+        """The raw K/V (and int8 / int4 scales) of `block_ids` in one layer, or all layers (layer=None, leading axis).
 
         A run of consecutive ids returns views into the pool; any other list returns copies."""
         at = self._block_index(block_ids)

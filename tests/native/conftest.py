@@ -26,9 +26,9 @@ def reference(q: np.ndarray, ks: list[np.ndarray], vs: list[np.ndarray], scale: 
 
 
 def nan_pool(config: KVConfig) -> KVPool:
-    """A pool whose every slot is NaN (int8: NaN scales), so reading a slot nobody wrote poisons the result."""
+    """A pool whose every slot is NaN (int8 / int4: NaN scales), so reading a slot nobody wrote poisons the result."""
     pool = KVPool(config)
-    if config.dtype == "int8":
+    if config.dtype in ("int8", "int4"):
         pool.k_scale[...] = np.nan
         pool.v_scale[...] = np.nan
     else:

@@ -183,7 +183,7 @@ def _pools(kv_dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "int8", "int4"])
 @pytest.mark.parametrize("n", ROWS)
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_layer_pre_stores_kv_as_a_separate_write_does(dtype, kv_dtype, n, n_threads):
