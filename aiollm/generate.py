@@ -8,6 +8,7 @@ import sys
 import time
 
 from aiollm import log
+from aiollm.kv.pool import KV_DTYPES
 from aiollm.model import load
 from aiollm.model.engine import generate
 from aiollm.model.sampling import SamplingParams
@@ -26,7 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights and activations")
-    parser.add_argument("--kv-dtype", choices=["fp32", "fp16", "int8"], default="fp32", help="KV cache storage")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp32", help="KV cache storage")
     parser.add_argument("--log-level", default="WARNING")
     return parser.parse_args(argv)
 

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from aiollm.kv.pool import KV_DTYPES
 from aiollm.planner.datasets import DATASETS, load_lengths
 from aiollm.planner.goodput import SLO
 from aiollm.planner.hardware import parse_cluster
@@ -161,7 +162,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--out", type=Path, help="profile JSON (default ~/.cache/aiollm/latency-profile-local.json)")
     m.add_argument("--quick", action="store_true", help="fewer, smaller points")
     m.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="weights (serving default fp32)")
-    m.add_argument("--kv-dtype", default="fp32", choices=("fp32", "fp16", "int8"), help="KV cache storage")
+    m.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES, help="KV cache storage")
     m.add_argument("--threads", type=int, default=1, help="threads, as one serving instance uses")
     m.set_defaults(func=cmd_profile)
     return p

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from aiollm import log
 from aiollm.graph import Graph
+from aiollm.kv.pool import KV_DTYPES
 from aiollm.workers.roles.common import served_name
 
 _READY_TIMEOUT_S = 300.0
@@ -44,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port of the frontend (0: any free one)")
     parser.add_argument("--threads", type=int, default=1, help="torch/attention threads per instance")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--kv-dtype", default="fp32", choices=["fp32", "fp16", "int8"], help="KV storage type")
+    parser.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES, help="KV storage type")
     parser.add_argument("--prefill-kv-blocks", type=int, default=1024, help="KV buffer of each prefill instance")
     parser.add_argument("--decode-kv-blocks", type=int, default=2048, help="KV pool of each decode instance")
     parser.add_argument("--max-batch-tokens", type=int, default=0,

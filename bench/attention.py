@@ -2,7 +2,7 @@
 
 One layer of each shape is measured: SmolLM2 (9 q heads / 3 kv heads, d=64) and a Llama-7B layer
 (32/32, d=128), batch 64 and 256, context 1024 and 4096. Per shape: this kernel with fp16 storage on 1 and
-2 threads (KV bytes read per second and tokens/s), with int8 storage, and torch
+2 threads (KV bytes read per second and tokens/s), with int8 and int4 storage, and torch
 `scaled_dot_product_attention` in bf16 and fp32 in its fastest GQA form (enable_gqa=True or the q heads of
 a group folded into the query-length axis; never repeat_interleave). The read bandwidth comes from the
 library's own STREAM-like read kernel (with the same two-level software prefetch as the fp16 kernel, so the
@@ -40,6 +40,12 @@ AMD Zen 5, where the hardware prefetchers read faster without it). Each row also
 round in the same rounds (pct_read_far_alt, int8_x_fp16_far_alt; the summary's ratio_*_far_alt), so every run
 shows whether the default still suits the host it ran on.
 
+int4 (two codes a byte, the same fp16 scales) reads 68 bytes per token and kv head at d=64 against int8's 132 and
+fp16's 256 (d=128: 132, 260, 512): at one rate of bytes it would reach ~1.9x int8's tokens/s and ~3.8x fp16's.
+int4_x_fp16 and int4_x_int8 (best rounds; *_paired the medians of the same round's ratio) show how much of that
+the kernel keeps (on a CPU without AVX-512 it runs the AVX2 kernel's MADD dot products, as int4 does on every CPU
+for now); hot_int4_*_gbs and alu_share_int4 show whether its arithmetic binds.
+
 Block tables are contiguous per sequence (what a freshly admitted batch gets from BlockAllocator); the
 fp16 2-thread figure is also given for shuffled tables (single scattered blocks: the worst case of a fragmented pool; `python -m bench kvalloc` measures the tables a churned pool really hands out). Shapes whose fp16 KV exceeds
 --max-gib are run with a smaller batch (marked "capped"): the Llama shapes at 4096 x 256 need 17 GiB per
@@ -72,7 +78,9 @@ COLUMNS = ["shape", "batch", "ctx", "run_batch", "kv_mib", "read_1t_gbs", "fp16_
            "pct_read_far_alt", "fp16_tok_s", "int8_tok_s", "int8_x_fp16", "int8_x_fp16_paired", "int8_x_fp16_far_alt", "sdpa_bf16_tok_s", "sdpa_fp32_tok_s",
            "x_sdpa_bf16", "x_sdpa_fp32", "sdpa_bf16_gbs", "sdpa_fp32_gbs", "ceil_x_sdpa_bf16", "ceil_x_sdpa_fp32",
            "hot_fp16_1t_gbs", "hot_int8_1t_gbs", "alu_share_fp16", "alu_share_int8", "ceil_pct_read",
-           "ceil_int8_x_fp16"]
+           "ceil_int8_x_fp16", "int4_tok_s", "int4_x_fp16", "int4_x_fp16_paired", "int4_x_int8", "hot_int4_1t_gbs",
+           "alu_share_int4"]
+STORAGE = {"fp16": np.float16, "int8": np.int8, "int4": np.uint8}  # int4: two codes a byte
 
 
 def add_arguments(parser) -> None:
@@ -94,12 +102,14 @@ def _best(fn, reps: int) -> float:
 
 def _cache(batch: int, ctx: int, n_kv: int, d: int, dtype: str):
     n_blocks = batch * ctx // BLOCK
-    storage = {"fp16": np.float16, "int8": np.int8}[dtype]
-    fill = 1 if dtype == "int8" else 0.01
-    k = aligned_full((n_blocks, n_kv, d, BLOCK), fill, storage)  # on cache lines, as KVPool allocates
-    v = aligned_full((n_blocks, n_kv, BLOCK, d), fill, storage)
-    # int8: K and V scales in arrays of their own, as a pool holds them (one shared array would read half the bytes)
-    scales = tuple(aligned_full((n_blocks, n_kv, BLOCK), 0.01, np.float16) for _ in range(2)) if dtype == "int8" else None
+    fill = {"fp16": 0.01, "int8": 1, "int4": 0x99}[dtype]  # int4: codes 1 and 1 (stored 9 = 1 + 8)
+    pack = 2 if dtype == "int4" else 1
+    k = aligned_full((n_blocks, n_kv, d, BLOCK // pack), fill, STORAGE[dtype])  # on cache lines, as KVPool allocates
+    v = aligned_full((n_blocks, n_kv, BLOCK, d // pack), fill, STORAGE[dtype])
+    # int8 / int4: K and V scales in arrays of their own, as a pool holds them (one shared array would read half the
+    # bytes)
+    scales = (tuple(aligned_full((n_blocks, n_kv, BLOCK), 0.01, np.float16) for _ in range(2))
+              if dtype != "fp16" else None)
     return k, v, scales, np.arange(n_blocks, dtype=np.int32).reshape(batch, ctx // BLOCK)
 
 
@@ -143,7 +153,8 @@ def reader(buf: np.ndarray, n_threads: int):
 
 
 def kernel(k, v, scales, tables, q, n_threads: int):
-    """(fn, KV bytes read) of one decode_attention call over one layer; scales: (k_scale, v_scale) for int8."""
+    """(fn, KV bytes read) of one decode_attention call over one layer; scales: (k_scale, v_scale) for int8 /
+    int4."""
     from aiollm.kv import attention
 
     lens = np.full(q.shape[0], tables.shape[1] * BLOCK, np.int32)
@@ -172,14 +183,15 @@ def far_swapped(entry):
 
 
 def kernel_figures(row: dict, shape: tuple, n_threads: int, big: np.ndarray, rounds: int, reps: int) -> None:
-    """fp16 on 1 thread beside the 1-thread read; fp16 (contiguous and shuffled tables), int8 and torch SDPA (bf16,
-    fp32) on n_threads interleaved with each other and the n-thread reads, so every ratio compares figures taken
+    """fp16 on 1 thread beside the 1-thread read; fp16 (contiguous and shuffled tables), int8, int4 and torch SDPA
+    (bf16, fp32) on n_threads interleaved with each other and the n-thread reads, so every ratio compares figures taken
     under the same conditions. Rates are each entry's best round; pct_*, x_sdpa_* and *_paired the medians over
     rounds of the same round's ratio (see the module docstring)."""
     batch, ctx, n_q, n_kv, d = shape
     k, v, _, tables = _cache(batch, ctx, n_kv, d, "fp16")
     shuffled = np.random.default_rng(0).permutation(tables.size).astype(np.int32).reshape(tables.shape)
     k8, v8, scales, _ = _cache(batch, ctx, n_kv, d, "int8")
+    k4, v4, scales4, _ = _cache(batch, ctx, n_kv, d, "int4")
     q = np.random.default_rng(1).standard_normal((batch, n_q, d)).astype(np.float32)
     fp16_1t, read_1t = paired([kernel(k, v, None, tables, q, 1), reader(big, 1)], rounds)
     row["fp16_1t_gbs"], row["read_1t_gbs"] = max(fp16_1t), max(read_1t)
@@ -189,7 +201,8 @@ def kernel_figures(row: dict, shape: tuple, n_threads: int, big: np.ndarray, rou
     entries = [fp16, kernel(k, v, None, shuffled, q, n_threads), int8, reader(big, n_threads), far_swapped(fp16),
                far_swapped(int8)]
     bf16, fp32 = sdpa_entry(shape, "bf16", n_threads, reps), sdpa_entry(shape, "fp32", n_threads, reps)
-    entries += [bf16, fp32]
+    int4 = kernel(k4, v4, scales4, tables, q, n_threads)
+    entries += [bf16, fp32, int4]
     same = aligned_full(((k.nbytes + v.nbytes) // 4,), 1, np.float32) if k.nbytes + v.nbytes < big.nbytes else None
     if same is not None:
         entries.append(reader(same, n_threads))
@@ -204,12 +217,15 @@ def kernel_figures(row: dict, shape: tuple, n_threads: int, big: np.ndarray, rou
     row["pct_read"] = 100 * paired_ratio(fp16_r, read_r)
     row["pct_read_best"] = 100 * row["fp16_gbs"] / row["read_gbs"]
     row["pct_read_shuf"] = 100 * paired_ratio(shuf_r, read_r)
-    same_r = got[8] if same is not None else read_r
+    int4_r = got[8]
+    same_r = got[9] if same is not None else read_r
     row["read_same_gbs"] = max(same_r)
     row["pct_read_same"] = 100 * paired_ratio(fp16_r, same_r)
     row["fp16_tok_s"] = row["fp16_gbs"] * 1e9 / fp16[1] * batch
     row["int8_tok_s"] = max(int8_r) * 1e9 / int8[1] * batch
     row["int8_x_fp16_paired"] = paired_ratio([g / int8[1] for g in int8_r], [g / fp16[1] for g in fp16_r])
+    row["int4_tok_s"] = max(int4_r) * 1e9 / int4[1] * batch
+    row["int4_x_fp16_paired"] = paired_ratio([g / int4[1] for g in int4_r], [g / fp16[1] for g in fp16_r])
 
 
 HOT_BYTES = 1 << 20  # fp16 KV of the compute-alone figure: fits one core's L2 with room to spare
@@ -230,14 +246,14 @@ def _per_call(fn, reps: int, calls: int) -> float:
 
 def hot_figures(row: dict, n_q: int, n_kv: int, d: int, reps: int, n_threads: int) -> None:
     """The kernel's arithmetic alone: HOT_SEQS sequences whose block tables all name the same blocks, an fp16 KV
-    of ~HOT_BYTES that stays in L2, fp16 and int8 storage, on 1 thread and on n_threads: GB/s of KV bytes read,
+    of ~HOT_BYTES that stays in L2, fp16, int8 and int4 storage, on 1 thread and on n_threads: GB/s of KV bytes read,
     with the time of a one-token call of the same batch (Python and dispatch overhead) subtracted.
     alu_share_* = the row's 1-thread read bandwidth / the 1-thread rate. The n-thread rates show where the
     arithmetic binds the DRAM figures: ceil_pct_read = 100 * min(1, hot fp16 rate / the row's n-thread read), and
     ceil_int8_x_fp16 = int8 tokens/s at its n-thread arithmetic rate / the row's measured fp16 tokens/s."""
     ctx = max(BLOCK, HOT_BYTES // (n_kv * d * 2 * 2) // BLOCK * BLOCK)
     q = np.random.default_rng(1).standard_normal((HOT_SEQS, n_q, d)).astype(np.float32)
-    for dtype in ("fp16", "int8"):
+    for dtype in ("fp16", "int8", "int4"):
         k, v, scales, tables = _cache(1, ctx, n_kv, d, dtype)
         for nt in sorted({1, n_threads}):  # --threads 1: measured once
             full, nbytes = kernel(k, v, scales, np.repeat(tables, HOT_SEQS, axis=0), q, nt)
@@ -334,6 +350,13 @@ def _shape_list(quick: bool, only: str | None = None):
                 yield name, n_q, n_kv, d, batch, ctx
 
 
+def _bytes_ratio(row: dict, other: str) -> float:
+    """KV bytes per token of `other` storage over int4's on the row's shape (K and V, with the fp16 scales)."""
+    d = SHAPES[row["shape"]][2]
+    per_head = {"fp16": 4 * d, "int8": 2 * d + 4, "int4": d + 4}
+    return per_head[other] / per_head["int4"]
+
+
 def run(args) -> dict:
     from aiollm.kv import attention
 
@@ -358,6 +381,8 @@ def run(args) -> dict:
         gc.collect()
         hot_figures(row, n_q, n_kv, d, reps + 2, nt)
         row["int8_x_fp16"] = row["int8_tok_s"] / row["fp16_tok_s"]
+        row["int4_x_fp16"] = row["int4_tok_s"] / row["fp16_tok_s"]
+        row["int4_x_int8"] = row["int4_tok_s"] / row["int8_tok_s"]
         row["sdpa_bf16_gbs"] = per_seq * row["sdpa_bf16_tok_s"] / 1e9  # bf16 KV: the fp16 bytes
         row["sdpa_fp32_gbs"] = 2 * per_seq * row["sdpa_fp32_tok_s"] / 1e9  # fp32 KV: twice as many
         ideal_tok_s = row["read_gbs"] * 1e9 / per_seq  # fp16 kernel at 100 % of the read bandwidth
@@ -378,7 +403,7 @@ def run(args) -> dict:
         print(f"ceiling vs SDPA {name}: at 100 % of the {nt}-thread read bandwidth the fp16 kernel would reach "
               f"{r[f'ceil_x_sdpa_{name}']:.2f}x on {r['shape']} {r['batch']}x{r['ctx']} "
               f"(SDPA {name} reads {r[f'sdpa_{name}_gbs']:.1f} GB/s of {r['read_gbs']:.1f})")
-    for dtype in ("fp16", "int8"):
+    for dtype in ("fp16", "int8", "int4"):
         r = max(rows, key=lambda r: r[f"alu_share_{dtype}"])
         print(f"{dtype} arithmetic alone (KV in L2, 1 thread): {min(x[f'hot_{dtype}_1t_gbs'] for x in rows):.1f}-"
               f"{max(x[f'hot_{dtype}_1t_gbs'] for x in rows):.1f} GB/s; at the 1-thread read bandwidth it needs up to "
@@ -390,6 +415,10 @@ def run(args) -> dict:
     print(f"int8 arithmetic alone on {nt} threads: {ceil_i8[f'hot_int8_{nt}t_gbs']:.1f} GB/s of int8 KV on "
           f"{ceil_i8['shape']} {ceil_i8['batch']}x{ceil_i8['ctx']}, at that rate "
           f"{ceil_i8['ceil_int8_x_fp16']:.2f}x the fp16 tokens/s measured there")
+    low4 = min(rows, key=lambda r: r["int4_x_fp16"])
+    print(f"int4 vs fp16 tokens/s: lowest {low4['int4_x_fp16']:.2f}x (paired {low4['int4_x_fp16_paired']:.2f}x) on "
+          f"{low4['shape']} {low4['batch']}x{low4['ctx']}, {low4['int4_x_int8']:.2f}x int8 there; at one rate of bytes "
+          f"it would be {_bytes_ratio(low4, 'fp16'):.2f}x fp16 and {_bytes_ratio(low4, 'int8'):.2f}x int8")
     return {
         "isa": attention.isa(),
         "far_prefetch": far,
@@ -407,12 +436,16 @@ def run(args) -> dict:
         "ratio_fp16_vs_sdpa_fp32": min(r["x_sdpa_fp32"] for r in rows),
         "ratio_int8_vs_fp16": min(r["int8_x_fp16"] for r in rows),
         "ratio_int8_vs_fp16_paired": min(r["int8_x_fp16_paired"] for r in rows),
+        "ratio_int4_vs_fp16": min(r["int4_x_fp16"] for r in rows),
+        "ratio_int4_vs_fp16_paired": min(r["int4_x_fp16_paired"] for r in rows),
+        "ratio_int4_vs_int8": min(r["int4_x_int8"] for r in rows),
         "ratio_fp16_vs_read_bw_far_alt": min(r["pct_read_far_alt"] for r in long) / 100,
         "ratio_int8_vs_fp16_far_alt": min(r["int8_x_fp16_far_alt"] for r in rows),
         "ceiling_fp16_vs_sdpa_bf16": ceil_bf16["ceil_x_sdpa_bf16"],
         "ceiling_fp16_vs_sdpa_fp32": ceil_fp32["ceil_x_sdpa_fp32"],
         "alu_share_fp16_max": max(r["alu_share_fp16"] for r in rows),
         "alu_share_int8_max": max(r["alu_share_int8"] for r in rows),
+        "alu_share_int4_max": max(r["alu_share_int4"] for r in rows),
         "ceiling_fp16_vs_read_bw": low["ceil_pct_read"] / 100,  # on the row that sets ratio_fp16_vs_read_bw
         "ceiling_int8_vs_fp16": ceil_i8["ceil_int8_x_fp16"],
     }

@@ -16,6 +16,7 @@ import time
 
 from aiollm import log
 from aiollm.graph import Graph
+from aiollm.kv.pool import KV_DTYPES
 from aiollm.model.gguf_file import GGUFFile
 from aiollm.model.hf_dir import HFDirectory
 from aiollm.model.loader import resolve
@@ -73,7 +74,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--kv-dtype", default="fp16", choices=("fp32", "fp16", "int8"))
+    parser.add_argument("--kv-dtype", default="fp16", choices=KV_DTYPES)
     parser.add_argument("--no-pipeline", action="store_true")
     parser.add_argument("--sls-interval", type=int, default=0)
     log.configure("WARNING")

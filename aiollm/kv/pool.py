@@ -34,6 +34,7 @@ from aiollm.kv._arrays import aligned_full
 
 _STORAGE = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8, "int4": np.uint8}
 _QUANTISED = ("int8", "int4")  # per-token-per-head fp16 scales beside the codes
+KV_DTYPES = tuple(_STORAGE)  # the storage names every --kv-dtype option offers
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -81,7 +81,7 @@ class RLoad(Message, tag="fd.load"):
     blocks_used: int
     blocks_total: int
     block_size: int
-    # KV storage: "fp32", "fp16" or "int8"
+    # KV storage: "fp32", "fp16", "int8" or "int4"
     dtype: str
     # CPU seconds this R-worker's process has used since it started (its share of a step's work, measured)
     cpu_s: float = 0.0

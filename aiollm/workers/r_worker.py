@@ -26,7 +26,7 @@ import torch
 from aiollm.actors.actor import Actor, handler
 from aiollm.errors import KVCacheFull
 from aiollm.kv.blocks import BlockAllocator
-from aiollm.kv.pool import KVConfig, KVPool
+from aiollm.kv.pool import KV_DTYPES, KVConfig, KVPool
 from aiollm.log import get_logger
 from aiollm.model.config import ModelConfig
 from aiollm.model.gguf_file import GGUFFile
@@ -232,7 +232,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("r-worker")
     g.add_argument("--model", default="smollm2", help="model whose KV shape to hold (only its config is read)")
     g.add_argument("--kv-memory", default="8GiB", help="KV budget in RAM, e.g. 8GiB (admission refuses beyond it)")
-    g.add_argument("--kv-dtype", default="fp16", choices=("fp32", "fp16", "int8"), help="KV storage type")
+    g.add_argument("--kv-dtype", default="fp16", choices=KV_DTYPES, help="KV storage type")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the S-worker's must match)")
     g.add_argument("--threads", type=int, default=1, help="native attention threads (one per core it may use)")
 

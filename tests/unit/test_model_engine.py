@@ -50,6 +50,12 @@ def test_mixed_length_batch_gives_solo_tokens(tiny, kv_dtype):
     assert engine.allocator.n_free == 64
 
 
+def test_int4_kv_refuses_a_head_dim_its_layout_cannot_hold(tiny):
+    model, _, _ = tiny  # head_dim 16: int4 needs a multiple of 32
+    with pytest.raises(ValueError, match="int4 needs head_dim % 32 == 0"):
+        ColocatedEngine(model, kv_dtype="int4", n_blocks=8, block_size=16)
+
+
 def test_seeded_sampling_is_independent_of_the_batch(tiny):
     model, _, _ = tiny
     params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=50, seed=7, ignore_eos=True)

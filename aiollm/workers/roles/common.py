@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from aiollm.kv.pool import KV_DTYPES
+
 
 def served_name(model: str) -> str:
     """The id clients pass as `model`: the bundled name, or the file/directory stem."""
@@ -26,7 +28,7 @@ def model_args(parser) -> None:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weight dtype")
     parser.add_argument("--threads", type=int, default=1, help="torch and attention threads of this instance")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (same on every instance)")
-    parser.add_argument("--kv-dtype", default="fp32", choices=["fp32", "fp16", "int8"], help="KV storage type")
+    parser.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES, help="KV storage type")
 
 
 def load_model(args: argparse.Namespace):
