@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from aiollm.kv import attention
-from aiollm.kv.pool import KVConfig, KVPool, int8_logical
+from aiollm.kv.pool import KVConfig, KVPool, int4_logical, int8_logical
 from tests.native.conftest import reference, shuffled_tables
 
 INT8_STEP = 1 / 127  # int8 dequantisation error <= scale / 2 = max|x| / 254 per element; compared at max|x| / 127
+INT4_STEP = 1 / 7  # int4: <= max|x| / 14 per element
 
 
 def _pool(dtype, n_blocks=16, head_dim=64, n_kv_heads=2):
@@ -20,10 +21,11 @@ def _pool(dtype, n_blocks=16, head_dim=64, n_kv_heads=2):
 
 
 def _logical(pool, slots):
-    """Read back tokens [n, n_kv_heads, head_dim] as floats from the pool's layout (dequantised for int8)."""
+    """Read back tokens [n, n_kv_heads, head_dim] as floats from the pool's layout (dequantised for int8 / int4)."""
     bs = pool.config.block_size
     b, o = slots // bs, slots % bs
-    k_tiles, v_tiles = int8_logical(pool.k[0], pool.v[0]) if pool.k_scale is not None else (pool.k[0], pool.v[0])
+    unpack = {"int8": int8_logical, "int4": int4_logical}.get(pool.config.dtype, lambda k, v: (k, v))
+    k_tiles, v_tiles = unpack(pool.k[0], pool.v[0])
     k = k_tiles[b, :, :, o].astype(np.float64)  # [n, heads, dim] (K transposed inside the block)
     v = v_tiles[b, :, o, :].astype(np.float64)
     if pool.k_scale is not None:
@@ -32,7 +34,7 @@ def _logical(pool, slots):
     return k, v
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8", "int4"])
 def test_write_round_trips_through_the_layout(dtype):
     rng = np.random.default_rng(0)
     pool = _pool(dtype)
@@ -41,9 +43,10 @@ def test_write_round_trips_through_the_layout(dtype):
     v = rng.standard_normal((37, 2, 64)).astype(np.float32) * 5
     pool.write(0, slots, k, v)
     got_k, got_v = _logical(pool, slots)
-    if dtype == "int8":
+    if dtype in ("int8", "int4"):
+        step = INT8_STEP if dtype == "int8" else INT4_STEP
         for got, want in ((got_k, k), (got_v, v)):
-            bound = np.abs(want).max(axis=-1, keepdims=True) * INT8_STEP / 2 * 1.001
+            bound = np.abs(want).max(axis=-1, keepdims=True) * step / 2 * 1.001
             assert (np.abs(got - want) <= bound).all()
     else:
         np.testing.assert_array_equal(got_k, k.astype(np.float16 if dtype == "fp16" else np.float32))
@@ -76,7 +79,7 @@ def _edge_rows(rng, n_tokens, heads, head_dim):
     return x.reshape(n_tokens, heads, head_dim)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8", "int4"])
 @pytest.mark.parametrize("in_dtype", ["fp32", "fp16", "bf16"])
 def test_stored_bytes_do_not_depend_on_the_isa(isa_forced, dtype, in_dtype):
     """The F16C path (any SIMD ISA) stores exactly what the portable loops store, edge values included."""
