@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from aiollm.kv import attention
-from aiollm.kv.pool import KVConfig
-from tests.native.conftest import nan_pool, reference, shuffled_tables
+from tests.native.conftest import random_case, reference
 
 # Tolerances (absolute, outputs are averages of N(0,1) values so they are O(1)).
 FP32_ATOL = 5e-6  # fp32 storage vs the float64 reference: fp32 rounding over up to 4097 tokens
@@ -49,25 +48,12 @@ def int8_forced():
     attention.force_int8_path(None)
 
 
-def _case(rng, dtype, head_dim, group, lens, n_kv_heads=2, block_size=16):
-    n_blocks = sum(-(-n // block_size) for n in lens) + 8
-    pool = nan_pool(KVConfig(n_layers=2, n_blocks=n_blocks, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                             block_size=block_size, dtype=dtype))
-    table, slots = shuffled_tables(rng, lens, block_size, n_blocks)
-    ks = [rng.standard_normal((n, n_kv_heads, head_dim)).astype(np.float32) for n in lens]
-    vs = [rng.standard_normal((n, n_kv_heads, head_dim)).astype(np.float32) for n in lens]
-    for s, k, v in zip(slots, ks, vs):
-        pool.write(1, s, k, v)
-    q = rng.standard_normal((len(lens), n_kv_heads * group, head_dim)).astype(np.float32)
-    return pool, table, np.array(lens, np.int32), q, ks, vs
-
-
 @pytest.mark.parametrize("isa,dtype,head_dim,group,int8_path", GRID)
 def test_matches_float64_reference(isa_forced, int8_forced, runner, isa, dtype, head_dim, group, int8_path):
     rng = np.random.default_rng(hash((isa, dtype, head_dim, group)) % 2**32)
     # every awkward length appears in each sequence set; the grid rotates which lengths share a batch
     lens = AWKWARD_LENGTHS[GRID.index((isa, dtype, head_dim, group, int8_path)) % 3::3]
-    pool, table, seq_lens, q, ks, vs = _case(rng, dtype, head_dim, group, lens)
+    pool, table, _, seq_lens, q, ks, vs = random_case(rng, dtype, head_dim, group, lens)
     isa_forced(isa)
     int8_forced(int8_path)
     out = pool.attend(1, q, table, seq_lens, n_threads=2)
@@ -87,7 +73,7 @@ def test_other_block_sizes(isa_forced, int8_forced, runner, isa, int8_path, dtyp
     """block_size 8 is not a multiple of 16 (reference path); 32 has two 16-token chunks per block; int8 with 6
     has a last group of 2 tokens in its interleaved V layout."""
     rng = np.random.default_rng(7)
-    pool, table, seq_lens, q, ks, vs = _case(rng, dtype, 64, 3, [5, 40, 77], block_size=block_size)
+    pool, table, _, seq_lens, q, ks, vs = random_case(rng, dtype, 64, 3, [5, 40, 77], block_size=block_size)
     isa_forced(isa)
     int8_forced(int8_path)
     out = pool.attend(1, q, table, seq_lens)
@@ -123,7 +109,7 @@ def test_probed_vnni_path_leaves_group_1_to_avx2_madd_unless_forced(isa_forced, 
     rule = bool(attention.lib.aiollm_cpu_int8_group1_madd())
     for group, n_threads, probed_takes in ((1, 2, "madd" if rule else "vnni"), (1, 1, "madd" if rule else "vnni"),
                                           (3, 2, "vnni")):
-        pool, table, seq_lens, q, _, _ = _case(rng, "int8", 128, group, [40, 300])
+        pool, table, _, seq_lens, q, _, _ = random_case(rng, "int8", 128, group, [40, 300])
         isa_forced(None)
         int8_forced(None)
         assert attention.isa() == "avx512" and attention.int8_path() == "vnni"
@@ -154,7 +140,7 @@ def test_far_prefetch_on_and_off_give_identical_outputs(isa_forced, far_forced, 
     """Prefetches never change what is computed: the two settings agree bit for bit (long, shuffled tables,
     so the far level reaches across many blocks and past the end of each sequence)."""
     rng = np.random.default_rng(7)
-    pool, table, seq_lens, q, _, _ = _case(rng, dtype, head_dim, group, [4097, 700, 33, 1])
+    pool, table, _, seq_lens, q, _, _ = random_case(rng, dtype, head_dim, group, [4097, 700, 33, 1])
     isa_forced(isa)
     outs = []
     for on in (True, False):
@@ -175,7 +161,7 @@ def test_far_prefetch_default_follows_the_cpu_and_bad_values_raise(far_forced):
 
 def test_zero_length_sequence_gives_zero_row():
     rng = np.random.default_rng(1)
-    pool, table, seq_lens, q, ks, vs = _case(rng, "fp32", 64, 3, [0, 20])
+    pool, table, _, seq_lens, q, ks, vs = random_case(rng, "fp32", 64, 3, [0, 20])
     out = pool.attend(1, q, table, seq_lens)
     assert (out[0] == 0).all()
     np.testing.assert_allclose(out[1], reference(q[1:], ks[1:], vs[1:])[0], atol=FP32_ATOL)
@@ -184,7 +170,7 @@ def test_zero_length_sequence_gives_zero_row():
 @pytest.mark.parametrize("out_dtype,atol", [("fp16", OUT_FP16_ATOL), ("bf16", OUT_BF16_ATOL)])
 def test_reduced_precision_outputs(out_dtype, atol):
     rng = np.random.default_rng(2)
-    pool, table, seq_lens, q, ks, vs = _case(rng, "fp16", 64, 3, [33, 100])
+    pool, table, _, seq_lens, q, ks, vs = random_case(rng, "fp16", 64, 3, [33, 100])
     out = pool.attend(1, q, table, seq_lens, out_dtype=out_dtype)
     got = out.float().numpy() if out_dtype == "bf16" else out.astype(np.float32)
     expected = reference(q, [k.astype(np.float16) for k in ks], [v.astype(np.float16) for v in vs])
@@ -193,7 +179,7 @@ def test_reduced_precision_outputs(out_dtype, atol):
 
 def test_custom_scale_and_out_buffer_written_in_place():
     rng = np.random.default_rng(3)
-    pool, table, seq_lens, q, ks, vs = _case(rng, "fp32", 64, 1, [19, 64])
+    pool, table, _, seq_lens, q, ks, vs = random_case(rng, "fp32", 64, 1, [19, 64])
     out = np.full(q.shape, np.nan, np.float32)
     result = pool.attend(1, q, table, seq_lens, scale=0.3, out=out)
     assert result is out
@@ -203,7 +189,7 @@ def test_custom_scale_and_out_buffer_written_in_place():
 def test_torch_tensors_in_and_out_without_copies():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(4)
-    pool, table, seq_lens, q, ks, vs = _case(rng, "fp16", 64, 3, [17, 50])
+    pool, table, _, seq_lens, q, ks, vs = random_case(rng, "fp16", 64, 3, [17, 50])
     out = torch.empty(q.shape, dtype=torch.float32)
     result = pool.attend(1, torch.from_numpy(q), torch.from_numpy(table), torch.from_numpy(seq_lens), out=out)
     assert result is out
@@ -213,7 +199,7 @@ def test_torch_tensors_in_and_out_without_copies():
 
 def test_q_may_be_a_slice_of_a_fused_qkv_row():
     rng = np.random.default_rng(5)
-    pool, table, seq_lens, q, ks, vs = _case(rng, "fp32", 64, 3, [9, 31, 70])
+    pool, table, _, seq_lens, q, ks, vs = random_case(rng, "fp32", 64, 3, [9, 31, 70])
     fused = np.zeros((3, q.shape[1] + 4, 64), np.float32)  # q heads then k and v heads, like a QKV projection
     fused[:, : q.shape[1]] = q
     out = pool.attend(1, fused[:, : q.shape[1]], table, seq_lens)

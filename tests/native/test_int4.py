@@ -8,7 +8,7 @@ import pytest
 
 from aiollm.kv import attention
 from aiollm.kv.pool import KVConfig, KVPool, int4_logical
-from tests.native.conftest import nan_pool, reference, shuffled_tables
+from tests.native.conftest import assert_codes_equal_the_definition, random_case, reference
 
 # Tolerances (absolute; outputs are averages of N(0,1) values, so O(1)).
 DEQUANT_FP32_ATOL = 2e-5  # fp32 math (the reference path) vs float64 over the same dequantised K/V
@@ -33,21 +33,6 @@ def int8_forced():
     attention.force_int8_path(None)
 
 
-def _expected_codes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(codes in [-7, 7], fp16 scale) of rows x [..., D] by the definition: s = max|x| / 7 ignoring NaNs, rounded
-    to fp16 (a finite s past fp16's range as 65504), codes round(clamp(x / s, -7, 7)), ties to even, NaN -> -7."""
-    mag = np.abs(x)
-    amax = np.where(np.isnan(mag), np.float32(0), mag).max(axis=-1, keepdims=True).astype(np.float32)
-    s = amax / np.float32(7)
-    scale = np.where(np.isfinite(s) & (s > 65504), np.float32(65504), s).astype(np.float16)
-    back = scale.astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        inv = np.where((back > 0) & np.isfinite(back), np.float32(1) / back, np.float32(0)).astype(np.float32)
-        y = (x * inv).astype(np.float32)
-    y = np.where(np.isnan(y), np.float32(-7), np.clip(y, -7, 7))
-    return np.rint(y).astype(np.int8), scale[..., 0]
-
-
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (32, 4), (96, 8), (128, 32)])
 def test_int4_codes_and_scales_equal_the_definition(head_dim, block_size):
     rng = np.random.default_rng(head_dim)
@@ -66,29 +51,11 @@ def test_int4_codes_and_scales_equal_the_definition(head_dim, block_size):
                            dtype="int4"))
     slots = rng.permutation(8 * block_size)[:n].astype(np.int64)
     pool.write(0, slots, x, v)
-    b, o = slots // block_size, slots % block_size
-    k_codes, v_codes = int4_logical(pool.k[0], pool.v[0])
-    for want_x, codes, scales in ((x, k_codes[b, :, :, o], pool.k_scale[0][b, :, o]),
-                                  (v, v_codes[b, :, o, :], pool.v_scale[0][b, :, o])):
-        want_codes, want_scales = _expected_codes(want_x)
-        np.testing.assert_array_equal(codes, want_codes)
-        np.testing.assert_array_equal(scales.view(np.uint16), want_scales.view(np.uint16))
+    assert_codes_equal_the_definition(pool, slots, x, v, int4_logical, 7)
+    k_codes, _ = int4_logical(pool.k[0], pool.v[0])
     # a slot nobody wrote keeps its zero bytes (the codes of two neighbours share a byte only within a token)
     untouched = np.setdiff1d(np.arange(8 * block_size), slots)[0]
     assert (k_codes[untouched // block_size, :, :, untouched % block_size] == -8).all()
-
-
-def _case(rng, head_dim, group, lens, n_kv_heads=2, block_size=16):
-    n_blocks = sum(-(-n // block_size) for n in lens) + 8
-    pool = nan_pool(KVConfig(n_layers=2, n_blocks=n_blocks, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                             block_size=block_size, dtype="int4"))
-    table, slots = shuffled_tables(rng, lens, block_size, n_blocks)
-    ks = [rng.standard_normal((n, n_kv_heads, head_dim)).astype(np.float32) for n in lens]
-    vs = [rng.standard_normal((n, n_kv_heads, head_dim)).astype(np.float32) for n in lens]
-    for s, k, v in zip(slots, ks, vs):
-        pool.write(1, s, k, v)
-    q = rng.standard_normal((len(lens), n_kv_heads * group, head_dim)).astype(np.float32)
-    return pool, table, slots, np.array(lens, np.int32), q, ks, vs
 
 
 def _dequantised(pool: KVPool, slots: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -107,7 +74,7 @@ def _dequantised(pool: KVPool, slots: list[np.ndarray]) -> tuple[list[np.ndarray
 def test_int4_matches_float64_reference(isa_forced, int8_forced, isa, path, head_dim, group):
     rng = np.random.default_rng(hash((isa, path, head_dim, group)) % 2**32)
     lens = AWKWARD_LENGTHS[GRID.index((isa, path, head_dim, group)) % 3::3]
-    pool, table, slots, seq_lens, q, ks, vs = _case(rng, head_dim, group, lens)
+    pool, table, slots, seq_lens, q, ks, vs = random_case(rng, "int4", head_dim, group, lens)
     isa_forced(isa)
     int8_forced(path)
     out = pool.attend(1, q, table, seq_lens, n_threads=2)
@@ -126,7 +93,7 @@ def test_int4_matches_float64_reference(isa_forced, int8_forced, isa, path, head
 def test_int4_other_block_sizes(isa_forced, isa, block_size):
     """4 and 8 are not multiples of 16 (the reference path); 32 has two 16-token chunks per block."""
     rng = np.random.default_rng(block_size)
-    pool, table, slots, seq_lens, q, _, _ = _case(rng, 64, 3, [5, 40, 77], block_size=block_size)
+    pool, table, slots, seq_lens, q, _, _ = random_case(rng, "int4", 64, 3, [5, 40, 77], block_size=block_size)
     isa_forced(isa)
     dk, dv = _dequantised(pool, slots)
     atol = DEQUANT_FP32_ATOL if isa == "ref" or attention.int8_path() == "fp32" else DEQUANT_DOT_ATOL

@@ -6,20 +6,7 @@ import numpy as np
 import pytest
 
 from aiollm.kv.pool import KVConfig, KVPool, int8_logical
-
-
-def _expected(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(codes, fp16 scale) of rows x [..., D] (float32) by the definition, in float32 arithmetic."""
-    mag = np.abs(x)
-    amax = np.where(np.isnan(mag), np.float32(0), mag).max(axis=-1, keepdims=True).astype(np.float32)
-    s = amax / np.float32(127)
-    scale = np.where(np.isfinite(s) & (s > 65504), np.float32(65504), s).astype(np.float16)
-    back = scale.astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        inv = np.where((back > 0) & np.isfinite(back), np.float32(1) / back, np.float32(0)).astype(np.float32)
-        y = (x * inv).astype(np.float32)
-    y = np.where(np.isnan(y), np.float32(-127), np.clip(y, -127, 127))
-    return np.rint(y).astype(np.int8), scale[..., 0]
+from tests.native.conftest import assert_codes_equal_the_definition
 
 
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (16, 16), (24, 16), (5, 16), (5, 6)])
@@ -43,10 +30,4 @@ def test_int8_codes_and_scales_equal_the_definition(head_dim, block_size):
                            dtype="int8"))
     slots = rng.permutation(8 * block_size)[:n].astype(np.int64)
     pool.write(0, slots, x, v)
-    b, o = slots // block_size, slots % block_size
-    k_codes, v_codes = int8_logical(pool.k[0], pool.v[0])
-    for want_x, codes, scales in ((x, k_codes[b, :, :, o], pool.k_scale[0][b, :, o]),
-                                  (v, v_codes[b, :, o, :], pool.v_scale[0][b, :, o])):
-        want_codes, want_scales = _expected(want_x)
-        np.testing.assert_array_equal(codes, want_codes)
-        np.testing.assert_array_equal(scales.view(np.uint16), want_scales.view(np.uint16))
+    assert_codes_equal_the_definition(pool, slots, x, v, int8_logical, 127)
