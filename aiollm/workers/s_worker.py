@@ -331,7 +331,9 @@ class SWorker(Actor):
         for req in reqs:
             req.staged = len(req.seq.prompt)
             self.staging.reserve(req.seq, req.staged)
-        runner.prefill_into(self.model, self.staging, seqs)
+        # in a thread, so this node keeps answering (heartbeats, pulls, loads) meanwhile: 4096 prompt tokens take
+        # seconds on a slow host, and a loop silent past the heartbeat timeout made the R-workers drop this node
+        await asyncio.to_thread(runner.prefill_into, self.model, self.staging, seqs)
         self._started_now += len(reqs)
         for req in reqs:
             self._live[req.seq.request_id] = req
@@ -399,12 +401,13 @@ class SWorker(Actor):
                                        f"({self.config.staging_tokens} tokens)")
                 else:
                     placed.append(req)
-            self._restage(placed)
+            await self._restage(placed)
             self.recovered += len(placed)
             await asyncio.gather(*(self._admit(req) for req in placed))
 
-    def _restage(self, reqs: list[_Request]) -> None:
-        """Prefill prompt + output[:-1] of each real sequence into staging (the next step feeds output[-1])."""
+    async def _restage(self, reqs: list[_Request]) -> None:
+        """Prefill prompt + output[:-1] of each real sequence into staging (the next step feeds output[-1]), in a
+        thread as `_start` does."""
         real = [r for r in reqs if not r.synthetic]
         for req in real:
             req.staged = req.seq.length - 1
@@ -413,9 +416,13 @@ class SWorker(Actor):
             return
         slots = torch.tensor([slot for r in real for slot in self.staging.slots(r.seq, 0, r.staged)],
                              dtype=torch.int64)
-        with torch.inference_mode():
-            self.model.prefill([r.seq.prompt + r.seq.output[:-1] for r in real],
-                               kv_sink=lambda layer, k, v: self.staging.pool.write(layer, slots, k, v))
+        tokens = [r.seq.prompt + r.seq.output[:-1] for r in real]
+
+        def prefill() -> None:
+            with torch.inference_mode():
+                self.model.prefill(tokens, kv_sink=lambda layer, k, v: self.staging.pool.write(layer, slots, k, v))
+
+        await asyncio.to_thread(prefill)
 
     async def _step(self) -> None:
         live = list(self._live.values())

@@ -6,14 +6,17 @@ load-stabilising schedule, and also when one R-worker process is killed (SIGKILL
 sequences are re-prefilled onto the survivor); an R-worker at its budget refuses a sequence with a clear
 error and loses nothing it holds; a released sequence gives its blocks back."""
 import asyncio
+import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from aiollm.actors.node import NodeConfig
 from aiollm.errors import RemoteError
 from aiollm.graph import Graph
 from aiollm.model.engine import generate
@@ -21,6 +24,7 @@ from aiollm.model.loader import load
 from aiollm.model.sampling import SamplingParams
 from aiollm.sched.sls import SLSConfig
 from aiollm.workers.backend import GenerateRequest
+from aiollm.workers import runner
 from aiollm.workers.cluster_client import ClusterClient
 from aiollm.workers.fastdecode_messages import (
     Admit,
@@ -157,6 +161,31 @@ async def test_killed_r_worker_its_sequences_resume_on_the_survivor_with_the_sam
         assert 0 < trace.recovered <= len(PROMPTS) and len(trace.step_s) < max(MAX_TOKENS) + 120
         load = await graph.ref(urls[1]).ask(GetRLoad())
         assert load.sequences == 0 and load.blocks_used == 0
+
+
+async def test_a_prefill_longer_than_the_heartbeat_timeout_loses_no_r_worker(tiny, monkeypatch):
+    """The S-worker prefills off its event loop: with each prefill slowed past the cluster's heartbeat timeout its
+    node keeps answering heartbeats, so the R-worker processes keep it and the tokens are generate()'s. (Run on
+    the loop, a 4096-token prefill on a slow host kept it silent for seconds, and the R-workers dropped it.)"""
+    model, directory = tiny
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS[:3]]
+    expected = [c.token_ids for c in generate(model, PROMPTS[:3], params)]
+    prefill_into = runner.prefill_into
+
+    def slow_prefill(*args):
+        time.sleep(1.2)  # releases the GIL, as torch does: only a loop that waits on the call stalls
+        return prefill_into(*args)
+
+    monkeypatch.setattr(runner, "prefill_into", slow_prefill)
+    config = NodeConfig(secret=secrets.token_hex(32).encode(), heartbeat_interval=0.1, heartbeat_timeout=0.5)
+    async with Graph(config) as graph:
+        urls = await start_r_workers(graph, directory, 1, "4MiB")
+        s = await graph.driver.spawn(SWorker(model, urls, SWorkerConfig(max_batch=8)), "s")
+        client = ClusterClient(s.url)
+        await graph.driver.spawn(client, "client")
+        got = await asyncio.wait_for(_generate(client, PROMPTS[:3], params), 60)
+        assert got == expected
+        assert (await s.ask(GetTrace())).recovered == 0  # no R-worker was lost and re-placed
 
 
 async def test_r_worker_at_budget_refuses_and_keeps_what_it_holds(tiny):
