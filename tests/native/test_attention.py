@@ -2,6 +2,7 @@
 on the library's pool and on the OpenMP team (`on_gemm_team`)."""
 import itertools
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -50,7 +51,7 @@ def int8_forced():
 
 @pytest.mark.parametrize("isa,dtype,head_dim,group,int8_path", GRID)
 def test_matches_float64_reference(isa_forced, int8_forced, runner, isa, dtype, head_dim, group, int8_path):
-    rng = np.random.default_rng(hash((isa, dtype, head_dim, group)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((isa, dtype, head_dim, group)).encode()))  # not hash(): salted
     # every awkward length appears in each sequence set; the grid rotates which lengths share a batch
     lens = AWKWARD_LENGTHS[GRID.index((isa, dtype, head_dim, group, int8_path)) % 3::3]
     pool, table, _, seq_lens, q, ks, vs = random_case(rng, dtype, head_dim, group, lens)

@@ -2,6 +2,7 @@
 float64 reference of the dequantised K/V (what the kernel must compute) on every ISA and int8 path, and against
 fp32 K/V (what the quantisation costs); and the arguments int4 refuses."""
 import itertools
+import zlib
 
 import numpy as np
 import pytest
@@ -16,8 +17,10 @@ DEQUANT_DOT_ATOL = 0.05  # int8 dot products (MADD): q quantised per row to 1/25
 #                          each chunk's softmax weights to 1/254 of the chunk's largest; seen <= 0.025
 # int4 vs fp32 K/V: each element moves by up to max|row| / 14 (~0.25 for N(0,1) rows of 64). Over a few tokens
 # the output carries that error unaveraged and K's error shifts the weights too; over hundreds it averages out.
-FP32_KV_ATOL_SHORT = 0.6  # lengths < 64: seen <= 0.44 (length 3), over the grid's head dims and groups
-FP32_KV_ATOL_LONG = 0.12  # lengths >= 64: seen <= 0.07 (255), 0.034 (1023), 0.017 (4097)
+# How far depends on how few tokens the softmax leans on; measured over 60 random cases and the grid:
+FP32_KV_ATOL_SHORT = 0.6  # lengths < 64: seen <= 0.44 (length 3)
+FP32_KV_ATOL_MID = 0.45  # lengths 64-511: seen <= 0.31 (100), 0.18 (64), 0.13 (255)
+FP32_KV_ATOL_LONG = 0.12  # lengths >= 512: seen <= 0.046 (1023), 0.017 (4097)
 
 AWKWARD_LENGTHS = [1, 3, 15, 16, 17, 33, 255, 1023, 4097]
 ISAS = attention.supported_isas()
@@ -72,7 +75,7 @@ def _dequantised(pool: KVPool, slots: list[np.ndarray]) -> tuple[list[np.ndarray
 
 @pytest.mark.parametrize("isa,path,head_dim,group", GRID)
 def test_int4_matches_float64_reference(isa_forced, int8_forced, isa, path, head_dim, group):
-    rng = np.random.default_rng(hash((isa, path, head_dim, group)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((isa, path, head_dim, group)).encode()))  # not hash(): salted
     lens = AWKWARD_LENGTHS[GRID.index((isa, path, head_dim, group)) % 3::3]
     pool, table, slots, seq_lens, q, ks, vs = random_case(rng, "int4", head_dim, group, lens)
     isa_forced(isa)
@@ -84,7 +87,7 @@ def test_int4_matches_float64_reference(isa_forced, int8_forced, isa, path, head
     np.testing.assert_allclose(out, reference(q, dk, dv), rtol=0, atol=atol)
     exact = reference(q, ks, vs)
     for i, n in enumerate(lens):
-        atol = FP32_KV_ATOL_SHORT if n < 64 else FP32_KV_ATOL_LONG
+        atol = FP32_KV_ATOL_SHORT if n < 64 else FP32_KV_ATOL_MID if n < 512 else FP32_KV_ATOL_LONG
         np.testing.assert_allclose(out[i], exact[i], rtol=0, atol=atol, err_msg=f"length {n}")
 
 
