@@ -43,8 +43,8 @@ shows whether the default still suits the host it ran on.
 int4 (two codes a byte, the same fp16 scales) reads 68 bytes per token and kv head at d=64 against int8's 132 and
 fp16's 256 (d=128: 132, 260, 512): at one rate of bytes it would reach ~1.9x int8's tokens/s and ~3.8x fp16's.
 int4_x_fp16 and int4_x_int8 (best rounds; *_paired the medians of the same round's ratio) show how much of that
-the kernel keeps (on a CPU without AVX-512 it runs the AVX2 kernel's MADD dot products, as int4 does on every CPU
-for now); hot_int4_*_gbs and alu_share_int4 show whether its arithmetic binds.
+the kernel keeps (VNNI dot products on AVX-512 CPUs with VNNI, else the AVX2 kernel's MADD ones);
+hot_int4_*_gbs and alu_share_int4 show whether its arithmetic binds.
 
 Block tables are contiguous per sequence (what a freshly admitted batch gets from BlockAllocator); the
 fp16 2-thread figure is also given for shuffled tables (single scattered blocks: the worst case of a fragmented pool; `python -m bench kvalloc` measures the tables a churned pool really hands out). Shapes whose fp16 KV exceeds

@@ -1,5 +1,5 @@
 /* AVX-512 kernel body, included by attn_avx512.c (WITH_VNNI 0: fp32/fp16/int8 in fp32 math) and by
- * attn_avx512_vnni.c (WITH_VNNI 1: int8 K scores as int8 dot products). The includer defines T512 (the
+ * attn_avx512_vnni.c (WITH_VNNI 1: int8 and int4 K scores and P x V as int8 dot products). The includer defines T512 (the
  * target attribute) and WITH_VNNI; everything here is static, so each object file gets its own copy. */
 #include <immintrin.h>
 #include "attn_internal.h"
@@ -171,6 +171,33 @@ T512 INLINE void scores_vnni(const char *kt, int64_t col, int64_t BS, int D, con
         out[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(qsc[g]));
     }
 }
+
+/* int4 K: each 64-byte line of a K tile row pair holds two int8-layout rows (dims d..d+3 in the low nibbles, d+4..d+7
+ * in the high ones; attn_internal.h), stored unsigned (c + 8), so two masks give vpdpbusd's unsigned operand with no
+ * sign moves and corr = 8 * sum(q) removes the offset. One iteration: two row pairs, 16 dims of 16 tokens. */
+T512 INLINE void scores_vnni4(const char *kt, int64_t col, int64_t BS, int D, const int32_t *q4, const int32_t *corr,
+                               const float *qsc, int GB, __m512 *out, const char *pk, const char *pv) {
+    const __m512i nib = _mm512_set1_epi8(15);
+    __m512i acc0[4], acc1[4], acc2[4], acc3[4];
+    for (int g = 0; g < GB; g++) acc0[g] = acc1[g] = acc2[g] = acc3[g] = _mm512_setzero_si512();
+    const char *kp = kt + col * 4;
+    for (int j = 0; j < D / 4; j += 4, kp += 8 * BS) {
+        if (pk) spread_prefetch(&pk, &pv, 8 * BS);
+        const __m512i p0 = _mm512_loadu_si512((const void *)kp), p1 = _mm512_loadu_si512((const void *)(kp + 4 * BS));
+        const __m512i k0 = _mm512_and_si512(p0, nib), k1 = _mm512_and_si512(_mm512_srli_epi16(p0, 4), nib);
+        const __m512i k2 = _mm512_and_si512(p1, nib), k3 = _mm512_and_si512(_mm512_srli_epi16(p1, 4), nib);
+        for (int g = 0; g < GB; g++) {
+            acc0[g] = _mm512_dpbusd_epi32(acc0[g], k0, _mm512_set1_epi32(q4[g * (D / 4) + j]));
+            acc1[g] = _mm512_dpbusd_epi32(acc1[g], k1, _mm512_set1_epi32(q4[g * (D / 4) + j + 1]));
+            acc2[g] = _mm512_dpbusd_epi32(acc2[g], k2, _mm512_set1_epi32(q4[g * (D / 4) + j + 2]));
+            acc3[g] = _mm512_dpbusd_epi32(acc3[g], k3, _mm512_set1_epi32(q4[g * (D / 4) + j + 3]));
+        }
+    }
+    for (int g = 0; g < GB; g++) {
+        const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(_mm512_add_epi32(acc0[g], acc1[g]), _mm512_add_epi32(acc2[g], acc3[g])), _mm512_set1_epi32(corr[g]));
+        out[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(qsc[g]));
+    }
+}
 #endif
 
 /* acc[g][16*(dv..dv+VC)] = alpha[g] * acc + sum over the chunk's nv tokens of pb[g][t] * V row t. pv / pvf:
@@ -239,6 +266,20 @@ T512 INLINE void quantise_p(const float *pb, int GB, uint8_t *pq, float *psc) {
     }
 }
 
+/* acc[g][16*(dv..dv+VC)] = alpha[g] * acc + psc[g] * ai[g]: one chunk's int32 V sums back into the fp32 output. */
+T512 INLINE void rescale_add(__m512i ai[4][8], int D, int dv, int VC, const float *psc, const float *alpha, float *acc,
+                             int GB) {
+    for (int g = 0; g < GB; g++) {
+        const __m512 al = _mm512_set1_ps(alpha[g]), sc = _mm512_set1_ps(psc[g]);
+        const int same = alpha[g] == 1.0f; /* the max rarely moves: no rescale multiply */
+        for (int v = 0; v < VC; v++) {
+            float *f = acc + g * D + (dv + v) * 16;
+            const __m512 x = _mm512_loadu_ps(f);
+            _mm512_storeu_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[g][v]), sc, same ? x : _mm512_mul_ps(x, al)));
+        }
+    }
+}
+
 /* int8 V, dims [16 dv, 16 (dv + VC)): sum over the chunk's 16 tokens of p[g][t] * V row t as int8 dot products.
  * pf (phased items: the V tile the near distance ahead, else NULL): each line of it asked for as the same line of
  * this tile is read.
@@ -263,15 +304,39 @@ T512 INLINE void vaccum_vnni(const char *vt, int64_t row0, int D, int dv, int VC
             for (int g = 0; g < GB; g++) ai[g][v] = _mm512_dpbusd_epi32(ai[g][v], w[g], x);
         }
     }
-    for (int g = 0; g < GB; g++) {
-        const __m512 al = _mm512_set1_ps(alpha[g]), sc = _mm512_set1_ps(psc[g]);
-        const int same = alpha[g] == 1.0f; /* the max rarely moves: no rescale multiply */
-        for (int v = 0; v < VC; v++) {
-            float *f = acc + g * D + (dv + v) * 16;
-            const __m512 x = _mm512_loadu_ps(f);
-            _mm512_storeu_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[g][v]), sc, same ? x : _mm512_mul_ps(x, al)));
+    rescale_add(ai, D, dv, VC, psc, alpha, acc, GB);
+}
+
+/* int4 V, dims [16 dv, 16 (dv + VC)), dv and VC even: a 4-token row of an int4 V tile is 2 * D bytes, and its
+ * 64-byte line k holds the int8 layout's slabs 2 k (low nibbles) and 2 k + 1 (high), so one load and two masks give
+ * two slabs; the codes (c + 8) become signed (c) for vpdpbusd's signed operand. Otherwise as vaccum_vnni, whose
+ * rescale is rescale_add. */
+T512 INLINE void vaccum_vnni4(const char *vt, int64_t row0, int D, int dv, int VC, const uint8_t *pq, const float *psc,
+                              const float *alpha, float *acc, int GB, const char *pf) {
+    const __m512i nib = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
+    __m512i ai[4][8];
+    for (int g = 0; g < GB; g++)
+        for (int v = 0; v < VC; v++) ai[g][v] = _mm512_setzero_si512();
+    for (int tg = 0; tg < 4; tg++) {
+        const char *r = vt + (row0 + tg * 4) * (D / 2) + dv * 32;
+        __m512i w[4];
+        for (int g = 0; g < GB; g++) {
+            int32_t word;
+            memcpy(&word, pq + g * 16 + tg * 4, 4);
+            w[g] = _mm512_set1_epi32(word);
+        }
+        for (int v = 0; v < VC; v += 2) {
+            if (pf) _mm_prefetch(pf + (r - vt) + v * 32, _MM_HINT_T0);
+            const __m512i x = _mm512_loadu_si512((const void *)(r + v * 32));
+            const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(x, nib), eight);
+            const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(x, 4), nib), eight);
+            for (int g = 0; g < GB; g++) {
+                ai[g][v] = _mm512_dpbusd_epi32(ai[g][v], w[g], lo);
+                ai[g][v + 1] = _mm512_dpbusd_epi32(ai[g][v + 1], w[g], hi);
+            }
         }
     }
+    rescale_add(ai, D, dv, VC, psc, alpha, acc, GB);
 }
 #endif
 
@@ -290,7 +355,15 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const 
         __m512 s[4];
         const char *pkg = g0 ? NULL : pk, *pvg = g0 ? NULL : pv; /* the first q-head block carries the prefetch */
 #if WITH_VNNI
-        if (q4) {
+        if (q4 && dt == AIOLLM_DT_I4) {
+            const int32_t *qg = q4 + g0 * (D / 4), *cg = corr + g0;
+            switch (gb) {
+            case 1: scores_vnni4(kt, c * 16, BS, D, qg, cg, qsc + g0, 1, s, pkg, pvg); break;
+            case 2: scores_vnni4(kt, c * 16, BS, D, qg, cg, qsc + g0, 2, s, pkg, pvg); break;
+            case 3: scores_vnni4(kt, c * 16, BS, D, qg, cg, qsc + g0, 3, s, pkg, pvg); break;
+            default: scores_vnni4(kt, c * 16, BS, D, qg, cg, qsc + g0, 4, s, pkg, pvg); break;
+            }
+        } else if (q4) {
             const int32_t *qg = q4 + g0 * (D / 4), *cg = corr + g0;
             switch (gb) {
             case 1: scores_vnni(kt, c * 16, BS, D, qg, cg, qsc + g0, 1, s, pkg, pvg); break;
@@ -316,7 +389,7 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const 
         }
         for (int g = 0; g < gb; g++) {
             __m512 sc = s[g];
-            if (dt == AIOLLM_DT_I8) sc = _mm512_mul_ps(sc, ld16(AIOLLM_DT_F16, ks, c * 16));
+            if (kv_quantised(dt)) sc = _mm512_mul_ps(sc, ld16(AIOLLM_DT_F16, ks, c * 16));
             sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), sc);
             /* The max rarely moves after a few chunks: one compare decides, and only then the horizontal max
              * and the rescale run. l is kept as 16 lane sums (reduced once per item), so the common path has
@@ -336,7 +409,7 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const 
             _mm512_store_ps(l + (g0 + g) * 16, _mm512_add_ps(lv, p));
             m[g0 + g] = mn;
             alpha[g0 + g] = al;
-            if (dt == AIOLLM_DT_I8) p = _mm512_mul_ps(p, _mm512_maskz_mov_ps(mask, ld16(AIOLLM_DT_F16, vs, c * 16)));
+            if (kv_quantised(dt)) p = _mm512_mul_ps(p, _mm512_maskz_mov_ps(mask, ld16(AIOLLM_DT_F16, vs, c * 16)));
             _mm512_store_ps(pb + (g0 + g) * 16, p);
         }
     }
@@ -346,26 +419,27 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const 
  * the V tiles to prefetch near / far (see vaccum; int8 takes pv only, from phased items). */
 T512 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int D, const float *pb, const float *alpha,
                               float *acc, int vnni, const char *pv, const char *pvf) {
-/* call(VC, GB) over dims in slabs of 4 x 16 (8 x 16 for a single q head, then 1 x 16) and q heads in blocks of 4.
+/* call(VC, GB) over dims in slabs of 4 x 16 (8 x 16 for a single q head, then NW x 16: 1 for int8, 2 for int4,
+ * whose lines hold slabs in pairs) and q heads in blocks of 4.
  * One q head takes 8: a 4-wide slab read each 4-token row of an int8 V tile in two passes (bytes 0-255 of the 4
  * rows, then 256-511 at head_dim 128), which the hardware prefetcher followed badly: Llama int8 64 x 1024 from
  * DRAM (2 threads, paired A/B on the Zen 5 host) 0.78 -> 0.89 of the read kernel, 0.92 with the near distance
  * of 4 KiB below (in L2 ~5 % slower, within that host's noise). */
-#define VSLABS(call)                                                                                             \
+#define VSLABS(call, NW)                                                                                         \
     for (int g0 = 0; g0 < G; g0 += 4) {                                                                          \
         const int gb = G - g0 < 4 ? G - g0 : 4;                                                                  \
         for (int dv = 0; dv < D / 16;) {                                                                         \
-            const int vc = gb == 1 && D / 16 - dv >= 8 ? 8 : D / 16 - dv >= 4 ? 4 : 1;                           \
+            const int vc = gb == 1 && D / 16 - dv >= 8 ? 8 : D / 16 - dv >= 4 ? 4 : NW;                          \
             switch (gb * 8 + vc) {                                                                               \
             case 16: call(8, 1); break;                                                                          \
             case 12: call(4, 1); break;                                                                          \
             case 20: call(4, 2); break;                                                                          \
             case 28: call(4, 3); break;                                                                          \
             case 36: call(4, 4); break;                                                                          \
-            case 9: call(1, 1); break;                                                                           \
-            case 17: call(1, 2); break;                                                                          \
-            case 25: call(1, 3); break;                                                                          \
-            default: call(1, 4); break;                                                                          \
+            case 8 + NW: call(NW, 1); break;                                                                     \
+            case 16 + NW: call(NW, 2); break;                                                                    \
+            case 24 + NW: call(NW, 3); break;                                                                    \
+            default: call(NW, 4); break;                                                                         \
             }                                                                                                    \
             dv += vc;                                                                                            \
         }                                                                                                        \
@@ -377,14 +451,17 @@ T512 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int 
         float psc[AIOLLM_MAX_GROUP];
         quantise_p(pb, G, pq, psc);
 #define VNNI_CALL(VC, GB) vaccum_vnni(vt, c * 16, D, dv, VC, pq + g0 * 16, psc + g0, alpha + g0, acc + g0 * D, GB, g0 ? NULL : pv)
-        VSLABS(VNNI_CALL)
+#define VNNI4_CALL(VC, GB) vaccum_vnni4(vt, c * 16, D, dv, VC, pq + g0 * 16, psc + g0, alpha + g0, acc + g0 * D, GB, g0 ? NULL : pv)
+        if (dt == AIOLLM_DT_I4) VSLABS(VNNI4_CALL, 2)
+        else VSLABS(VNNI_CALL, 1)
+#undef VNNI4_CALL
 #undef VNNI_CALL
         return;
     }
 #endif
     if (dt == AIOLLM_DT_I8) {
 #define I8_CALL(VC, GB) vaccum_i8(vt, c * 16, nv, D, dv, VC, pb + g0 * 16, alpha + g0, acc + g0 * D, GB, g0 ? NULL : pv)
-        VSLABS(I8_CALL)
+        VSLABS(I8_CALL, 1)
 #undef I8_CALL
         return;
     }
@@ -417,8 +494,8 @@ T512 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int 
 }
 
 /* q rows as int8 for the int8 dot products: per row scale max|q| / 127, 4 dims packed per int32, and
- * corr = 128 * sum(q_int8) (the K bytes are offset by 128 to be unsigned). */
-T512 INLINE void quantise_q(const float *qs, int rows, int D, int32_t *q4, int32_t *corr, float *qsc) {
+ * corr = offset * sum(q_int8) (the K bytes are offset to be unsigned: int8 by 128, int4's codes by 8). */
+T512 INLINE void quantise_q(const float *qs, int rows, int D, int32_t offset, int32_t *q4, int32_t *corr, float *qsc) {
     /* Vectorised (16 dims at a time, D is a multiple of 16): the scalar lrintf / fmaxf loop went through libm
      * calls, ~4 % of an item at context 1024. cvtps_epi32 rounds to nearest even, as lrintf does. */
     for (int r = 0; r < rows; r++) {
@@ -432,7 +509,7 @@ T512 INLINE void quantise_q(const float *qs, int rows, int D, int32_t *q4, int32
             sum = _mm512_add_epi32(sum, v);
             _mm_storeu_si128((__m128i *)(q4 + r * (D / 4) + d / 4), _mm512_cvtsepi32_epi8(v));
         }
-        corr[r] = 128 * _mm512_reduce_add_epi32(sum);
+        corr[r] = offset * _mm512_reduce_add_epi32(sum);
         qsc[r] = amax / 127.0f;
     }
 }
@@ -444,6 +521,7 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
     const aiollm_kv_layer *kv = a->kv;
     const int G = a->group, D = Dc ? Dc : kv->head_dim, BS = BSc ? BSc : kv->block_size, NH = h1 - h0, GD = G * D;
     const int64_t es = dt == AIOLLM_DT_F32 ? 4 : dt == AIOLLM_DT_F16 ? 2 : 1;
+    const int64_t tile_bytes = dt == AIOLLM_DT_I4 ? D * BS / 2 : D * BS * es; /* one (block, head) tile of K or V */
     const int32_t n = a->seq_lens[seq], n_used = (n + BS - 1) / BS;
     const int32_t *table = a->block_tables + (int64_t)seq * a->max_blocks;
     const float *q = a->q + seq * a->q_seq_stride + (int64_t)h0 * GD;
@@ -462,7 +540,7 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
         _mm512_store_ps(qs + i, _mm512_mul_ps(_mm512_loadu_ps(q + i), _mm512_set1_ps(a->scale)));
         _mm512_store_ps(acc + i, _mm512_setzero_ps());
     }
-    if (vnni) quantise_q(qs, NH * G, D, q4, corr, qsc);
+    if (vnni) quantise_q(qs, NH * G, D, dt == AIOLLM_DT_I4 ? 8 : 128, q4, corr, qsc);
     /* int8 (compute-bound: half the bytes of fp16 per token) runs per chunk the scores of every head of the
      * item first, then every head's V accumulation: each head's V work waits on a softmax finished several heads
      * earlier, so the out-of-order core overlaps the heads' dependency chains (dot products -> max -> exp ->
@@ -471,18 +549,21 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
      * the item's K tiles of one chunk fit in PHASE_I8_BYTES: the V lines the score loop asks L1 for must survive
      * the other heads' K reads until the V phase. Zen 4 host, paired in-process A/B from DRAM, 2 threads: Llama
      * (32 heads x 2 KiB) 64 x 1024 / 64 x 4096 0.73 / 0.82 of the read phased, 0.81 / 0.90 not (groups of 2 heads
-     * 0.79 / 0.88, of 4 0.75 / 0.83); SmolLM2 (3 x 1 KiB) phased stays 0-6 % faster (in L2 and from DRAM). */
-    const int phased = dt == AIOLLM_DT_I8 && (int64_t)NH * D * BS <= PHASE_I8_BYTES;
+     * 0.79 / 0.88, of 4 0.75 / 0.83); SmolLM2 (3 x 1 KiB) phased stays 0-6 % faster (in L2 and from DRAM).
+     * int4 (kv_quantised) is laid out and run as int8 is, in half the bytes. */
+    const int phased = kv_quantised(dt) && NH * tile_bytes <= PHASE_I8_BYTES;
     /* Phased items ask for each head's V tile ahead during its V phase (like fp16), not in the score loop:
      * Zen 5 host, paired A/B from DRAM, SmolLM2 256 x 4096 / 256 x 1024 int8, 2 threads, 0.90 / 0.95 -> 0.98 /
      * 1.04 of the read kernel (1 thread +1 %); unphased Llama items keep both in the score loop (this way round
      * 3 % slower on 2 threads). */
-    const char *vnext[PHASE_I8_BYTES / 16] = {0}; /* phased: NH * 16 * 16 <= NH * D * BS, D >= 16 */
+    const char *vnext[PHASE_I8_BYTES / 16] = {0}; /* phased: NH * 16 * 16 <= NH * tile_bytes, D >= 16 (int4: 32) */
     /* fp16/fp32 far prefetch distance in tiles: PF_FAR_BYTES of one tile array ahead, past the near level */
     const int32_t far_tiles = (int32_t)(PF_FAR_BYTES / (D * BS * es));
     const int32_t pf_far = far_tiles > PF_NEAR ? far_tiles : PF_NEAR + 1;
-    /* int8 near distance in tiles: PF_NEAR_I8_BYTES of one tile array ahead, at least one tile */
-    const int32_t near_i8 = PF_NEAR_I8_BYTES / (D * BS) > 1 ? (int32_t)(PF_NEAR_I8_BYTES / (D * BS)) : 1;
+    /* int8 / int4 near distance in tiles: PF_NEAR_I8_BYTES of one tile array ahead, at least one tile; far: the
+     * bytes of PF_FAR_I8 int8 tiles */
+    const int32_t near_i8 = PF_NEAR_I8_BYTES / tile_bytes > 1 ? (int32_t)(PF_NEAR_I8_BYTES / tile_bytes) : 1;
+    const int32_t far_i8 = (int32_t)(PF_FAR_I8 * D * BS / tile_bytes);
     for (int32_t blk = 0; blk < n_used; blk++) {
         const int64_t block = table[blk];
         for (int c = 0; c * 16 < BS; c++) {
@@ -490,38 +571,38 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
             if (nv <= 0) break;
             const int w = nv > 16 ? 16 : nv;
             for (int h = 0; h < NH; h++) {
-                const char *kt = (const char *)kv->k + kv_tile(kv, block, h0 + h) * es;
-                const uint16_t *ks = dt == AIOLLM_DT_I8 ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
-                const uint16_t *vs = dt == AIOLLM_DT_I8 ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
+                const char *kt = (const char *)kv->k + kv_tile_bytes(kv, dt, block, h0 + h);
+                const uint16_t *ks = kv_quantised(dt) ? kv->k_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
+                const uint16_t *vs = kv_quantised(dt) ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
                 /* Tiles ahead in this item's order (heads inner). The K tiles are prefetched by the first chunk's
                  * score loop (it covers whole K rows); the V tiles by every chunk's V loop (its own rows). */
                 const char *pk = NULL, *pv = NULL, *vn = NULL, *vf = NULL;
                 const int32_t t0 = blk * NH + h;
-                if (dt == AIOLLM_DT_I8) {
+                if (kv_quantised(dt)) {
                     const int32_t nblk = (t0 + near_i8) / NH, nh = h0 + (t0 + near_i8) % NH;
-                    const int64_t next = nblk < n_used ? kv_tile(kv, table[nblk], nh) * es : -1;
+                    const int64_t next = nblk < n_used ? kv_tile_bytes(kv, dt, table[nblk], nh) : -1;
                     if (phased) vnext[h] = next >= 0 ? (const char *)kv->v + next : NULL;
                     if (c == 0 && next >= 0) {
                         pk = (const char *)kv->k + next, pv = phased ? NULL : (const char *)kv->v + next;
                         _mm_prefetch((const char *)(kv->k_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
                         _mm_prefetch((const char *)(kv->v_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
                     }
-                    const int32_t fblk = (t0 + PF_FAR_I8) / NH, fh = h0 + (t0 + PF_FAR_I8) % NH;
+                    const int32_t fblk = (t0 + far_i8) / NH, fh = h0 + (t0 + far_i8) % NH;
                     if (a->far_prefetch && c == 0 && fblk < n_used) {
-                        const int64_t far = kv_tile(kv, table[fblk], fh) * es;
+                        const int64_t far = kv_tile_bytes(kv, dt, table[fblk], fh);
                         const char *fk = (const char *)kv->k + far, *fv = (const char *)kv->v + far;
-                        prefetch_walk(&fk, (int64_t)D * BS, _MM_HINT_T1);
-                        prefetch_walk(&fv, (int64_t)D * BS, _MM_HINT_T1);
+                        prefetch_walk(&fk, tile_bytes, _MM_HINT_T1);
+                        prefetch_walk(&fv, tile_bytes, _MM_HINT_T1);
                     }
                 } else {
                     const int32_t nb = (t0 + PF_NEAR) / NH, fb = (t0 + pf_far) / NH;
                     if (nb < n_used) {
-                        const int64_t at = kv_tile(kv, table[nb], h0 + (t0 + PF_NEAR) % NH) * es;
+                        const int64_t at = kv_tile_bytes(kv, dt, table[nb], h0 + (t0 + PF_NEAR) % NH);
                         vn = (const char *)kv->v + at;
                         if (c == 0) pk = (const char *)kv->k + at;
                     }
                     if (a->far_prefetch && fb < n_used) {
-                        const int64_t at = kv_tile(kv, table[fb], h0 + (t0 + pf_far) % NH) * es;
+                        const int64_t at = kv_tile_bytes(kv, dt, table[fb], h0 + (t0 + pf_far) % NH);
                         vf = (const char *)kv->v + at;
                         if (c == 0) pv = (const char *)kv->k + at; /* the far K tile rides in chunk_scores' pv */
                     }
@@ -531,11 +612,11 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                 const float *qh = qsc + h * G;
                 chunk_scores(dt, kt, ks, vs, c, w, G, D, BS, qs + h * GD, mh, lh, q4h, ch, qh, pk, pv, pbh, alh);
                 if (!phased)
-                    chunk_values(dt, (const char *)kv->v + kv_tile(kv, block, h0 + h) * es, c, w, G, D, pbh, alh,
+                    chunk_values(dt, (const char *)kv->v + kv_tile_bytes(kv, dt, block, h0 + h), c, w, G, D, pbh, alh,
                                  acc + h * GD, vnni, vn, vf);
             }
             for (int h = 0; phased && h < NH; h++) {
-                const char *vt = (const char *)kv->v + kv_tile(kv, block, h0 + h) * es;
+                const char *vt = (const char *)kv->v + kv_tile_bytes(kv, dt, block, h0 + h);
                 const float *pbh = pb + h * G * 16, *alh = alpha + h * G;
                 chunk_values(dt, vt, c, w, G, D, pbh, alh, acc + h * GD, vnni, vnext[h], NULL);
             }

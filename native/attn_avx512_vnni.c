@@ -1,5 +1,6 @@
-/* AVX-512 int8 with VNNI (Cascade Lake and later): K scores and P x V as int8 dot products (vpdpbusd) on a per-row
- * int8 copy of q and per-chunk u8 weights, 4 bytes per lane instead of one convert + FMA per element.
+/* AVX-512 int8 and int4 with VNNI (Cascade Lake and later): K scores and P x V as int8 dot products (vpdpbusd) on a
+ * per-row int8 copy of q and per-chunk u8 weights, 4 bytes per lane instead of one convert + FMA per element; int4
+ * unpacks each line of codes into two int8-layout lines with two masks and runs the same way.
  * AMX-INT8 tiles for the group's QK^T (one TDPBSSD per 64 dims) and P x V (one TDPBUSD per 16 dims) were tried
  * and measured slower here: SmolLM2 64 x 1024, 1 thread 2.36 ms vs 1.52 ms with vpdpbusd (2 threads 1.24 vs
  * 0.88): with 3 q rows per tile and the scores needed back in zmm registers for the softmax every 16 tokens,
@@ -9,5 +10,7 @@
 #include "attn_avx512_impl.h"
 
 ITEM_SPECIALISED(item_i8_vnni, AIOLLM_DT_I8, 1)
+ITEM_SPECIALISED(item_i4_vnni, AIOLLM_DT_I4, 1)
 
 T512 void attn_item_i8_vnni(const attn_args *a, int32_t seq, int32_t h0, int32_t h1) { item_i8_vnni(a, seq, h0, h1); }
+T512 void attn_item_i4_vnni(const attn_args *a, int32_t seq, int32_t h0, int32_t h1) { item_i4_vnni(a, seq, h0, h1); }

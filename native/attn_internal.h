@@ -30,6 +30,7 @@ typedef void (*attn_item_fn)(const attn_args *a, int32_t seq, int32_t h0, int32_
 void attn_item_ref(const attn_args *a, int32_t seq, int32_t h0, int32_t h1);
 void attn_item_avx2(const attn_args *a, int32_t seq, int32_t h0, int32_t h1);
 void attn_item_avx512(const attn_args *a, int32_t seq, int32_t h0, int32_t h1);
+void attn_item_i4_vnni(const attn_args *a, int32_t seq, int32_t h0, int32_t h1); /* AVX-512 VNNI int4 */
 
 /* Read-bandwidth kernels: fp32 sum of n64 * 64 bytes. */
 double read_sum_ref(const void *buf, int64_t n64);

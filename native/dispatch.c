@@ -208,14 +208,17 @@ static void split_heads(attn_job *job, int32_t n_seqs, int32_t n_threads) {
     job->n_splits = splits;
 }
 
-/* int4 runs int8 dot products only, on the AVX2 kernel's MADD path (vpmaddubsw + vpmaddwd; also on AVX-512 CPUs,
- * which all have AVX2), or fp32 math on the portable reference where the ISA is the reference, the shape is not a
- * SIMD one, or the int8 path is forced to fp32 (a SIMD fp32-math int4 kernel would convert each code to fp32, the
- * work the dot products avoid). An AVX-512 VNNI int4 kernel is not built: written on a host without AVX-512, it
- * could not be run or tested there. */
+/* int4 runs int8 dot products only: VNNI on the AVX-512 kernel where the int8 path is VNNI, else the AVX2 kernel's
+ * MADD path (vpmaddubsw + vpmaddwd; every AVX-512 CPU has AVX2), or fp32 math on the portable reference where the
+ * ISA is the reference, the shape is not a SIMD one, or the int8 path is forced to fp32 (a SIMD fp32-math int4
+ * kernel would convert each code to fp32, the work the dot products avoid). A GQA group of 1 on Zen 5 takes MADD,
+ * as int8 does there (int8_group1_madd). */
 static void int4_kernel(attn_job *job, int isa, int simd_shape) {
     if (!simd_shape || isa == AIOLLM_ISA_REF || job->args.int8_dot == AIOLLM_INT8_FP32) {
         job->fn = attn_item_ref;
+    } else if (isa == AIOLLM_ISA_AVX512 && job->args.int8_dot == AIOLLM_INT8_VNNI &&
+               !int8_group1_madd(isa, job->args.int8_dot, job->args.group)) {
+        job->fn = attn_item_i4_vnni;
     } else {
         job->fn = attn_item_avx2;
         job->args.int8_dot = AIOLLM_INT8_MADD;
