@@ -21,6 +21,8 @@ int aiollm_cpu_far_prefetch_default(void);
 /* 1 where an int8 GQA group of 1 runs the AVX2 kernel's MADD dot products, not AVX-512 VNNI (AMD family 0x1A and
  * later), unless an ISA or an int8 path is forced. */
 int aiollm_cpu_int8_group1_madd(void);
+/* Bytes of int8 tiles the AVX-512 kernel's int8 / int4 items prefetch into L1 ahead (8192 on AMD Zen 4, else 4096). */
+int aiollm_cpu_int8_near_bytes(void);
 
 /* ---- status codes: every entry point that can fail returns one ---- */
 #define AIOLLM_OK 0

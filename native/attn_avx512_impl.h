@@ -44,9 +44,8 @@ T512 INLINE __m512 exp512_fast(__m512 x) {
  * prefetch, attn_avx512.c), 1 / 2 threads: SmolLM2 64 x 4096 0.85 -> 0.89 / 0.79 -> 0.86, 256 x 1024
  * 0.84 -> 0.93 / 0.83 -> 0.92, Llama 32 x 2048 0.81 -> 0.95 / 0.77 -> 0.86 (far 4 and 8 within noise; a burst
  * of far prefetches at each item's start gained nothing).
- * int8 spreads its L1 requests PF_NEAR_I8_BYTES of each tile array ahead (whole tiles, at least one) over the
- * score loop (below; 4 KiB: Llama's 2 KiB int8 tiles read 0.92 of the read kernel 2 tiles ahead and 0.89 at 4,
- * SmolLM2's 1 KiB ones 0.93 at 4 and 0.92 at 2, Zen 5 host; earlier 4 tiles for every shape) and asks L2 for the whole K
+ * int8 spreads its L1 requests attn_args.near_i8_bytes of int8 tiles ahead (whole tiles, at least one; per CPU,
+ * aiollm_cpu_int8_near_bytes in native/cpu.c: 4 KiB, 8 KiB on Zen 4) over the score loop (below) and asks L2 for the whole K
  * and V tiles PF_FAR_I8 ahead (the same bytes ahead as fp16's far level) once per tile. On a host whose memory
  * gave a core ~14 GB/s the far level measured slower (SmolLM2 64 x 4096 int8 / fp16 1.97 -> 1.82: compute-bound,
  * the prefetches were extra instructions); on one giving a core 22-31 GB/s the L1 level alone kept int8 at
@@ -75,7 +74,6 @@ T512 INLINE __m512 exp512_fast(__m512 x) {
 #ifndef PF_FAR_BYTES
 #define PF_FAR_BYTES 8192
 #endif
-#define PF_NEAR_I8_BYTES 4096
 #define PF_FAR_I8 16
 #define PHASE_I8_BYTES 4096 /* int8 items phase scores and V per chunk while their heads' K tiles fit (item) */
 
@@ -560,10 +558,9 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
     /* fp16/fp32 far prefetch distance in tiles: PF_FAR_BYTES of one tile array ahead, past the near level */
     const int32_t far_tiles = (int32_t)(PF_FAR_BYTES / (D * BS * es));
     const int32_t pf_far = far_tiles > PF_NEAR ? far_tiles : PF_NEAR + 1;
-    /* int8 / int4 near distance in tiles: PF_NEAR_I8_BYTES of one tile array ahead, at least one tile; far: the
-     * bytes of PF_FAR_I8 int8 tiles */
-    const int32_t near_i8 = PF_NEAR_I8_BYTES / tile_bytes > 1 ? (int32_t)(PF_NEAR_I8_BYTES / tile_bytes) : 1;
-    const int32_t far_i8 = (int32_t)(PF_FAR_I8 * D * BS / tile_bytes);
+    /* int8 / int4 near distance in tiles: near_i8_bytes of int8 tiles (int4 the same count of its half-size tiles:
+     * the compute per tile, which must cover the memory's latency, is the same), at least one tile */
+    const int32_t near_i8 = a->near_i8_bytes / (D * BS) > 1 ? a->near_i8_bytes / (D * BS) : 1;
     for (int32_t blk = 0; blk < n_used; blk++) {
         const int64_t block = table[blk];
         for (int c = 0; c * 16 < BS; c++) {
@@ -587,7 +584,7 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                         _mm_prefetch((const char *)(kv->k_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
                         _mm_prefetch((const char *)(kv->v_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
                     }
-                    const int32_t fblk = (t0 + far_i8) / NH, fh = h0 + (t0 + far_i8) % NH;
+                    const int32_t fblk = (t0 + PF_FAR_I8) / NH, fh = h0 + (t0 + PF_FAR_I8) % NH;
                     if (a->far_prefetch && c == 0 && fblk < n_used) {
                         const int64_t far = kv_tile_bytes(kv, dt, table[fblk], fh);
                         const char *fk = (const char *)kv->k + far, *fv = (const char *)kv->v + far;

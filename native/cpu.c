@@ -37,6 +37,17 @@ int aiollm_cpu_far_prefetch_default(void) {
     return amd_family() < 0x1au;
 }
 
+/* How far ahead the AVX-512 kernel's int8 / int4 items ask L1 for tiles, in bytes of int8 tiles (int4 items ask for
+ * as many tiles, of half the bytes; attn_avx512_impl.h). 8 KiB on AuthenticAMD family 0x19 with AVX-512 (Zen 4):
+ * paired in-process A/B from DRAM, 2 threads, int8 / fp16 tokens/s at 4 KiB against 8 KiB: Llama (2 KiB tiles)
+ * 64 x 1024 1.50 / 1.67, 1.67 / 1.85, 32 x 4096 1.49 / 1.65; SmolLM2 (1 KiB tiles) 64 x 1024 1.40 / 1.50, 256 x
+ * 1024 1.55 / 1.58, 64 x 4096 1.70 / 1.76 (12 and 16 KiB no better, 16 KiB on SmolLM2 up to 0.3 worse); int4 on
+ * SmolLM2 read best at 8 tiles too (2 and 16 slower). 4 KiB elsewhere: on the Zen 5 host Llama read 0.92 of the read
+ * kernel 2 tiles ahead and 0.89 at 4, SmolLM2 0.93 at 4 and 0.92 at 2. */
+int aiollm_cpu_int8_near_bytes(void) {
+    return amd_family() == 0x19u && (aiollm_cpu_features() & AIOLLM_CPU_AVX512F) ? 8192 : 4096;
+}
+
 /* Whether this CPU is one on which an int8 GQA group of 1 runs the AVX2 kernel's MADD dot products instead of the
  * AVX-512 VNNI ones (dispatch.c, int8_group1_madd): AuthenticAMD family 0x1A (Zen 5) and later, the only one
  * measured. */

@@ -46,7 +46,7 @@ static void probe(void) {
 
 static _Atomic int current_int8 = -1;
 static _Atomic int int8_forced = 0; /* a path named by AIOLLM_ATTN_INT8 or aiollm_set_int8_path: every call takes it */
-static int probed_int8 = AIOLLM_INT8_FP32, probed_forced = 0, group1_madd = 0;
+static int probed_int8 = AIOLLM_INT8_FP32, probed_forced = 0, group1_madd = 0, near_i8_bytes = 4096;
 static pthread_once_t int8_once = PTHREAD_ONCE_INIT;
 
 int aiollm_int8_path_supported(int32_t path) {
@@ -74,6 +74,7 @@ static void probe_int8(void) {
                                                                      : AIOLLM_INT8_FP32;
     }
     group1_madd = aiollm_cpu_int8_group1_madd();
+    near_i8_bytes = aiollm_cpu_int8_near_bytes();
     atomic_store(&current_int8, probed_int8);
     atomic_store(&int8_forced, probed_forced);
 }
@@ -271,6 +272,7 @@ int aiollm_decode_attention(const aiollm_kv_layer *kv, const float *q, int64_t q
     const int isa = aiollm_isa(), simd_shape = kv->head_dim % 16 == 0 && kv->block_size % 16 == 0;
     if (simd_shape && isa == AIOLLM_ISA_AVX512) job.fn = attn_item_avx512;
     job.args.int8_dot = aiollm_int8_path();
+    job.args.near_i8_bytes = near_i8_bytes; /* probed with the int8 path, just above */
     job.args.far_prefetch = aiollm_far_prefetch();
     if (simd_shape && isa == AIOLLM_ISA_AVX2) job.fn = attn_item_avx2;
     if (simd_shape && kv->dtype == AIOLLM_DT_I8 && int8_group1_madd(isa, job.args.int8_dot, job.args.group)) {

@@ -31,3 +31,10 @@ def test_far_prefetch_default_is_on_exactly_with_avx512_and_before_amd_family_0x
     family = int(_cpuinfo_field("cpu family"))
     on = "avx512f" in _proc_flags() and not (amd and family >= 0x1A)
     assert lib.aiollm_cpu_far_prefetch_default() == int(on)
+
+
+def test_int8_near_prefetch_is_8_kib_exactly_on_amd_family_0x19_with_avx512():
+    """The AVX-512 kernel's int8 / int4 L1 prefetch distance (native/cpu.c): 8 KiB on Zen 4, 4 KiB elsewhere."""
+    amd = _cpuinfo_field("vendor_id") == "AuthenticAMD"
+    zen4 = amd and int(_cpuinfo_field("cpu family")) == 0x19 and "avx512f" in _proc_flags()
+    assert lib.aiollm_cpu_int8_near_bytes() == (8192 if zen4 else 4096)
