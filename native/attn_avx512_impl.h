@@ -139,56 +139,44 @@ T512 INLINE void scores_i8(const char *kt, int64_t col, int64_t BS, int D, const
     for (int g = 0; g < GB; g++) out[g] = _mm512_add_ps(acc[g][0], acc[g][1]);
 }
 
-/* int8 K: scores of 16 tokens as int8 dot products. One 64-byte row of the K tile is 16 lanes of [4 dims of one
- * token] (the layout kv_write stores), made unsigned (k + 128, xor 0x80) and multiplied into the q row, quantised
- * per row to int8 (q4: 4 dims per int32); corr = 128 * sum(q) removes the offset again. */
 #if WITH_VNNI
-T512 INLINE void scores_vnni(const char *kt, int64_t col, int64_t BS, int D, const int32_t *q4, const int32_t *corr,
-                              const float *qsc, int GB, __m512 *out, const char *pk, const char *pv) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    /* Two accumulators per head, named rather than indexed by j & 1: a run-time index kept them on the stack
-     * (a store and a reload around every vpdpbusd). D is a multiple of 16, so D / 4 is even. */
-    __m512i acc0[4], acc1[4], acc2[4], acc3[4];
-    for (int g = 0; g < GB; g++) acc0[g] = acc1[g] = acc2[g] = acc3[g] = _mm512_setzero_si512();
-    const char *kp = kt + col * 4;
-    for (int j = 0; j < D / 4; j += 4, kp += 16 * BS) {
-        if (pk) spread_prefetch(&pk, &pv, 16 * BS);
-        const __m512i k0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)kp), flip);
-        const __m512i k1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(kp + 4 * BS)), flip);
-        const __m512i k2 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(kp + 8 * BS)), flip);
-        const __m512i k3 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(kp + 12 * BS)), flip);
-        for (int g = 0; g < GB; g++) {
-            acc0[g] = _mm512_dpbusd_epi32(acc0[g], k0, _mm512_set1_epi32(q4[g * (D / 4) + j]));
-            acc1[g] = _mm512_dpbusd_epi32(acc1[g], k1, _mm512_set1_epi32(q4[g * (D / 4) + j + 1]));
-            acc2[g] = _mm512_dpbusd_epi32(acc2[g], k2, _mm512_set1_epi32(q4[g * (D / 4) + j + 2]));
-            acc3[g] = _mm512_dpbusd_epi32(acc3[g], k3, _mm512_set1_epi32(q4[g * (D / 4) + j + 3]));
-        }
-    }
-    for (int g = 0; g < GB; g++) {
-        const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(_mm512_add_epi32(acc0[g], acc1[g]), _mm512_add_epi32(acc2[g], acc3[g])), _mm512_set1_epi32(corr[g]));
-        out[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(qsc[g]));
+/* Four int8-layout K rows (16 dims of 16 tokens, one 64-byte line each) at kp as vpdpbusd's unsigned operand: int8
+ * bytes made unsigned (k + 128, xor 0x80); int4's two row pairs (each 64-byte line holds dims d..d+3 in the low
+ * nibbles and d+4..d+7 in the high ones; attn_internal.h) unpacked by two nibble masks, their codes stored unsigned
+ * (c + 8) already. The offsets come off again in quantise_q's corr. */
+T512 INLINE void k_rows_u8(int dt, const char *kp, int64_t BS, __m512i *k) {
+    if (dt == AIOLLM_DT_I4) {
+        const __m512i nib = _mm512_set1_epi8(15);
+        const __m512i p0 = _mm512_loadu_si512((const void *)kp), p1 = _mm512_loadu_si512((const void *)(kp + 4 * BS));
+        k[0] = _mm512_and_si512(p0, nib), k[1] = _mm512_and_si512(_mm512_srli_epi16(p0, 4), nib);
+        k[2] = _mm512_and_si512(p1, nib), k[3] = _mm512_and_si512(_mm512_srli_epi16(p1, 4), nib);
+    } else {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (int r = 0; r < 4; r++) k[r] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(kp + r * 4 * BS)), flip);
     }
 }
 
-/* int4 K: each 64-byte line of a K tile row pair holds two int8-layout rows (dims d..d+3 in the low nibbles, d+4..d+7
- * in the high ones; attn_internal.h), stored unsigned (c + 8), so two masks give vpdpbusd's unsigned operand with no
- * sign moves and corr = 8 * sum(q) removes the offset. One iteration: two row pairs, 16 dims of 16 tokens. */
-T512 INLINE void scores_vnni4(const char *kt, int64_t col, int64_t BS, int D, const int32_t *q4, const int32_t *corr,
-                               const float *qsc, int GB, __m512 *out, const char *pk, const char *pv) {
-    const __m512i nib = _mm512_set1_epi8(15);
+/* int8 / int4 K: scores of 16 tokens as int8 dot products. One 64-byte row of an int8 K tile is 16 lanes of [4 dims
+ * of one token] (the layout kv_write stores; int4 pairs two such rows in one line), made unsigned (k_rows_u8) and
+ * multiplied into the q row, quantised per row to int8 (q4: 4 dims per int32); corr removes the offset again. */
+T512 INLINE void scores_vnni(int dt, const char *kt, int64_t col, int64_t BS, int D, const int32_t *q4,
+                             const int32_t *corr, const float *qsc, int GB, __m512 *out, const char *pk, const char *pv) {
+    /* 16 dims per iteration: 16 * BS bytes of an int8 tile, 8 * BS of an int4 one */
+    const int64_t step = dt == AIOLLM_DT_I4 ? 8 * BS : 16 * BS;
+    /* Four accumulators per head, named rather than indexed: a run-time index kept them on the stack
+     * (a store and a reload around every vpdpbusd). D is a multiple of 16, so D / 4 is a multiple of 4. */
     __m512i acc0[4], acc1[4], acc2[4], acc3[4];
     for (int g = 0; g < GB; g++) acc0[g] = acc1[g] = acc2[g] = acc3[g] = _mm512_setzero_si512();
     const char *kp = kt + col * 4;
-    for (int j = 0; j < D / 4; j += 4, kp += 8 * BS) {
-        if (pk) spread_prefetch(&pk, &pv, 8 * BS);
-        const __m512i p0 = _mm512_loadu_si512((const void *)kp), p1 = _mm512_loadu_si512((const void *)(kp + 4 * BS));
-        const __m512i k0 = _mm512_and_si512(p0, nib), k1 = _mm512_and_si512(_mm512_srli_epi16(p0, 4), nib);
-        const __m512i k2 = _mm512_and_si512(p1, nib), k3 = _mm512_and_si512(_mm512_srli_epi16(p1, 4), nib);
+    for (int j = 0; j < D / 4; j += 4, kp += step) {
+        if (pk) spread_prefetch(&pk, &pv, step);
+        __m512i k[4];
+        k_rows_u8(dt, kp, BS, k);
         for (int g = 0; g < GB; g++) {
-            acc0[g] = _mm512_dpbusd_epi32(acc0[g], k0, _mm512_set1_epi32(q4[g * (D / 4) + j]));
-            acc1[g] = _mm512_dpbusd_epi32(acc1[g], k1, _mm512_set1_epi32(q4[g * (D / 4) + j + 1]));
-            acc2[g] = _mm512_dpbusd_epi32(acc2[g], k2, _mm512_set1_epi32(q4[g * (D / 4) + j + 2]));
-            acc3[g] = _mm512_dpbusd_epi32(acc3[g], k3, _mm512_set1_epi32(q4[g * (D / 4) + j + 3]));
+            acc0[g] = _mm512_dpbusd_epi32(acc0[g], k[0], _mm512_set1_epi32(q4[g * (D / 4) + j]));
+            acc1[g] = _mm512_dpbusd_epi32(acc1[g], k[1], _mm512_set1_epi32(q4[g * (D / 4) + j + 1]));
+            acc2[g] = _mm512_dpbusd_epi32(acc2[g], k[2], _mm512_set1_epi32(q4[g * (D / 4) + j + 2]));
+            acc3[g] = _mm512_dpbusd_epi32(acc3[g], k[3], _mm512_set1_epi32(q4[g * (D / 4) + j + 3]));
         }
     }
     for (int g = 0; g < GB; g++) {
@@ -353,21 +341,13 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const 
         __m512 s[4];
         const char *pkg = g0 ? NULL : pk, *pvg = g0 ? NULL : pv; /* the first q-head block carries the prefetch */
 #if WITH_VNNI
-        if (q4 && dt == AIOLLM_DT_I4) {
+        if (q4) {
             const int32_t *qg = q4 + g0 * (D / 4), *cg = corr + g0;
             switch (gb) {
-            case 1: scores_vnni4(kt, c * 16, BS, D, qg, cg, qsc + g0, 1, s, pkg, pvg); break;
-            case 2: scores_vnni4(kt, c * 16, BS, D, qg, cg, qsc + g0, 2, s, pkg, pvg); break;
-            case 3: scores_vnni4(kt, c * 16, BS, D, qg, cg, qsc + g0, 3, s, pkg, pvg); break;
-            default: scores_vnni4(kt, c * 16, BS, D, qg, cg, qsc + g0, 4, s, pkg, pvg); break;
-            }
-        } else if (q4) {
-            const int32_t *qg = q4 + g0 * (D / 4), *cg = corr + g0;
-            switch (gb) {
-            case 1: scores_vnni(kt, c * 16, BS, D, qg, cg, qsc + g0, 1, s, pkg, pvg); break;
-            case 2: scores_vnni(kt, c * 16, BS, D, qg, cg, qsc + g0, 2, s, pkg, pvg); break;
-            case 3: scores_vnni(kt, c * 16, BS, D, qg, cg, qsc + g0, 3, s, pkg, pvg); break;
-            default: scores_vnni(kt, c * 16, BS, D, qg, cg, qsc + g0, 4, s, pkg, pvg); break;
+            case 1: scores_vnni(dt, kt, c * 16, BS, D, qg, cg, qsc + g0, 1, s, pkg, pvg); break;
+            case 2: scores_vnni(dt, kt, c * 16, BS, D, qg, cg, qsc + g0, 2, s, pkg, pvg); break;
+            case 3: scores_vnni(dt, kt, c * 16, BS, D, qg, cg, qsc + g0, 3, s, pkg, pvg); break;
+            default: scores_vnni(dt, kt, c * 16, BS, D, qg, cg, qsc + g0, 4, s, pkg, pvg); break;
             }
         } else
 #endif
