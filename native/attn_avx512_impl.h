@@ -266,59 +266,41 @@ T512 INLINE void rescale_add(__m512i ai[4][8], int D, int dv, int VC, const floa
     }
 }
 
-/* int8 V, dims [16 dv, 16 (dv + VC)): sum over the chunk's 16 tokens of p[g][t] * V row t as int8 dot products.
+/* int8 / int4 V, dims [16 dv, 16 (dv + VC)): sum over the chunk's 16 tokens of p[g][t] * V row t as int8 dot products.
  * pf (phased items: the V tile the near distance ahead, else NULL): each line of it asked for as the same line of
- * this tile is read.
- * One 64-byte row of the V tile is 16 lanes of [one dim of 4 tokens] (kv_write's layout), so 4 u8 weights
- * broadcast as one int32 meet it directly. Tokens past nv have p = 0 and contribute exact zeros. */
-T512 INLINE void vaccum_vnni(const char *vt, int64_t row0, int D, int dv, int VC, const uint8_t *pq, const float *psc,
-                             const float *alpha, float *acc, int GB, const char *pf) {
-    __m512i ai[4][8];
-    for (int g = 0; g < GB; g++)
-        for (int v = 0; v < VC; v++) ai[g][v] = _mm512_setzero_si512();
-    for (int tg = 0; tg < 4; tg++) {
-        const char *r = vt + (row0 + tg * 4) * D + dv * 64;
-        __m512i w[4];
-        for (int g = 0; g < GB; g++) {
-            int32_t word;
-            memcpy(&word, pq + g * 16 + tg * 4, 4);
-            w[g] = _mm512_set1_epi32(word);
-        }
-        for (int v = 0; v < VC; v++) {
-            if (pf) _mm_prefetch(pf + (r - vt) + v * 64, _MM_HINT_T0);
-            const __m512i x = _mm512_loadu_si512((const void *)(r + v * 64));
-            for (int g = 0; g < GB; g++) ai[g][v] = _mm512_dpbusd_epi32(ai[g][v], w[g], x);
-        }
-    }
-    rescale_add(ai, D, dv, VC, psc, alpha, acc, GB);
-}
-
-/* int4 V, dims [16 dv, 16 (dv + VC)), dv and VC even: a 4-token row of an int4 V tile is 2 * D bytes, and its
- * 64-byte line k holds the int8 layout's slabs 2 k (low nibbles) and 2 k + 1 (high), so one load and two masks give
- * two slabs; the codes (c + 8) become signed (c) for vpdpbusd's signed operand. Otherwise as vaccum_vnni, whose
- * rescale is rescale_add. */
-T512 INLINE void vaccum_vnni4(const char *vt, int64_t row0, int D, int dv, int VC, const uint8_t *pq, const float *psc,
-                              const float *alpha, float *acc, int GB, const char *pf) {
+ * this tile is read. Tokens past nv have p = 0 and contribute exact zeros.
+ * int8: one 64-byte row of the V tile is 16 lanes of [one dim of 4 tokens] (kv_write's layout), so 4 u8 weights
+ * broadcast as one int32 meet it directly. int4 (dv and VC even): a 4-token row is 2 * D bytes and its 64-byte line
+ * k holds the int8 layout's slabs 2 k (low nibbles) and 2 k + 1 (high), so one load and two masks give two slabs;
+ * the codes (c + 8) become signed (c) for vpdpbusd's signed operand. */
+T512 INLINE void vaccum_vnni(int dt, const char *vt, int64_t row0, int D, int dv, int VC, const uint8_t *pq,
+                             const float *psc, const float *alpha, float *acc, int GB, const char *pf) {
+    const int i4 = dt == AIOLLM_DT_I4, step = i4 ? 2 : 1; /* slabs per 64-byte line */
     const __m512i nib = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
     __m512i ai[4][8];
     for (int g = 0; g < GB; g++)
         for (int v = 0; v < VC; v++) ai[g][v] = _mm512_setzero_si512();
     for (int tg = 0; tg < 4; tg++) {
-        const char *r = vt + (row0 + tg * 4) * (D / 2) + dv * 32;
+        const char *r = i4 ? vt + (row0 + tg * 4) * (D / 2) + dv * 32 : vt + (row0 + tg * 4) * D + dv * 64;
         __m512i w[4];
         for (int g = 0; g < GB; g++) {
             int32_t word;
             memcpy(&word, pq + g * 16 + tg * 4, 4);
             w[g] = _mm512_set1_epi32(word);
         }
-        for (int v = 0; v < VC; v += 2) {
-            if (pf) _mm_prefetch(pf + (r - vt) + v * 32, _MM_HINT_T0);
-            const __m512i x = _mm512_loadu_si512((const void *)(r + v * 32));
-            const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(x, nib), eight);
-            const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(x, 4), nib), eight);
-            for (int g = 0; g < GB; g++) {
-                ai[g][v] = _mm512_dpbusd_epi32(ai[g][v], w[g], lo);
-                ai[g][v + 1] = _mm512_dpbusd_epi32(ai[g][v + 1], w[g], hi);
+        for (int v = 0; v < VC; v += step) {
+            const int64_t at = v / step * 64; /* the line holding slab v */
+            if (pf) _mm_prefetch(pf + (r - vt) + at, _MM_HINT_T0);
+            const __m512i x = _mm512_loadu_si512((const void *)(r + at));
+            if (i4) {
+                const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(x, nib), eight);
+                const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(x, 4), nib), eight);
+                for (int g = 0; g < GB; g++) {
+                    ai[g][v] = _mm512_dpbusd_epi32(ai[g][v], w[g], lo);
+                    ai[g][v + 1] = _mm512_dpbusd_epi32(ai[g][v + 1], w[g], hi);
+                }
+            } else {
+                for (int g = 0; g < GB; g++) ai[g][v] = _mm512_dpbusd_epi32(ai[g][v], w[g], x);
             }
         }
     }
@@ -428,11 +410,10 @@ T512 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int 
         uint8_t pq[AIOLLM_MAX_GROUP * 16] __attribute__((aligned(64)));
         float psc[AIOLLM_MAX_GROUP];
         quantise_p(pb, G, pq, psc);
-#define VNNI_CALL(VC, GB) vaccum_vnni(vt, c * 16, D, dv, VC, pq + g0 * 16, psc + g0, alpha + g0, acc + g0 * D, GB, g0 ? NULL : pv)
-#define VNNI4_CALL(VC, GB) vaccum_vnni4(vt, c * 16, D, dv, VC, pq + g0 * 16, psc + g0, alpha + g0, acc + g0 * D, GB, g0 ? NULL : pv)
-        if (dt == AIOLLM_DT_I4) VSLABS(VNNI4_CALL, 2)
+#define VNNI_CALL(VC, GB) \
+    vaccum_vnni(dt, vt, c * 16, D, dv, VC, pq + g0 * 16, psc + g0, alpha + g0, acc + g0 * D, GB, g0 ? NULL : pv)
+        if (dt == AIOLLM_DT_I4) VSLABS(VNNI_CALL, 2)
         else VSLABS(VNNI_CALL, 1)
-#undef VNNI4_CALL
 #undef VNNI_CALL
         return;
     }
