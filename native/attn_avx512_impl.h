@@ -509,7 +509,10 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
      * the other heads' K reads until the V phase. Zen 4 host, paired in-process A/B from DRAM, 2 threads: Llama
      * (32 heads x 2 KiB) 64 x 1024 / 64 x 4096 0.73 / 0.82 of the read phased, 0.81 / 0.90 not (groups of 2 heads
      * 0.79 / 0.88, of 4 0.75 / 0.83); SmolLM2 (3 x 1 KiB) phased stays 0-6 % faster (in L2 and from DRAM).
-     * int4 (kv_quantised) is laid out and run as int8 is, in half the bytes. */
+     * int4 (kv_quantised) is laid out and run as int8 is, in half the bytes. Running each chunk's V phase one chunk
+     * later (after the next chunk's scores, two chunks' weights kept) gave the same results bit for bit and no speed
+     * (Zen 4 host, in L2, SmolLM2 1 thread: 26.0 against 27.0 GB/s; fp16 with each head's V after the next head's
+     * scores 30.2-30.7 both ways): the core already overlaps these chains, issue throughput binds. */
     const int phased = kv_quantised(dt) && NH * tile_bytes <= PHASE_I8_BYTES;
     /* Phased items ask for each head's V tile ahead during its V phase (like fp16), not in the score loop:
      * Zen 5 host, paired A/B from DRAM, SmolLM2 256 x 4096 / 256 x 1024 int8, 2 threads, 0.90 / 0.95 -> 0.98 /
