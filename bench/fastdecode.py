@@ -69,10 +69,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--trace-seq-len", type=int,
                         help="S of the schedule trace (default: where the step model balances S-part and R-part)")
     parser.add_argument("--trace-budget", type=float,
-                        help="seconds the trace runs may take by the step model; caps the balanced S (default 1500: "
+                        help="seconds the trace runs may take by the step model; caps the balanced S (default 2000: "
                              "on the Zen 5 host the balanced S=1856 at B=128 took ~520-590 s a pair; on the Zen 4 host, "
-                             "whose S-part is ~2x slower, 900 capped S at 1440 below the balance at 2080, and 1500 let "
-                             "the balanced S=2048 run, ~950 s a pair (the model's estimate is conservative); quick 120)")
+                             "whose S-part is ~2x slower, 900 capped S at 1440 below the balance at 2080, 1500 at 2048 "
+                             "(~950 s a pair; the model's estimate is conservative) below balances at 2128-2432; quick 120)")
     parser.add_argument("--trace-repeats", type=int, default=1,
                         help="pairs of trace runs with and without the schedule (taking turns; which takes the "
                              "first turn alternates)")
@@ -95,7 +95,7 @@ def run(args) -> dict:
         raise ValueError(f"--parts: unknown {unknown}; sections are {', '.join(SECTIONS)}")
     seq_len = args.seq_len or (256 if quick else 1024)
     if args.trace_budget is None:
-        args.trace_budget = 120.0 if quick else 1500.0
+        args.trace_budget = 120.0 if quick else 2000.0
     batches = [int(b) for b in (args.batches or ("16,64" if quick else "16,64,256,512")).split(",")]
     cores = len(os.sched_getaffinity(0))
     # every process started from here inherits these: a waiting OpenMP thread sleeps instead of spinning

@@ -47,8 +47,9 @@ def trace_part(model, args, quick: bool, figures: dict) -> None:
     try:
         curve = t_fastest(model, sorted({1, batch, *(max(1, batch // d) for d in (2, 4))}))
         beside_read = _s_part_beside_read(model, max(1, batch // 2), r_cpus)
-        # the longest S searched: at B=128 and S=2048 the R-worker holds ~6 GiB of fp16 KV (a given S may lie past it)
-        longest = max(512 if quick else 2048, args.trace_seq_len or 0)
+        # the longest S searched: at B=128 and S=2560 the R-worker holds ~7 GiB of fp16 KV of its 8 GiB (a given S may
+        # lie past it); the Zen 4 host's balance lay at 2128-2432, past the 2048 searched before
+        longest = max(512 if quick else 2560, args.trace_seq_len or 0)
         out = uvloop.run(_traces(model, batch, args, curve, r_cpus, longest, len(earlier) // 2))
     finally:
         _pin(previous)
