@@ -264,6 +264,7 @@ def _sls_gain_explained(traces: list, windows: list, price, batch: int, seq: int
     quartiles = [(float(held[(held >= lo) & (held <= hi)].mean()), float(np.median(step_s[(held >= lo) & (held <= hi)])))
                  for lo, hi in itertools.pairwise(edges)]
     with_w, with_step = float(measured["with"][1].mean()), float(np.median(measured["with"][0]))
+    with_mean = float(np.mean(measured["with"][0]))
     floor, life_mean = quartiles[0][1], float(np.mean(step_s))
     figures.update(sls_predicted_tokens_ratio=ratio, sls_predicted_gain_balanced=ideal,
                    sls_step_by_w_without=[{"w": w, "step_ms": 1e3 * t, "predicted_ms": 1e3 * price(w)}
@@ -274,7 +275,8 @@ def _sls_gain_explained(traces: list, windows: list, price, batch: int, seq: int
           f" measured {figures['ratio_sls_tokens']:.3f}\n   decode step (median, prefills excluded) vs W: without, by "
           f"quartile of its life: " + ", ".join(f"W={w:.0f}: {1e3 * t:.0f} ms (model {1e3 * price(w):.0f})"
                                                    for w, t in quartiles)
-          + f"; with: W={with_w:.0f}: {1e3 * with_step:.0f} ms (model {1e3 * price(with_w):.0f}) - the gain is the "
+          + f"; with: W={with_w:.0f}: {1e3 * with_step:.0f} ms (model {1e3 * price(with_w):.0f}; its mean "
+            f"{1e3 * with_mean:.0f} ms, so its spread alone costs {with_mean / with_step - 1:.1%}) - the gain is the "
             f"unscheduled life's mean step over the held one, so it needs the step flat in the early quartiles "
             f"(S-part binds) and rising in the late ones (R-part binds)\n   measured: the unscheduled life's mean "
             f"decode step {1e3 * life_mean:.0f} ms is {life_mean / floor:.3f}x its S-bound first quartile; the held W's "
@@ -282,6 +284,7 @@ def _sls_gain_explained(traces: list, windows: list, price, batch: int, seq: int
             f"chains do not fully overlap), so decode steps alone give {life_mean / with_step:.3f}; the rest of the "
             f"tokens/s ratio is the prefills (one of B prompts per life without, one of M every F steps with)")
     figures.update(sls_life_mean_over_floor=life_mean / floor, sls_held_over_floor=with_step / floor,
+                   sls_held_mean_over_median=with_mean / with_step,
                    sls_decode_step_ratio=life_mean / with_step)
 
 
@@ -324,7 +327,8 @@ def _summarise(name: str, trace: dict, first: int, last: int) -> dict:
     seconds = ended[last] - ended[first]
     held = trace["tokens"][first + 1:last + 1]
     return {"schedule": name, "steps": len(gaps), "max_step_ms": 1e3 * float(gaps.max()),
-            "median_step_ms": 1e3 * float(np.median(gaps)), "tokens_per_s": tokens / seconds, "tokens": tokens,
+            "median_step_ms": 1e3 * float(np.median(gaps)), "mean_step_ms": 1e3 * float(gaps.mean()),
+            "p90_step_ms": 1e3 * float(np.quantile(gaps, 0.9)), "tokens_per_s": tokens / seconds, "tokens": tokens,
             "seconds": seconds, "max_kv_tokens": max(held), "mean_kv_tokens": float(np.mean(held)),
             "mean_batch": float(np.mean(trace["batch"][first + 1:last + 1]))}
 
