@@ -8,6 +8,7 @@ import sys
 import time
 
 from aiollm import log
+from aiollm.heap import keep_freed_memory
 from aiollm.kv.pool import KV_DTYPES
 from aiollm.model import load
 from aiollm.model.engine import generate
@@ -35,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log.configure(args.log_level)
+    keep_freed_memory()
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))

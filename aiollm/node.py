@@ -140,6 +140,9 @@ async def serve(args: argparse.Namespace, config: object, role: object) -> int:
 def main(argv: list[str] | None = None) -> int:
     args, config, role = parse(argv)
     from aiollm import log
+    from aiollm.heap import keep_freed_memory
+
+    keep_freed_memory()
 
     log.configure(args.log_level, json=args.log_json)
     import uvloop

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from aiollm.heap import keep_freed_memory
 from aiollm.kv.pool import KV_DTYPES
 from aiollm.planner.datasets import DATASETS, load_lengths
 from aiollm.planner.goodput import SLO
@@ -170,6 +171,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    keep_freed_memory()
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, ImportError) as exc:

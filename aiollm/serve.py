@@ -27,6 +27,7 @@ from pathlib import Path
 
 from aiollm import log
 from aiollm.graph import Graph
+from aiollm.heap import keep_freed_memory
 from aiollm.kv.pool import KV_DTYPES
 from aiollm.workers.roles.common import served_name
 
@@ -195,6 +196,7 @@ def _run_colocated(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     log.configure(args.log_level)
+    keep_freed_memory()
     if args.colocated:
         return _run_colocated(args)
     if args.r_workers < 0:

@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+from aiollm.heap import keep_freed_memory
 from bench.report import print_figures
 
 # benchmark name -> module under bench/
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(child)
         child.set_defaults(module=module)
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as the roles' processes run (aiollm.heap): the bench hosts S-workers and baselines
     figures = args.module.run(args)
     print_figures(args.name, figures)
     if args.json:
