@@ -67,7 +67,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batches", help="comma-separated B (default 16,64,256,512; quick 16,64)")
     parser.add_argument("--trace-batch", type=int, help="B of the schedule trace (default 128; quick 64)")
     parser.add_argument("--trace-seq-len", type=int,
-                        help="S of the schedule trace (default: where the step model balances S-part and R-part)")
+                        help="S of the schedule trace (default: where the gain peaks on pipelined steps measured at 8 "
+                             "contexts, fitted: fit_step_curve)")
     parser.add_argument("--trace-budget", type=float,
                         help="seconds the trace runs may take by the step model; caps the balanced S (default 2000: "
                              "on the Zen 5 host the balanced S=1856 at B=128 took ~520-590 s a pair; on the Zen 4 host, "

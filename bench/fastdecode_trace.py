@@ -1,6 +1,6 @@
 """`bench fastdecode`'s trace part: per-step latency and tokens/s with and without the load-stabilising schedule
-(real requests), placed as FastDecode deploys it, sized by the step model in that placement, explained by it
-window by window, and plotted like the paper's Fig. 11."""
+(real requests), placed as FastDecode deploys it, sized by pipelined steps measured in that placement, explained
+by the step model window by window, and plotted like the paper's Fig. 11."""
 from __future__ import annotations
 
 import hashlib
@@ -16,8 +16,15 @@ import numpy as np
 import uvloop
 
 from aiollm.graph import Graph
-from aiollm.planner.fastdecode import AskCost, balanced_context, balanced_seq_len, predict_step, schedule_gain
-from aiollm.planner.fastdecode_probes import long_step_terms, measure_overlap, step_costs
+from aiollm.planner.fastdecode import (
+    AskCost,
+    balanced_context,
+    balanced_seq_len,
+    fit_step_curve,
+    predict_step,
+    schedule_gain,
+)
+from aiollm.planner.fastdecode_probes import long_step_terms, measure_overlap, step_costs, step_curve
 from bench.fastdecode_steps import PROMPT_LEN, kernel_r, start_r_workers, t_fastest
 from bench.fastdecode_trace_runs import TURN_S, interleaved_traces, touch_kv, trace_schedule
 from bench.report import table
@@ -26,8 +33,9 @@ def trace_part(model, args, quick: bool, figures: dict) -> None:
     """Per-step latency and tokens/s with and without the load-stabilising schedule (real requests), placed as
     FastDecode deploys: the S-worker (this process) on a core of its own, the R-worker on the other, the
     two-minibatch pipeline on, so a step costs ~max(S-part, R-part) and not their sum. B is given; S is the
-    one at which the step model (fed T(B), C(b) and R measured in this placement first) balances the S-part
-    against the R-part at the unscheduled life's mean W. The runs with and without the schedule take turns of
+    one whose schedule gain is largest on the step curve fitted to pipelined steps of B sequences measured at 8
+    contexts in this placement first (`fit_step_curve`): where the S-part binds early in an unscheduled life and
+    the R-part late. The step model, fed T(B), C(b) and R measured here too, prices the same windows beside it. The runs with and without the schedule take turns of
     ~TURN_S seconds (bench.turns), `--trace-repeats` pairs, so that both sample the same minutes of the host;
     tokens/s is pooled per mode over whole periods in steady state, on each run's own clock."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -53,7 +61,8 @@ def trace_part(model, args, quick: bool, figures: dict) -> None:
         out = uvloop.run(_traces(model, batch, args, curve, r_cpus, longest, len(earlier) // 2))
     finally:
         _pin(previous)
-    traces, trips, r_situ, seq, balance, schedule, price, windows, overlap, price_perfect, ceilings, s_per_token = out
+    (traces, trips, r_situ, seq, balance, schedule, price, windows, overlap, price_perfect, ceilings, s_per_token,
+     points, measured, model_balance) = out
     stamp = time.strftime("%H:%M UTC", time.gmtime())
     summary = earlier + [{**_summarise(name, trace, *window), "run": stamp, "code": code}
                          for (name, trace), window in zip(traces, windows)]
@@ -97,7 +106,10 @@ def trace_part(model, args, quick: bool, figures: dict) -> None:
                    ratio_sls_max_step=pooled["with"]["max_step_ms"] / pooled["without"]["max_step_ms"],
                    ratio_sls_tokens=pooled["with"]["tokens_per_s"] / pooled["without"]["tokens_per_s"])
     figures.update(sls_overlap={**vars(overlap)},
-                   sls_predicted_gain_perfect_overlap=schedule_gain(price_perfect, batch, PROMPT_LEN, seq))
+                   sls_predicted_gain_perfect_overlap=schedule_gain(price_perfect, batch, PROMPT_LEN, seq),
+                   sls_model_balanced_seq_len=model_balance,
+                   sls_step_curve=[{"w": w, "step_ms": 1e3 * t} for w, t in points], sls_step_fit={**vars(measured)},
+                   sls_fitted_gain=schedule_gain(measured, batch, PROMPT_LEN, seq))
     _sls_gain_explained(traces, windows, price, batch, seq, figures)
     _sls_ceiling(ceilings, r_situ, s_per_token, trips[max(1, batch // 2)], model.config.n_layers, batch, figures)
     alone, beside = (float(np.median(x)) for x in zip(*beside_read))
@@ -199,19 +211,27 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
         affordable = max((s for s in range(64, longest + 1, 16)
                           if 2.3 * (s - PROMPT_LEN) * price(batch * (PROMPT_LEN + s) / 2) * args.trace_repeats
                           <= args.trace_budget), default=64)
-        seq = args.trace_seq_len or balanced_seq_len(price, batch, PROMPT_LEN, affordable)
-        balance = balanced_seq_len(price, batch, PROMPT_LEN, 8192)  # where the gain peaks, whatever it costs
+        # S from the unscheduled steps themselves: pipelined steps at 8 contexts over the longest life, fitted
+        points = await step_curve(graph.driver, model, urls, batch, [16 * round(longest * (2 * i + 1) / 256)
+                                                                     for i in range(8)])
+        measured = fit_step_curve(points)
+        seq = args.trace_seq_len or balanced_seq_len(measured, batch, PROMPT_LEN, affordable)
+        balance = balanced_seq_len(measured, batch, PROMPT_LEN, longest)
+        model_balance = balanced_seq_len(price, batch, PROMPT_LEN, 8192)  # where the model's gain peaks, at any cost
         schedule = trace_schedule(batch, seq, args.trace_micro_batch)
         life = seq - PROMPT_LEN
         ask = trips[max(1, batch // 2)]
         print(f"\n-- schedule trace sizing (S-worker on its own core, 1 R-worker on cpu {r_cpus}): pipelined "
               f"steps' cost per ask at {batch // 2} rows S {ask.s * 1e3:.2f} + R {ask.r * 1e3:.2f} + wait {ask.wait * 1e3:.2f} "
               f"ms, R in situ {r_situ * 1e9:.0f} ns/entry (kernel alone {r_kernel * 1e9:.0f}), S-worker "
-              f"{s_per_token * 1e9:.2f} ns per streamed entry; predicted step at W=0 {price(0) * 1e3:.0f} ms -> S = "
-              f"{seq} (predicted gain {schedule_gain(price, batch, PROMPT_LEN, seq):.3f} with the measured "
-              f"{overlap.explain()}; {schedule_gain(price_perfect, batch, PROMPT_LEN, seq):.3f} with a perfect "
-              f"overlap; the balanced S searched up to {affordable}, the longest whose runs fit --trace-budget "
-              f"{args.trace_budget:.0f} s; unbounded, the step model balances at S = {balance}"
+              f"{s_per_token * 1e9:.2f} ns per streamed entry; predicted step at W=0 {price(0) * 1e3:.0f} ms; "
+              f"the step model's gain at this S {schedule_gain(price, batch, PROMPT_LEN, seq):.3f} with the measured "
+              f"{overlap.explain()}, {schedule_gain(price_perfect, batch, PROMPT_LEN, seq):.3f} with a perfect "
+              f"overlap; unbounded, the step model balances at S = {model_balance})\n"
+              f"   pipelined steps measured at B={batch}: " + ", ".join(f"W={w:.0f}: {t * 1e3:.1f} ms" for w, t in points)
+              + f"; fitted: {measured.explain()} -> S = {seq} (the fit's gain {schedule_gain(measured, batch, PROMPT_LEN, seq):.3f}; "
+              f"the balanced S searched up to {affordable}, the longest whose runs fit --trace-budget "
+              f"{args.trace_budget:.0f} s, and by the step model; up to {longest}, the fit balances at S = {balance}"
               + ("" if balance <= affordable else ", beyond the budget: this trace cannot show the schedule's gain")
               + ")", flush=True)
         window = schedule.interval * max(1, round(life / 4 / schedule.interval))
@@ -239,7 +259,8 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
                 windows.append((first, last))
                 print(f"   trace {name} the schedule: {needs[name]} steps in {trace['ended'][-1] - trace['ended'][0]:.0f} s "
                       f"of its own ({trace['turns']} turns)", flush=True)
-    return traces, trips, r_situ, seq, balance, schedule, price, windows, overlap, price_perfect, ceilings, s_per_token
+    return (traces, trips, r_situ, seq, balance, schedule, price, windows, overlap, price_perfect, ceilings, s_per_token,
+            points, measured, model_balance)
 
 
 def _sls_gain_explained(traces: list, windows: list, price, batch: int, seq: int, figures: dict) -> None:

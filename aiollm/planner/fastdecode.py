@@ -270,6 +270,75 @@ def balanced_seq_len(step: Callable[[float], float], batch: int, prompt: int, lo
     return max(lengths, key=lambda s: (round(schedule_gain(step, batch, prompt, s), 3), s))
 
 
+@dataclass(frozen=True)
+class StepCurve:
+    """A decode step's seconds as a function of W, the KV entries it attends over, fitted to steps measured at a
+    few W: a line while the S-part binds, bending at `knee` into a steeper one once the R-part does (FastDecode's
+    max of the two sides), the bend rounded over `width` entries (a softplus; 0: a sharp corner).
+
+    The schedule's balanced S comes from this rather than from the step model, whose inputs drift run to run and
+    whose shape is off: on the Zen 4 host it priced the gain still rising at S = 2880 and placed the traces' S at
+    2256-2864, while the unscheduled runs' own steps bent at W ~110-160 K (S ~1700-2500 at B=128). The rounding
+    is what the pipeline loses where the sides balance (the held step sat 1.12-1.19x the S-bound floor): a held W
+    at a sharp corner would look free, so the rounding moves the best S past the corner."""
+
+    base: float
+    slope_before: float
+    slope_after: float
+    knee: float
+    width: float = 0.0
+    # the root-mean-square residual of the fit (seconds): how far the points scatter about it
+    residual: float = 0.0
+
+    def __call__(self, w: float) -> float:
+        return self.base + self.slope_before * w + (self.slope_after - self.slope_before) * _bend(w - self.knee,
+                                                                                                  self.width)
+
+    def explain(self) -> str:
+        return (f"{self.base * 1e3:.1f} ms + {self.slope_before * 1e9:.0f} ns per entry, bending at W = "
+                f"{self.knee:.0f} (rounded over {self.width:.0f} entries) into {self.slope_after * 1e9:.0f} ns per "
+                f"entry (rms residual {self.residual * 1e3:.1f} ms)")
+
+
+def _bend(x: np.ndarray | float, width: float) -> np.ndarray | float:
+    """max(0, x) rounded over `width` (a softplus of scale `width`; the exact max at 0)."""
+    return np.maximum(0.0, x) if width <= 0 else width * np.logaddexp(0.0, np.asarray(x) / width)
+
+
+def fit_step_curve(points: list[tuple[float, float]], grid: int = 64) -> StepCurve:
+    """The `StepCurve` through measured (W, step seconds) points with the least squared error. The knee is
+    searched between the second lowest and the second highest W (a line on each side needs two points) and the
+    width from 0 to a quarter of the W spanned, on a `grid` x `grid` grid and then again as finely around the best
+    pair; for each pair the other three coefficients are linear, so least squares gives them. Needs 5 points or
+    more (five coefficients)."""
+    if len(points) < 5:
+        raise ValueError(f"need at least 5 (W, step) points to fit a rounded bent line, got {len(points)}")
+    w = np.array([p[0] for p in points], dtype=np.float64)
+    t = np.array([p[1] for p in points], dtype=np.float64)
+    if np.any(w < 0) or np.any(t <= 0):
+        raise ValueError(f"need W >= 0 and steps > 0, got {points}")
+    ordered = np.sort(w)
+
+    def best_of(knees: np.ndarray, widths: np.ndarray) -> tuple[float, float, float, np.ndarray]:
+        best = None
+        for width in widths:
+            for knee in knees:
+                basis = np.stack([np.ones_like(w), w, _bend(w - knee, width)], axis=1)
+                coef, *_ = np.linalg.lstsq(basis, t, rcond=None)
+                error = float(np.sum((basis @ coef - t) ** 2))
+                if best is None or error < best[0] - 1e-15:
+                    best = (error, float(knee), float(width), coef)
+        return best
+
+    low, high, widest = ordered[1], ordered[-2], (ordered[-1] - ordered[0]) / 4
+    _, knee, width, _ = best_of(np.linspace(low, high, grid), np.linspace(0.0, widest, grid))
+    dk, dw = (high - low) / (grid - 1), widest / (grid - 1)
+    error, knee, width, (base, before, bend) = best_of(
+        np.linspace(max(low, knee - dk), min(high, knee + dk), grid),
+        np.linspace(max(0.0, width - dw), min(widest, width + dw), grid))
+    return StepCurve(float(base), float(before), float(before + bend), knee, width, math.sqrt(error / len(w)))
+
+
 def interpolate(curve: dict[int, float], batch: float) -> float:
     """T(B) by linear interpolation between measured batches (linear extrapolation beyond them)."""
     bs = np.array(sorted(curve), dtype=np.float64)

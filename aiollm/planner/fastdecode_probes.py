@@ -215,6 +215,21 @@ async def measure_overlap(driver, model, r_workers: list[str], batch: int, conte
     return min(probes, key=imbalance)
 
 
+async def step_curve(driver, model, r_workers: list[str], batch: int, contexts: list[int], steps: int = 6
+                     ) -> list[tuple[float, float]]:
+    """(W, median step seconds) of pipelined decode steps of `batch` synthetic sequences at each of `contexts`
+    (`probe_step`), for `fit_step_curve`: W is the mean KV entries the steps held. The contexts are visited from
+    the middle outwards, alternating sides, so a slow phase of this machine (seconds long) falls on neighbouring
+    W of both ends rather than bending one end of the curve."""
+    order = sorted(contexts, key=lambda c: abs(c - float(np.median(contexts))))
+    points = []
+    for c in order:
+        step, _, _, held = await probe_step(driver, model, r_workers, [c] * batch, steps, pipeline=True,
+                                            name=f"curve-probe-{c}")
+        points.append((held, step))
+    return sorted(points)
+
+
 async def _s_part_off_loop(s_part_now: Callable[[int], float], rows: int) -> float:
     """s_part_now(rows) in a worker thread: a large T(B) takes seconds on a slow host, and the event loop must keep
     the R-workers' heartbeats going meanwhile (blocked 5 s, they dropped this node as dead)."""
