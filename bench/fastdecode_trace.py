@@ -35,9 +35,10 @@ def trace_part(model, args, quick: bool, figures: dict) -> None:
     two-minibatch pipeline on, so a step costs ~max(S-part, R-part) and not their sum. B is given; S is the
     one whose schedule gain is largest on the step curve fitted to pipelined steps of B sequences measured at 8
     contexts in this placement first (`fit_step_curve`): where the S-part binds early in an unscheduled life and
-    the R-part late. The step model, fed T(B), C(b) and R measured here too, prices the same windows beside it. The runs with and without the schedule take turns of
-    ~TURN_S seconds (bench.turns), `--trace-repeats` pairs, so that both sample the same minutes of the host;
-    tokens/s is pooled per mode over whole periods in steady state, on each run's own clock."""
+    the R-part late. The step model, fed T(B), C(b) and R measured here too, prices the same windows beside it.
+    The runs with and without the schedule take turns of ~TURN_S seconds (bench.turns), `--trace-repeats` pairs,
+    so that both sample the same minutes of the host; tokens/s is pooled per mode over whole periods in steady
+    state, on each run's own clock."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise RuntimeError("the schedule trace places the S-worker and the R-worker on cores of their own: "
@@ -228,8 +229,9 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
               f"the step model's gain at this S {schedule_gain(price, batch, PROMPT_LEN, seq):.3f} with the measured "
               f"{overlap.explain()}, {schedule_gain(price_perfect, batch, PROMPT_LEN, seq):.3f} with a perfect "
               f"overlap; unbounded, the step model balances at S = {model_balance})\n"
-              f"   pipelined steps measured at B={batch}: " + ", ".join(f"W={w:.0f}: {t * 1e3:.1f} ms" for w, t in points)
-              + f"; fitted: {measured.explain()} -> S = {seq} (the fit's gain {schedule_gain(measured, batch, PROMPT_LEN, seq):.3f}; "
+              f"   pipelined steps measured at B={batch}: "
+              + ", ".join(f"W={w:.0f}: {t * 1e3:.1f} ms" for w, t in points) + f"; fitted: {measured.explain()} -> "
+              f"S = {seq} (the fit's gain {schedule_gain(measured, batch, PROMPT_LEN, seq):.3f}; "
               f"the balanced S searched up to {affordable}, the longest whose runs fit --trace-budget "
               f"{args.trace_budget:.0f} s, and by the step model; up to {longest}, the fit balances at S = {balance}"
               + ("" if balance <= affordable else ", beyond the budget: this trace cannot show the schedule's gain")
