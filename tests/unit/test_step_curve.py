@@ -67,17 +67,23 @@ def test_the_fit_needs_five_valid_points():
         fit_step_curve([(0.0, 0.1), (1.0, 0.1), (2.0, 0.0), (3.0, 0.2), (4.0, 0.3)])
 
 
-async def test_the_probes_go_from_the_middle_outwards(monkeypatch):
+async def test_the_probes_go_from_the_middle_outwards_and_back_keeping_the_fastest(monkeypatch):
     seen = []
 
     async def fake_probe_step(driver, model, r_workers, context_lens, steps, pipeline, name):
         assert pipeline
-        seen.append(context_lens[0])
+        c = context_lens[0]
+        seen.append(c)
         w = float(sum(context_lens))
-        return SHARP(w), 0.0, [0.0], w
+        # the first pass is disturbed at 800 (a slow phase), the second at 2080
+        slow = 1.5 if (c == 800 and len(seen) <= len(CONTEXTS)) or (c == 2080 and len(seen) > len(CONTEXTS)) else 1
+        return SHARP(w) * slow, 0.0, [0.0], w
 
     monkeypatch.setattr(fastdecode_probes, "probe_step", fake_probe_step)
     model = SimpleNamespace(config=SimpleNamespace(n_layers=30))
     points = await fastdecode_probes.step_curve(None, model, ["r0"], 128, CONTEXTS)
-    assert set(seen[:2]) == {1120, 1440} and set(seen[-2:]) == {160, 2400}
+    assert set(seen[:2]) == {1120, 1440} and set(seen[6:8]) == {160, 2400}
+    assert seen[8:] == seen[:8][::-1]
     assert points == sorted((128.0 * c, SHARP(128.0 * c)) for c in CONTEXTS)
+    with pytest.raises(ValueError, match="passes"):
+        await fastdecode_probes.step_curve(None, model, ["r0"], 128, CONTEXTS, passes=0)
