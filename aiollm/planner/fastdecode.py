@@ -279,7 +279,7 @@ class StepCurve:
     The schedule's balanced S comes from this rather than from the step model, whose inputs drift run to run and
     whose shape is off: on the Zen 4 host it priced the gain still rising at S = 2880 and placed the traces' S at
     2256-2864, while the unscheduled runs' own steps bent at W ~110-160 K (S ~1700-2500 at B=128). The rounding
-    is what the pipeline loses where the sides balance (the held step sat 1.12-1.19x the S-bound floor): a held W
+    is what the pipeline loses where the sides balance (held steps sat 1.02-1.19x the S-bound floor): a held W
     at a sharp corner would look free, so the rounding moves the best S past the corner."""
 
     base: float
