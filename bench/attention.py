@@ -38,10 +38,11 @@ tokens/s; `ceiling_int8_vs_fp16`, the lowest row). They are taken at another mom
 on that host the two vCPUs gave 1.1-1.9x one core's arithmetic between moments of one run, so they show where
 the arithmetic binds rather than an exact bound.
 
-Far prefetch: the AVX-512 kernel's far (L2) software prefetch level is on or off per CPU (native/cpu.c: off on
-AMD Zen 5, where the hardware prefetchers read faster without it). Each row also runs fp16 and int8 the other way
-round in the same rounds (pct_read_far_alt, int8_x_fp16_far_alt; the summary's ratio_*_far_alt), so every run
-shows whether the default still suits the host it ran on.
+Far prefetch: the AVX-512 kernel's far (L2) software prefetch level is on or off per CPU and storage class
+(native/cpu.c: off on AMD Zen 5, where the hardware prefetchers read faster without it, and for int8 / int4 on
+Intel). Each row also runs fp16 and int8 with their own class the other way round in the same rounds
+(pct_read_far_alt: fp16 so over the read; int8_x_fp16_far_alt: int8 so over fp16 as chosen; the summary's
+ratio_*_far_alt), so every run shows whether the default still suits the host it ran on.
 
 int4 (two codes a byte, the same fp16 scales) reads 68 bytes per token and kv head at d=64 against int8's 132 and
 fp16's 256 (d=128: 132, 260, 512): at one rate of bytes it would reach ~1.9x int8's tokens/s and ~3.8x fp16's.
@@ -168,15 +169,16 @@ def kernel(k, v, scales, tables, q, n_threads: int):
                                                n_threads=n_threads)), nbytes
 
 
-def far_swapped(entry):
-    """(fn, bytes) of entry run with the far prefetch level the other way round from the library's choice."""
+def far_swapped(entry, storage: str):
+    """(fn, bytes) of entry run with the far prefetch level of `storage`'s class the other way round from the
+    library's choice (the other class as chosen)."""
     from aiollm.kv import attention
 
     fn, nbytes = entry
-    other = not attention.far_prefetch()
+    other = not attention.far_prefetch(storage)
 
     def run():
-        attention.force_far_prefetch(other)
+        attention.force_far_prefetch(other, storage)
         try:
             fn()
         finally:
@@ -201,8 +203,8 @@ def kernel_figures(row: dict, shape: tuple, n_threads: int, big: np.ndarray, rou
     row["pct_read_1t"] = 100 * paired_ratio(fp16_1t, read_1t)
     fp16 = kernel(k, v, None, tables, q, n_threads)
     int8 = kernel(k8, v8, scales, tables, q, n_threads)
-    entries = [fp16, kernel(k, v, None, shuffled, q, n_threads), int8, reader(big, n_threads), far_swapped(fp16),
-               far_swapped(int8)]
+    entries = [fp16, kernel(k, v, None, shuffled, q, n_threads), int8, reader(big, n_threads), far_swapped(fp16, "fp16"),
+               far_swapped(int8, "int8")]
     bf16, fp32 = sdpa_entry(shape, "bf16", n_threads, reps), sdpa_entry(shape, "fp32", n_threads, reps)
     int4 = kernel(k4, v4, scales4, tables, q, n_threads)
     entries += [bf16, fp32, int4]
@@ -215,7 +217,7 @@ def kernel_figures(row: dict, shape: tuple, n_threads: int, big: np.ndarray, rou
         row[f"sdpa_{name}_tok_s"] = max(rates) * 1e9 / nbytes * batch
         row[f"x_sdpa_{name}"] = paired_ratio([g / fp16[1] for g in fp16_r], [g / nbytes for g in rates])
     row["pct_read_far_alt"] = 100 * paired_ratio(fp16_alt, read_r)
-    row["int8_x_fp16_far_alt"] = paired_ratio([g / int8[1] for g in int8_alt], [g / fp16[1] for g in fp16_alt])
+    row["int8_x_fp16_far_alt"] = paired_ratio([g / int8[1] for g in int8_alt], [g / fp16[1] for g in fp16_r])
     row["fp16_gbs"], row["fp16_shuf_gbs"], row["read_gbs"] = max(fp16_r), max(shuf_r), max(read_r)
     row["pct_read"] = 100 * paired_ratio(fp16_r, read_r)
     row["pct_read_best"] = 100 * row["fp16_gbs"] / row["read_gbs"]
@@ -367,9 +369,9 @@ def run(args) -> dict:
     rounds = 3 if args.quick else 5
     nt = args.threads
     buf = aligned_full((WINDOW // 4,), 1, np.float32)  # aligned like the KV, so the read is the best one
-    far = attention.far_prefetch()
-    print(f"kernel {attention.isa()}, far prefetch {'on' if far else 'off'} (this CPU's default; *_far_alt: the other "
-          f"way, paired in the same rounds); read bandwidth measured beside each kernel figure (1 GiB, 1 and {nt} threads; "
+    far, far_int8 = attention.far_prefetch("fp16"), attention.far_prefetch("int8")
+    print(f"kernel {attention.isa()}, far prefetch fp16 {'on' if far else 'off'}, int8 / int4 {'on' if far_int8 else 'off'} "
+          f"(this CPU's default; *_far_alt: the other way for that storage, paired in the same rounds); read bandwidth measured beside each kernel figure (1 GiB, 1 and {nt} threads; "
           f"pct_* = median over {rounds} rounds of the same round's ratio)")
     inter = torch_interaction(nt, reps)
     print("attention next to torch (SmolLM2 64x1024, ms/call): " + ", ".join(f"{k} {v:.2f}" for k, v in inter.items()))
@@ -431,6 +433,7 @@ def run(args) -> dict:
     return {
         "isa": attention.isa(),
         "far_prefetch": far,
+        "far_prefetch_int8": far_int8,
         "threads": nt,
         "read_bw_1t_gbs": max(r["read_1t_gbs"] for r in rows),
         f"read_bw_{nt}t_gbs": max(r["read_gbs"] for r in rows),

@@ -15,8 +15,11 @@
 #define AIOLLM_CPU_AVX512VNNI 32  /* int8 K scores and P x V as int8 dot products (vpdpbusd) */
 #define AIOLLM_CPU_AVX512VBMI 64
 uint32_t aiollm_cpu_features(void);
-/* 1 where the AVX-512 attention kernel's far (L2) software prefetch level pays on this CPU, 0 where the
- * hardware prefetchers do better without it (AMD family 0x1A, Zen 5: see attn_avx512_impl.h). */
+/* The storage classes a far-prefetch setting names: a mask of these. */
+#define AIOLLM_FAR_FLOAT 1     /* fp32 / fp16 KV */
+#define AIOLLM_FAR_QUANTISED 2 /* int8 / int4 KV */
+/* The storage classes (AIOLLM_FAR_* mask) for which the SIMD attention kernels' far (L2) software prefetch level
+ * pays on this CPU; the others do better with the hardware prefetchers alone (native/cpu.c). */
 int aiollm_cpu_far_prefetch_default(void);
 /* 1 where an int8 GQA group of 1 runs the AVX2 kernel's MADD dot products, not AVX-512 VNNI (AMD family 0x1A and
  * later), unless an ISA or an int8 path is forced. */
@@ -115,11 +118,12 @@ int aiollm_int8_path(void);
 int aiollm_int8_path_supported(int32_t path);
 int aiollm_set_int8_path(int32_t path);
 
-/* Whether the SIMD kernels issue their far (L2) software prefetch level (AVX2: fp16/fp32 only): 1 on, 0 off. Probed once
- * (aiollm_cpu_far_prefetch_default), overridable by AIOLLM_ATTN_FAR_PREFETCH (0, 1) or aiollm_set_far_prefetch
+/* The storage classes (AIOLLM_FAR_* mask, 0-3) for which the SIMD kernels issue their far (L2) software prefetch
+ * level (the AVX2 kernel has one for fp16/fp32 only). Probed once (aiollm_cpu_far_prefetch_default), overridable by
+ * AIOLLM_ATTN_FAR_PREFETCH (the mask, 0-3: 0 none, 1 fp32 / fp16, 2 int8 / int4, 3 both) or aiollm_set_far_prefetch
  * (-1: back to the probe). The results are the same either way; only the speed differs. */
 int aiollm_far_prefetch(void);
-int aiollm_set_far_prefetch(int32_t on);
+int aiollm_set_far_prefetch(int32_t mask);
 
 /* STREAM-like read bandwidth probe: reads nbytes (a multiple of 64) with the variant in use on n_threads
  * threads of the pool and returns the fp32 sum of the data (so the reads cannot be optimised away). */

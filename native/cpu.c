@@ -15,26 +15,40 @@ uint32_t aiollm_cpu_features(void) {
     return flags;
 }
 
+/* The CPUID vendor string's three words (EBX, EDX, ECX of leaf 0) are "Auth" "enti" "cAMD" / "Genu" "ineI" "ntel". */
+static int vendor_is(uint32_t b, uint32_t d, uint32_t c) {
+    unsigned a, vb, vc, vd;
+    return __get_cpuid(0, &a, &vb, &vc, &vd) && vb == b && vd == d && vc == c;
+}
+
+static int intel(void) { return vendor_is(0x756e6547u, 0x49656e69u, 0x6c65746eu); }
+
 /* The x86 family of an AuthenticAMD CPU (0x19 Zen 3/4, 0x1A Zen 5), 0 for any other vendor. */
 static unsigned amd_family(void) {
     unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
-    const int amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "Auth" "enti" "cAMD" */
-    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    if (!vendor_is(0x68747541u, 0x69746e65u, 0x444d4163u) || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
     unsigned family = (a >> 8) & 0xfu;
     if (family == 0xfu) family += (a >> 20) & 0xffu;
     return family;
 }
 
-/* Whether the far (L2) software prefetch level pays on this CPU. Off where the CPU lacks AVX-512F (the AVX2
- * kernel runs): on an AMD Zen 3 host it cost fp16 up to 10 % and int8 a third (attn_avx2.c). Off on AuthenticAMD
- * family 0x1A (Zen 5) and later: measured on a Zen 5 host (paired in-process A/B against the read kernel, from
- * DRAM, 2 threads) without the far level fp16 read 1.06-1.08 of the read kernel instead of 0.98-1.04 and int8
- * 0.97-1.03 instead of 0.81-0.84. On the Zen 4 host before it the far level had lifted fp16 and int8
- * (attn_avx512_impl.h), so every other AVX-512 CPU keeps it. */
+/* The storage classes for which the far (L2) software prefetch level pays on this CPU (AIOLLM_FAR_FLOAT: fp32 /
+ * fp16, AIOLLM_FAR_QUANTISED: int8 / int4). None where the CPU lacks AVX-512F (the AVX2 kernel runs): on an AMD
+ * Zen 3 host it cost fp16 up to 10 % and int8 a third (attn_avx2.c). None on AuthenticAMD family 0x1A (Zen 5) and
+ * later: measured on a Zen 5 host (paired in-process A/B against the read kernel, from DRAM, 2 threads) without the
+ * far level fp16 read 1.06-1.08 of the read kernel instead of 0.98-1.04 and int8 0.97-1.03 instead of 0.81-0.84.
+ * On GenuineIntel, fp32 / fp16 only: on the Xeon (family 6 model 0xCF, AMX, ~15 GB/s of memory per core) of
+ * 2026-12-05 fp16 read 0.85-1.22 of the read kernel with it and 0.79-0.92 without, while int8 / int4 went faster
+ * without it (paired in-process A/B from DRAM, int8 / fp16 tokens/s with fp16 on the far level, far on / off:
+ * 2 threads SmolLM2 64 x 1024 1.57 / 1.84, 256 x 1024 1.79 / 2.07, 64 x 4096 1.87 / 2.33, Llama 64 x 1024 1.75 /
+ * 1.72, 32 x 4096 1.78 / 1.83; int4 2.03-2.81 / 2.15-3.24; 1 thread SmolLM2 1.50-2.06 / 2.00-2.62): int8's
+ * arithmetic already needs most of a core there, and the far requests are extra instructions. The Intel host of
+ * the first sessions had measured the same for int8 (SmolLM2 64 x 4096 int8 / fp16 1.97 with the far level off,
+ * 1.82 on). Every other AVX-512 CPU takes both: on the Zen 4 host the far level lifted fp16 and int8
+ * (attn_avx512_impl.h). */
 int aiollm_cpu_far_prefetch_default(void) {
-    if (!(aiollm_cpu_features() & AIOLLM_CPU_AVX512F)) return 0;
-    return amd_family() < 0x1au;
+    if (!(aiollm_cpu_features() & AIOLLM_CPU_AVX512F) || amd_family() >= 0x1au) return 0;
+    return intel() ? AIOLLM_FAR_FLOAT : AIOLLM_FAR_FLOAT | AIOLLM_FAR_QUANTISED;
 }
 
 /* How far ahead the AVX-512 kernel's int8 / int4 items ask L1 for tiles, in bytes of int8 tiles (int4 items ask for

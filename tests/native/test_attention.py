@@ -145,8 +145,8 @@ def test_far_prefetch_on_and_off_give_identical_outputs(isa_forced, far_forced, 
     isa_forced(isa)
     outs = []
     for on in (True, False):
-        far_forced(on)
-        assert attention.far_prefetch() is on
+        far_forced(on, dtype)
+        assert attention.far_prefetch(dtype) is on
         outs.append(pool.attend(1, q, table, seq_lens, n_threads=2))
     np.testing.assert_array_equal(outs[0], outs[1])
 
@@ -155,9 +155,32 @@ def test_far_prefetch_default_follows_the_cpu_and_bad_values_raise(far_forced):
     from aiollm._native import lib
 
     far_forced(None)
-    assert attention.far_prefetch() is bool(lib.aiollm_cpu_far_prefetch_default())
+    default = lib.aiollm_cpu_far_prefetch_default()
+    if "AIOLLM_ATTN_FAR_PREFETCH" not in os.environ:
+        for storage, bit in (("fp32", 1), ("fp16", 1), ("int8", 2), ("int4", 2)):
+            assert attention.far_prefetch(storage) is bool(default & bit)
     with pytest.raises(ValueError, match="far prefetch"):
         far_forced(2)
+    with pytest.raises(ValueError, match="far prefetch: storage expected one of"):
+        far_forced(True, "bf16")
+    with pytest.raises(ValueError, match="far prefetch: storage"):
+        attention.far_prefetch("int3")
+    assert lib.aiollm_set_far_prefetch(4) == lib.AIOLLM_ERR_ARG
+
+
+def test_far_prefetch_is_set_per_storage_class(far_forced):
+    """fp32 and fp16 share one setting, int8 and int4 the other; forcing one class leaves the other as it was, and
+    None puts both back."""
+    probed = {s: attention.far_prefetch(s) for s in ("fp16", "int8")}
+    for on in (True, False):
+        far_forced(not on)
+        far_forced(on, "int4")
+        assert (attention.far_prefetch("int8"), attention.far_prefetch("int4")) == (on, on)
+        assert (attention.far_prefetch("fp16"), attention.far_prefetch("fp32")) == (not on, not on)
+        far_forced(on, "fp32")
+        assert attention.far_prefetch("fp16") is on
+    far_forced(None)
+    assert {s: attention.far_prefetch(s) for s in ("fp16", "int8")} == probed
 
 
 def test_zero_length_sequence_gives_zero_row():

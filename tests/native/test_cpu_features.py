@@ -25,12 +25,15 @@ def test_native_library_reports_the_cpu_features_linux_reports():
     assert bool(features & lib.AIOLLM_CPU_AVX512VBMI) == ("avx512vbmi" in flags)
 
 
-def test_far_prefetch_default_is_on_exactly_with_avx512_and_before_amd_family_0x1a():
-    """The kernel's far prefetch rule (native/cpu.c) reads the same flags, vendor and family Linux reports."""
-    amd = _cpuinfo_field("vendor_id") == "AuthenticAMD"
+def test_far_prefetch_default_follows_avx512_the_vendor_and_the_amd_family():
+    """The kernel's far prefetch rule (native/cpu.c) reads the same flags, vendor and family Linux reports: both
+    storage classes with AVX-512 before AMD family 0x1A, fp32 / fp16 only on Intel, none without AVX-512 or on Zen 5."""
+    vendor = _cpuinfo_field("vendor_id")
     family = int(_cpuinfo_field("cpu family"))
-    on = "avx512f" in _proc_flags() and not (amd and family >= 0x1A)
-    assert lib.aiollm_cpu_far_prefetch_default() == int(on)
+    on = "avx512f" in _proc_flags() and not (vendor == "AuthenticAMD" and family >= 0x1A)
+    both = lib.AIOLLM_FAR_FLOAT | lib.AIOLLM_FAR_QUANTISED
+    expected = 0 if not on else lib.AIOLLM_FAR_FLOAT if vendor == "GenuineIntel" else both
+    assert lib.aiollm_cpu_far_prefetch_default() == expected
 
 
 def test_int8_near_prefetch_is_8_kib_exactly_on_amd_family_0x19_with_avx512():
