@@ -15,11 +15,14 @@
 #define AIOLLM_CPU_AVX512VNNI 32  /* int8 K scores and P x V as int8 dot products (vpdpbusd) */
 #define AIOLLM_CPU_AVX512VBMI 64
 uint32_t aiollm_cpu_features(void);
-/* The storage classes a far-prefetch setting names: a mask of these. */
-#define AIOLLM_FAR_FLOAT 1     /* fp32 / fp16 KV */
-#define AIOLLM_FAR_QUANTISED 2 /* int8 / int4 KV */
-/* The storage classes (AIOLLM_FAR_* mask) for which the SIMD attention kernels' far (L2) software prefetch level
- * pays on this CPU; the others do better with the hardware prefetchers alone (native/cpu.c). */
+/* The far (L2) software prefetch levels of the SIMD attention kernels, a mask of these (attn_avx512_impl.h). */
+#define AIOLLM_FAR_FLOAT 1           /* fp32 / fp16 KV: each line of the tiles 8 KiB ahead as the same line is read */
+#define AIOLLM_FAR_QUANTISED 2       /* int8 / int4 KV: whole K and V tiles, 16 tiles ahead, once per tile */
+#define AIOLLM_FAR_QUANTISED_LINES 4 /* int8 / int4 items of many heads (Llama): each line 16 KiB ahead as the same
+                                      * line is read in the score loop, instead of the whole tiles */
+#define AIOLLM_FAR_ALL 7
+/* The far levels (AIOLLM_FAR_* mask) that pay on this CPU; without them the hardware prefetchers do better
+ * (native/cpu.c). */
 int aiollm_cpu_far_prefetch_default(void);
 /* 1 where an int8 GQA group of 1 runs the AVX2 kernel's MADD dot products, not AVX-512 VNNI (AMD family 0x1A and
  * later), unless an ISA or an int8 path is forced. */
@@ -118,10 +121,10 @@ int aiollm_int8_path(void);
 int aiollm_int8_path_supported(int32_t path);
 int aiollm_set_int8_path(int32_t path);
 
-/* The storage classes (AIOLLM_FAR_* mask, 0-3) for which the SIMD kernels issue their far (L2) software prefetch
- * level (the AVX2 kernel has one for fp16/fp32 only). Probed once (aiollm_cpu_far_prefetch_default), overridable by
- * AIOLLM_ATTN_FAR_PREFETCH (the mask, 0-3: 0 none, 1 fp32 / fp16, 2 int8 / int4, 3 both) or aiollm_set_far_prefetch
- * (-1: back to the probe). The results are the same either way; only the speed differs. */
+/* The far (L2) software prefetch levels (AIOLLM_FAR_* mask, 0-7) the SIMD kernels issue (the AVX2 kernel has one
+ * for fp16/fp32 only). Probed once (aiollm_cpu_far_prefetch_default), overridable by AIOLLM_ATTN_FAR_PREFETCH (the
+ * mask as one digit, 0-7) or aiollm_set_far_prefetch (-1: back to the probe). The results are the same either
+ * way; only the speed differs. */
 int aiollm_far_prefetch(void);
 int aiollm_set_far_prefetch(int32_t mask);
 

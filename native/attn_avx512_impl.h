@@ -75,6 +75,9 @@ T512 INLINE __m512 exp512_fast(__m512 x) {
 #define PF_FAR_BYTES 8192
 #endif
 #define PF_FAR_I8 16
+/* AIOLLM_FAR_QUANTISED_LINES: items of many heads (unphased) ask for each K and V line this many bytes of int8 tiles
+ * ahead as the score loop reads the same line, as fp16 does (on Intel Llama int8 +7-10 %, native/cpu.c) */
+#define PF_FAR_I8_LINES 16384
 #define PHASE_I8_BYTES 4096 /* int8 items phase scores and V per chunk while their heads' K tiles fit (item) */
 
 /* int8: each score-loop iteration that consumes `bytes` of this K tile asks for the same share of the K tile and
@@ -160,7 +163,8 @@ T512 INLINE void k_rows_u8(int dt, const char *kp, int64_t BS, __m512i *k) {
  * of one token] (the layout kv_write stores; int4 pairs two such rows in one line), made unsigned (k_rows_u8) and
  * multiplied into the q row, quantised per row to int8 (q4: 4 dims per int32); corr removes the offset again. */
 T512 INLINE void scores_vnni(int dt, const char *kt, int64_t col, int64_t BS, int D, const int32_t *q4,
-                             const int32_t *corr, const float *qsc, int GB, __m512 *out, const char *pk, const char *pv) {
+                             const int32_t *corr, const float *qsc, int GB, __m512 *out, const char *pk, const char *pv,
+                             const char *pfk, const char *pfv) {
     /* 16 dims per iteration: 16 * BS bytes of an int8 tile, 8 * BS of an int4 one */
     const int64_t step = dt == AIOLLM_DT_I4 ? 8 * BS : 16 * BS;
     /* Four accumulators per head, named rather than indexed: a run-time index kept them on the stack
@@ -170,6 +174,8 @@ T512 INLINE void scores_vnni(int dt, const char *kt, int64_t col, int64_t BS, in
     const char *kp = kt + col * 4;
     for (int j = 0; j < D / 4; j += 4, kp += step) {
         if (pk) spread_prefetch(&pk, &pv, step);
+        prefetch_walk(&pfk, step, _MM_HINT_T1);
+        prefetch_walk(&pfv, step, _MM_HINT_T1);
         __m512i k[4];
         k_rows_u8(dt, kp, BS, k);
         for (int g = 0; g < GB; g++) {
@@ -315,7 +321,7 @@ T512 INLINE void vaccum_vnni(int dt, const char *vt, int64_t row0, int D, int dv
 T512 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const uint16_t *vs, int c, int nv,
                               int G, int D, int BS, const float *qs, float *m, float *l,
                               const int32_t *q4, const int32_t *corr, const float *qsc, const char *pk, const char *pv,
-                              float *pb, float *alpha) {
+                              const char *pfk, const char *pfv, float *pb, float *alpha) {
     const __mmask16 mask = (__mmask16)(nv == 16 ? 0xffffu : (1u << nv) - 1u);
     (void)q4, (void)corr, (void)qsc; /* int8 dot-product inputs, used only WITH_VNNI */
     for (int g0 = 0; g0 < G; g0 += 4) {
@@ -326,10 +332,10 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const 
         if (q4) {
             const int32_t *qg = q4 + g0 * (D / 4), *cg = corr + g0;
             switch (gb) {
-            case 1: scores_vnni(dt, kt, c * 16, BS, D, qg, cg, qsc + g0, 1, s, pkg, pvg); break;
-            case 2: scores_vnni(dt, kt, c * 16, BS, D, qg, cg, qsc + g0, 2, s, pkg, pvg); break;
-            case 3: scores_vnni(dt, kt, c * 16, BS, D, qg, cg, qsc + g0, 3, s, pkg, pvg); break;
-            default: scores_vnni(dt, kt, c * 16, BS, D, qg, cg, qsc + g0, 4, s, pkg, pvg); break;
+            case 1: scores_vnni(dt, kt, c * 16, BS, D, qg, cg, qsc + g0, 1, s, pkg, pvg, g0 ? NULL : pfk, g0 ? NULL : pfv); break;
+            case 2: scores_vnni(dt, kt, c * 16, BS, D, qg, cg, qsc + g0, 2, s, pkg, pvg, g0 ? NULL : pfk, g0 ? NULL : pfv); break;
+            case 3: scores_vnni(dt, kt, c * 16, BS, D, qg, cg, qsc + g0, 3, s, pkg, pvg, g0 ? NULL : pfk, g0 ? NULL : pfv); break;
+            default: scores_vnni(dt, kt, c * 16, BS, D, qg, cg, qsc + g0, 4, s, pkg, pvg, g0 ? NULL : pfk, g0 ? NULL : pfv); break;
             }
         } else
 #endif
@@ -525,6 +531,12 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
     /* int8 / int4 near distance in tiles: near_i8_bytes of int8 tiles (int4 the same count of its half-size tiles:
      * the compute per tile, which must cover the memory's latency, is the same), at least one tile */
     const int32_t near_i8 = a->near_i8_bytes / (D * BS) > 1 ? a->near_i8_bytes / (D * BS) : 1;
+    /* int8 / int4 far level: items of many heads (unphased) with AIOLLM_FAR_QUANTISED_LINES ask for each line
+     * PF_FAR_I8_LINES of int8 tiles ahead in the score loop (tiles ahead here, past the near level; 0: not this form),
+     * else with AIOLLM_FAR_QUANTISED every item asks for the whole tiles PF_FAR_I8 ahead once per tile */
+    const int32_t lines_i8 = PF_FAR_I8_LINES / (D * BS) > near_i8 ? PF_FAR_I8_LINES / (D * BS) : near_i8 + 1;
+    const int32_t far_lines = kv_quantised(dt) && !phased && (a->far_prefetch & AIOLLM_FAR_QUANTISED_LINES) ? lines_i8 : 0;
+    const int far_tiles_i8 = !far_lines && (a->far_prefetch & AIOLLM_FAR_QUANTISED);
     for (int32_t blk = 0; blk < n_used; blk++) {
         const int64_t block = table[blk];
         for (int c = 0; c * 16 < BS; c++) {
@@ -537,7 +549,7 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                 const uint16_t *vs = kv_quantised(dt) ? kv->v_scale + kv_scale_tile(kv, block, h0 + h) : NULL;
                 /* Tiles ahead in this item's order (heads inner). The K tiles are prefetched by the first chunk's
                  * score loop (it covers whole K rows); the V tiles by every chunk's V loop (its own rows). */
-                const char *pk = NULL, *pv = NULL, *vn = NULL, *vf = NULL;
+                const char *pk = NULL, *pv = NULL, *vn = NULL, *vf = NULL, *pfk = NULL, *pfv = NULL;
                 const int32_t t0 = blk * NH + h;
                 if (kv_quantised(dt)) {
                     const int32_t nblk = (t0 + near_i8) / NH, nh = h0 + (t0 + near_i8) % NH;
@@ -548,8 +560,13 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                         _mm_prefetch((const char *)(kv->k_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
                         _mm_prefetch((const char *)(kv->v_scale + kv_scale_tile(kv, table[nblk], nh)), _MM_HINT_T0);
                     }
+                    const int32_t lblk = (t0 + far_lines) / NH, lhead = h0 + (t0 + far_lines) % NH;
+                    if (far_lines && c == 0 && lblk < n_used) {
+                        const int64_t far = kv_tile_bytes(kv, dt, table[lblk], lhead);
+                        pfk = (const char *)kv->k + far, pfv = (const char *)kv->v + far;
+                    }
                     const int32_t fblk = (t0 + PF_FAR_I8) / NH, fh = h0 + (t0 + PF_FAR_I8) % NH;
-                    if (a->far_prefetch && c == 0 && fblk < n_used) {
+                    if (far_tiles_i8 && c == 0 && fblk < n_used) {
                         const int64_t far = kv_tile_bytes(kv, dt, table[fblk], fh);
                         const char *fk = (const char *)kv->k + far, *fv = (const char *)kv->v + far;
                         prefetch_walk(&fk, tile_bytes, _MM_HINT_T1);
@@ -571,7 +588,7 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                 float *mh = m + h * G, *lh = l + h * G * 16, *pbh = pb + h * G * 16, *alh = alpha + h * G;
                 const int32_t *q4h = vnni ? q4 + h * G * (D / 4) : NULL, *ch = corr + h * G;
                 const float *qh = qsc + h * G;
-                chunk_scores(dt, kt, ks, vs, c, w, G, D, BS, qs + h * GD, mh, lh, q4h, ch, qh, pk, pv, pbh, alh);
+                chunk_scores(dt, kt, ks, vs, c, w, G, D, BS, qs + h * GD, mh, lh, q4h, ch, qh, pk, pv, pfk, pfv, pbh, alh);
                 if (!phased)
                     chunk_values(dt, (const char *)kv->v + kv_tile_bytes(kv, dt, block, h0 + h), c, w, G, D, pbh, alh,
                                  acc + h * GD, vnni, vn, vf);

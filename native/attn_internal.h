@@ -20,7 +20,8 @@ typedef struct {
     void *out;
     int32_t out_dtype;
     int32_t int8_dot; /* int8: AIOLLM_INT8_FP32, _VNNI or _MADD, see aiollm_int8_path */
-    int32_t far_prefetch; /* issue the far (L2) prefetch level: aiollm_far_prefetch names this storage's class */
+    int32_t far_prefetch; /* the far (L2) prefetch levels to issue: aiollm_far_prefetch's bits for this storage's
+                           * class (AIOLLM_FAR_FLOAT, or AIOLLM_FAR_QUANTISED / _QUANTISED_LINES) */
     int32_t near_i8_bytes; /* AVX-512 int8 / int4 L1 prefetch distance in int8 tile bytes (aiollm_cpu_int8_near_bytes) */
 } attn_args;
 

@@ -32,23 +32,26 @@ static unsigned amd_family(void) {
     return family;
 }
 
-/* The storage classes for which the far (L2) software prefetch level pays on this CPU (AIOLLM_FAR_FLOAT: fp32 /
- * fp16, AIOLLM_FAR_QUANTISED: int8 / int4). None where the CPU lacks AVX-512F (the AVX2 kernel runs): on an AMD
- * Zen 3 host it cost fp16 up to 10 % and int8 a third (attn_avx2.c). None on AuthenticAMD family 0x1A (Zen 5) and
- * later: measured on a Zen 5 host (paired in-process A/B against the read kernel, from DRAM, 2 threads) without the
- * far level fp16 read 1.06-1.08 of the read kernel instead of 0.98-1.04 and int8 0.97-1.03 instead of 0.81-0.84.
- * On GenuineIntel, fp32 / fp16 only: on the Xeon (family 6 model 0xCF, AMX, ~15 GB/s of memory per core) of
- * 2026-12-05 fp16 read 0.85-1.22 of the read kernel with it and 0.79-0.92 without, while int8 / int4 went faster
- * without it (paired in-process A/B from DRAM, int8 / fp16 tokens/s with fp16 on the far level, far on / off:
- * 2 threads SmolLM2 64 x 1024 1.57 / 1.84, 256 x 1024 1.79 / 2.07, 64 x 4096 1.87 / 2.33, Llama 64 x 1024 1.75 /
- * 1.72, 32 x 4096 1.78 / 1.83; int4 2.03-2.81 / 2.15-3.24; 1 thread SmolLM2 1.50-2.06 / 2.00-2.62): int8's
- * arithmetic already needs most of a core there, and the far requests are extra instructions. The Intel host of
- * the first sessions had measured the same for int8 (SmolLM2 64 x 4096 int8 / fp16 1.97 with the far level off,
- * 1.82 on). Every other AVX-512 CPU takes both: on the Zen 4 host the far level lifted fp16 and int8
- * (attn_avx512_impl.h). */
+/* The far (L2) software prefetch levels (AIOLLM_FAR_* mask) that pay on this CPU. None where the CPU lacks
+ * AVX-512F (the AVX2 kernel runs): on an AMD Zen 3 host it cost fp16 up to 10 % and int8 a third (attn_avx2.c). None on
+ * AuthenticAMD family 0x1A (Zen 5) and later: measured on a Zen 5 host (paired in-process A/B against the read
+ * kernel, from DRAM, 2 threads) without the far level fp16 read 1.06-1.08 of the read kernel instead of 0.98-1.04 and
+ * int8 0.97-1.03 instead of 0.81-0.84.
+ * GenuineIntel: fp32 / fp16, and for int8 / int4 only the line form on items of many heads. On the Xeon (family 6
+ * model 0xCF, AMX, ~15 GB/s of memory per core) of 2026-12-05, paired in-process A/B from DRAM, 2 threads: fp16 read
+ * 0.85-1.22 of the read kernel with its far level and 0.79-0.92 without; int8 / fp16 tokens/s (fp16 with its far
+ * level), whole int8 tiles on / off: SmolLM2 64 x 1024 1.57 / 1.84, 256 x 1024 1.79 / 2.07, 64 x 4096 1.87 / 2.33
+ * (1 thread 1.50-2.06 / 2.00-2.62; int4 2.03-2.29 / 2.15-2.71): SmolLM2's int8 arithmetic already needs most of a
+ * core there and the requests are extra instructions. Llama (many heads an item) read the same either way (1.75 /
+ * 1.72, 32 x 4096 1.78 / 1.83) and 7-10 % faster with the line form (no far level / lines 16 KiB ahead: 64 x 1024
+ * 1.70 / 1.87, 32 x 4096 1.72 / 1.82, 128 x 1024 1.77 / 1.88; 8 and 32 KiB within noise of 16). The Intel host of
+ * the first sessions had measured the whole tiles slower for SmolLM2 int8 too (64 x 4096 int8 / fp16 1.97 without,
+ * 1.82 with).
+ * Every other AVX-512 CPU takes fp32 / fp16 and the whole int8 tiles: on the Zen 4 host they lifted fp16 and int8
+ * (attn_avx512_impl.h), and a line form measured within noise of them or slower there. */
 int aiollm_cpu_far_prefetch_default(void) {
     if (!(aiollm_cpu_features() & AIOLLM_CPU_AVX512F) || amd_family() >= 0x1au) return 0;
-    return intel() ? AIOLLM_FAR_FLOAT : AIOLLM_FAR_FLOAT | AIOLLM_FAR_QUANTISED;
+    return intel() ? AIOLLM_FAR_FLOAT | AIOLLM_FAR_QUANTISED_LINES : AIOLLM_FAR_FLOAT | AIOLLM_FAR_QUANTISED;
 }
 
 /* How far ahead the AVX-512 kernel's int8 / int4 items ask L1 for tiles, in bytes of int8 tiles (int4 items ask for

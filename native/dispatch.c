@@ -114,12 +114,12 @@ static int int8_group1_madd(int isa, int path, int32_t group) {
 /* ---- the AVX-512 kernel's far prefetch level ---- */
 
 static _Atomic int current_far = -1;
-static int probed_far = AIOLLM_FAR_FLOAT | AIOLLM_FAR_QUANTISED;
+static int probed_far = AIOLLM_FAR_ALL;
 static pthread_once_t far_once = PTHREAD_ONCE_INIT;
 
 static void probe_far(void) {
     const char *env = getenv("AIOLLM_ATTN_FAR_PREFETCH");
-    if (env && env[0] >= '0' && env[0] <= '3' && env[1] == 0) probed_far = env[0] - '0';
+    if (env && env[0] >= '0' && env[0] <= '0' + AIOLLM_FAR_ALL && env[1] == 0) probed_far = env[0] - '0';
     else probed_far = aiollm_cpu_far_prefetch_default();
     atomic_store(&current_far, probed_far);
 }
@@ -131,7 +131,7 @@ int aiollm_far_prefetch(void) {
 
 int aiollm_set_far_prefetch(int32_t mask) {
     pthread_once(&far_once, probe_far);
-    if (mask < -1 || mask > (AIOLLM_FAR_FLOAT | AIOLLM_FAR_QUANTISED)) return AIOLLM_ERR_ARG;
+    if (mask < -1 || mask > AIOLLM_FAR_ALL) return AIOLLM_ERR_ARG;
     atomic_store(&current_far, mask == -1 ? probed_far : mask);
     return AIOLLM_OK;
 }
@@ -273,7 +273,7 @@ int aiollm_decode_attention(const aiollm_kv_layer *kv, const float *q, int64_t q
     if (simd_shape && isa == AIOLLM_ISA_AVX512) job.fn = attn_item_avx512;
     job.args.int8_dot = aiollm_int8_path();
     job.args.near_i8_bytes = near_i8_bytes; /* probed with the int8 path, just above */
-    job.args.far_prefetch = !!(aiollm_far_prefetch() & (kv_quantised(kv->dtype) ? AIOLLM_FAR_QUANTISED : AIOLLM_FAR_FLOAT));
+    job.args.far_prefetch = aiollm_far_prefetch() & (kv_quantised(kv->dtype) ? AIOLLM_FAR_QUANTISED | AIOLLM_FAR_QUANTISED_LINES : AIOLLM_FAR_FLOAT);
     if (simd_shape && isa == AIOLLM_ISA_AVX2) job.fn = attn_item_avx2;
     if (simd_shape && kv->dtype == AIOLLM_DT_I8 && int8_group1_madd(isa, job.args.int8_dot, job.args.group)) {
         job.fn = attn_item_avx2;

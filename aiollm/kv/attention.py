@@ -27,8 +27,8 @@ fp32 math or int8 dot products, VNNI on AVX-512 and vpmaddubsw/vpmaddwd on AVX2 
 AIOLLM_ATTN_INT8=fp32|vnni|madd or `force_int8_path`); int4 KV always runs int8 dot products (VNNI, else MADD) on
 the SIMD kernels, and in fp32 math on the reference path, which the fp32 int8 path also selects for it. The far (L2) software prefetch level is on or off per
 CPU and storage class (`far_prefetch(storage)`; off on Zen 5 and on CPUs without AVX-512, and for int8 / int4 on
-Intel, where the kernels read faster without it; AIOLLM_ATTN_FAR_PREFETCH=0-3, a mask: 1 fp32 / fp16, 2 int8 /
-int4, or `force_far_prefetch`).
+Intel, where the kernels read faster without it; AIOLLM_ATTN_FAR_PREFETCH=0-7, the AIOLLM_FAR_* mask of
+native/aiollm_native.h, or `force_far_prefetch`).
 """
 import contextlib
 import math
@@ -126,36 +126,41 @@ def force_int8_path(name: str | None) -> None:
         raise ValueError(f"int8 path: this CPU does not support {name!r} (supported: {supported_int8_paths()})")
 
 
-_FAR_CLASS = {"fp32": lib.AIOLLM_FAR_FLOAT, "fp16": lib.AIOLLM_FAR_FLOAT, "int8": lib.AIOLLM_FAR_QUANTISED,
-              "int4": lib.AIOLLM_FAR_QUANTISED}
+_QUANTISED_FAR = lib.AIOLLM_FAR_QUANTISED | lib.AIOLLM_FAR_QUANTISED_LINES
+_FAR_CLASS = {"fp32": lib.AIOLLM_FAR_FLOAT, "fp16": lib.AIOLLM_FAR_FLOAT, "int8": _QUANTISED_FAR, "int4": _QUANTISED_FAR}
 
 
 def _far_class(storage: str | None) -> int:
-    """The AIOLLM_FAR_* mask of one storage dtype's class (None: every class)."""
+    """The AIOLLM_FAR_* bits of one storage dtype's far levels (None: every storage)."""
     if storage is None:
-        return lib.AIOLLM_FAR_FLOAT | lib.AIOLLM_FAR_QUANTISED
+        return lib.AIOLLM_FAR_ALL
     if storage not in _FAR_CLASS:
         raise ValueError(f"far prefetch: storage expected one of {sorted(_FAR_CLASS)} or None, got {storage!r}")
     return _FAR_CLASS[storage]
 
 
 def far_prefetch(storage: str = "fp16") -> bool:
-    """Whether the SIMD kernels issue their far (L2) software prefetch level over KV of this storage dtype (fp32 and
-    fp16 share one setting, int8 and int4 another; probed per CPU, see native/cpu.c). The results are identical
-    either way; only the speed differs."""
+    """Whether the SIMD kernels issue a far (L2) software prefetch level over KV of this storage dtype (fp32 and fp16
+    share one setting, int8 and int4 another; probed per CPU, see native/cpu.c). The results are identical either
+    way; only the speed differs."""
     return bool(lib.aiollm_far_prefetch() & _far_class(storage))
 
 
 def force_far_prefetch(on: bool | None, storage: str | None = None) -> None:
-    """Turn the far prefetch level on or off from now on, for the class of `storage` (None: every class); on=None
-    puts every class back to the probed/env choice."""
+    """Turn the far prefetch level on or off from now on, for `storage`'s setting (None: every storage); on=None puts
+    every setting back to the probed/env choice. On, int8 / int4 take this CPU's own form of the level where it has
+    one (AIOLLM_FAR_QUANTISED_LINES on Intel), else the whole-tile form."""
     if on is not None and not isinstance(on, bool):
         raise ValueError(f"far prefetch: expected True, False or None, got {on!r}")
     bits = _far_class(storage)
+    current = lib.aiollm_far_prefetch()
     if on is None:
         mask = -1
+    elif not on:
+        mask = current & ~bits
     else:
-        mask = lib.aiollm_far_prefetch() | bits if on else lib.aiollm_far_prefetch() & ~bits
+        quantised = lib.aiollm_cpu_far_prefetch_default() & _QUANTISED_FAR or lib.AIOLLM_FAR_QUANTISED
+        mask = current & ~bits | bits & (lib.AIOLLM_FAR_FLOAT | quantised)
     _ensure(lib.aiollm_set_far_prefetch(mask))
 
 

@@ -151,13 +151,33 @@ def test_far_prefetch_on_and_off_give_identical_outputs(isa_forced, far_forced, 
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_every_int8_far_level_gives_identical_outputs(dtype):
+    """The int8 / int4 far levels (none, whole tiles, lines, both) compute the same bits, on items of many heads (8 kv
+    heads of d=128: past PHASE_I8_BYTES, where the line form applies) and of few (2 heads of d=64)."""
+    from aiollm._native import lib
+
+    rng = np.random.default_rng(9)
+    try:
+        for n_kv_heads, head_dim in ((8, 128), (2, 64)):
+            pool, table, _, seq_lens, q, _, _ = random_case(rng, dtype, head_dim, 1, [1500, 300, 17], n_kv_heads)
+            outs = []
+            for mask in (0, lib.AIOLLM_FAR_QUANTISED, lib.AIOLLM_FAR_QUANTISED_LINES, lib.AIOLLM_FAR_ALL):
+                assert lib.aiollm_set_far_prefetch(mask) == lib.AIOLLM_OK
+                outs.append(pool.attend(1, q, table, seq_lens, n_threads=2))
+            for out in outs[1:]:
+                np.testing.assert_array_equal(out, outs[0])
+    finally:
+        attention.force_far_prefetch(None)
+
+
 def test_far_prefetch_default_follows_the_cpu_and_bad_values_raise(far_forced):
     from aiollm._native import lib
 
     far_forced(None)
     default = lib.aiollm_cpu_far_prefetch_default()
     if "AIOLLM_ATTN_FAR_PREFETCH" not in os.environ:
-        for storage, bit in (("fp32", 1), ("fp16", 1), ("int8", 2), ("int4", 2)):
+        for storage, bit in (("fp32", 1), ("fp16", 1), ("int8", 6), ("int4", 6)):
             assert attention.far_prefetch(storage) is bool(default & bit)
     with pytest.raises(ValueError, match="far prefetch"):
         far_forced(2)
@@ -165,7 +185,7 @@ def test_far_prefetch_default_follows_the_cpu_and_bad_values_raise(far_forced):
         far_forced(True, "bf16")
     with pytest.raises(ValueError, match="far prefetch: storage"):
         attention.far_prefetch("int3")
-    assert lib.aiollm_set_far_prefetch(4) == lib.AIOLLM_ERR_ARG
+    assert lib.aiollm_set_far_prefetch(lib.AIOLLM_FAR_ALL + 1) == lib.AIOLLM_ERR_ARG
 
 
 def test_far_prefetch_is_set_per_storage_class(far_forced):

@@ -26,13 +26,14 @@ def test_native_library_reports_the_cpu_features_linux_reports():
 
 
 def test_far_prefetch_default_follows_avx512_the_vendor_and_the_amd_family():
-    """The kernel's far prefetch rule (native/cpu.c) reads the same flags, vendor and family Linux reports: both
-    storage classes with AVX-512 before AMD family 0x1A, fp32 / fp16 only on Intel, none without AVX-512 or on Zen 5."""
+    """The kernel's far prefetch rule (native/cpu.c) reads the same flags, vendor and family Linux reports: with
+    AVX-512 before AMD family 0x1A fp32 / fp16 and whole int8 tiles, on Intel fp32 / fp16 and the int8 lines of items
+    of many heads; none without AVX-512 or on Zen 5."""
     vendor = _cpuinfo_field("vendor_id")
     family = int(_cpuinfo_field("cpu family"))
     on = "avx512f" in _proc_flags() and not (vendor == "AuthenticAMD" and family >= 0x1A)
-    both = lib.AIOLLM_FAR_FLOAT | lib.AIOLLM_FAR_QUANTISED
-    expected = 0 if not on else lib.AIOLLM_FAR_FLOAT if vendor == "GenuineIntel" else both
+    intel = lib.AIOLLM_FAR_FLOAT | lib.AIOLLM_FAR_QUANTISED_LINES
+    expected = 0 if not on else intel if vendor == "GenuineIntel" else lib.AIOLLM_FAR_FLOAT | lib.AIOLLM_FAR_QUANTISED
     assert lib.aiollm_cpu_far_prefetch_default() == expected
 
 
