@@ -52,7 +52,8 @@ T256 INLINE float hsum8(__m256 v) {
  * and Llama 64 x 1024 from 0.55 to 0.82-0.98. There the far level cost more than it gave (off / on, three
  * alternating pairs: SmolLM2 256 x 1024 0.72-0.82 / 0.64-0.76, Llama 64 x 1024 0.82-0.98 / 0.80-0.83; an int8 far
  * level, whole tiles 16 ahead once per tile as on AVX-512, took int8 from 1.51-1.70x fp16 to 1.10-1.20x), so
- * without AVX-512 it defaults off (native/cpu.c) and int8 has none. */
+ * without AVX-512 it defaults off (native/cpu.c), except on a Zen 4 core whose AVX-512 a hypervisor hides, where it
+ * lifted fp16 a lot (native/cpu.c), and int8 has none. */
 #ifndef PF_NEAR
 #define PF_NEAR 1
 #endif

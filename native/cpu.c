@@ -23,17 +23,38 @@ static int vendor_is(uint32_t b, uint32_t d, uint32_t c) {
 
 static int intel(void) { return vendor_is(0x756e6547u, 0x49656e69u, 0x6c65746eu); }
 
-/* The x86 family of an AuthenticAMD CPU (0x19 Zen 3/4, 0x1A Zen 5), 0 for any other vendor. */
-static unsigned amd_family(void) {
+/* The x86 family and model of an AuthenticAMD CPU (family 0x19 Zen 3/4, 0x1A Zen 5), family 0 for any other vendor. */
+static unsigned amd_family_model(unsigned *model) {
     unsigned a, b, c, d;
+    *model = 0;
     if (!vendor_is(0x68747541u, 0x69746e65u, 0x444d4163u) || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
     unsigned family = (a >> 8) & 0xfu;
-    if (family == 0xfu) family += (a >> 20) & 0xffu;
+    *model = (a >> 4) & 0xfu;
+    if (family == 0xfu) family += (a >> 20) & 0xffu, *model |= ((a >> 16) & 0xfu) << 4;
     return family;
 }
 
+static unsigned amd_family(void) {
+    unsigned model;
+    return amd_family_model(&model);
+}
+
+/* A Zen 4 core (family 0x19, models 0x10-0x1F, 0x60-0x7F, 0xA0-0xAF), whether or not a hypervisor shows its AVX-512:
+ * the other family 0x19 models are Zen 3. */
+static int zen4(void) {
+    unsigned model;
+    const unsigned family = amd_family_model(&model);
+    return family == 0x19u && ((model >= 0x10u && model <= 0x1fu) || (model >= 0x60u && model <= 0x7fu) ||
+                               (model >= 0xa0u && model <= 0xafu));
+}
+
 /* The far (L2) software prefetch levels (AIOLLM_FAR_* mask) that pay on this CPU. None where the CPU lacks
- * AVX-512F (the AVX2 kernel runs): on an AMD Zen 3 host it cost fp16 up to 10 % and int8 a third (attn_avx2.c). None on
+ * AVX-512F (the AVX2 kernel runs): on an AMD Zen 3 host it cost fp16 up to 10 % and int8 a third (attn_avx2.c);
+ * except fp32 / fp16 on a Zen 4 core whose AVX-512 a hypervisor hides (the AVX2 kernel, which has no int8 far level,
+ * runs there): on such a host (family 0x19 model 0x11, 2 vCPUs, 30-32 GB/s of memory per core) on 2026-12-07, paired
+ * in-process A/B against the read kernel from DRAM, fp16 without / with it: 2 threads SmolLM2 256 x 1024 0.57 / 0.64,
+ * 64 x 4096 0.61 / 0.77, Llama 64 x 1024 0.72 / 0.97; 1 thread Llama 64 x 1024 0.40 / 0.84, SmolLM2 (compute-bound
+ * there) 0.34 / 0.35 and 0.52 / 0.46; the bench's eight rows 42-74 % / 57-96 % of the read in one run. None on
  * AuthenticAMD family 0x1A (Zen 5) and later: measured on a Zen 5 host (paired in-process A/B against the read
  * kernel, from DRAM, 2 threads) without the far level fp16 read 1.06-1.08 of the read kernel instead of 0.98-1.04 and
  * int8 0.97-1.03 instead of 0.81-0.84.
@@ -50,7 +71,8 @@ static unsigned amd_family(void) {
  * Every other AVX-512 CPU takes fp32 / fp16 and the whole int8 tiles: on the Zen 4 host they lifted fp16 and int8
  * (attn_avx512_impl.h), and a line form measured within noise of them or slower there. */
 int aiollm_cpu_far_prefetch_default(void) {
-    if (!(aiollm_cpu_features() & AIOLLM_CPU_AVX512F) || amd_family() >= 0x1au) return 0;
+    if (amd_family() >= 0x1au) return 0;
+    if (!(aiollm_cpu_features() & AIOLLM_CPU_AVX512F)) return zen4() ? AIOLLM_FAR_FLOAT : 0;
     return intel() ? AIOLLM_FAR_FLOAT | AIOLLM_FAR_QUANTISED_LINES : AIOLLM_FAR_FLOAT | AIOLLM_FAR_QUANTISED;
 }
 
