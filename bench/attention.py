@@ -38,6 +38,15 @@ tokens/s; `ceiling_int8_vs_fp16`, the lowest row). They are taken at another mom
 on that host the two vCPUs gave 1.1-1.9x one core's arithmetic between moments of one run, so they show where
 the arithmetic binds rather than an exact bound.
 
+The hardware's own bound: fp16 KV needs 2 * group * head_dim multiply-adds per token and kv head against 4 *
+head_dim bytes, 2 / group bytes per multiply-add, so the cores' fp32 FMA peak (`attention.fma_peak`: 12 independent
+FMA chains of the kernel's vector width and nothing else, the best over the run) bounds the KV bytes per second of
+any kernel that does those multiply-adds in fp32, whatever its prefetch: fma_bound_1t_gbs (one core) and
+fma_bound_*t_gbs per row, and in the summary `ceiling_fp16_1t_fma_vs_read_bw_1t` / `ceiling_fp16_fma_vs_read_bw`,
+the lowest over rows with context >= 1024 of that bound over the row's read bandwidth. Below 0.90 the fp16 target
+is out of reach on that host for that shape. On a Zen 4 core whose AVX-512 a hypervisor hides (two ymm FMAs a
+cycle at 2.8 GHz, 45 G multiply-adds/s) SmolLM2's bound is 30 GB/s, one core's read.
+
 Far prefetch: the AVX-512 kernel's far (L2) software prefetch level is on or off per CPU and storage class
 (native/cpu.c: off on AMD Zen 5, where the hardware prefetchers read faster without it, and for int8 / int4 on
 Intel). Each row also runs fp16 and int8 with their own class the other way round in the same rounds
@@ -81,7 +90,7 @@ COLUMNS = ["shape", "batch", "ctx", "run_batch", "kv_mib", "read_1t_gbs", "fp16_
            "fp16_gbs", "pct_read", "pct_read_best", "read_same_gbs", "pct_read_same", "fp16_shuf_gbs", "pct_read_shuf",
            "pct_read_far_alt", "fp16_tok_s", "int8_tok_s", "int8_x_fp16", "int8_x_fp16_paired", "int8_x_fp16_far_alt", "sdpa_bf16_tok_s", "sdpa_fp32_tok_s",
            "x_sdpa_bf16", "x_sdpa_fp32", "sdpa_bf16_gbs", "sdpa_fp32_gbs", "ceil_x_sdpa_bf16", "ceil_x_sdpa_fp32",
-           "hot_fp16_1t_gbs", "hot_int8_1t_gbs", "alu_share_fp16", "alu_share_int8", "ceil_pct_read",
+           "hot_fp16_1t_gbs", "fma_bound_1t_gbs", "hot_int8_1t_gbs", "alu_share_fp16", "alu_share_int8", "ceil_pct_read",
            "ceil_int8_x_fp16", "int4_tok_s", "int4_x_fp16", "int4_x_fp16_paired", "int4_x_int8", "hot_int4_1t_gbs",
            "alu_share_int4"]
 STORAGE = {"fp16": np.float16, "int8": np.int8, "int4": np.uint8}  # int4: two codes a byte
@@ -256,7 +265,11 @@ def hot_figures(row: dict, n_q: int, n_kv: int, d: int, reps: int, n_threads: in
     alu_share_* = the row's 1-thread read bandwidth / the 1-thread rate. The n-thread rates show where the
     arithmetic binds the DRAM figures: ceil_pct_read = 100 * min(1, hot fp16 rate / the row's n-thread read), and
     ceil_int8_x_fp16 = int8 tokens/s at its n-thread arithmetic rate / the row's measured fp16 tokens/s."""
+    from aiollm.kv import attention
+
     ctx = max(BLOCK, HOT_BYTES // (n_kv * d * 2 * 2) // BLOCK * BLOCK)
+    for nt in sorted({1, n_threads}):  # multiply-adds per second, at the same moment as the figures below
+        row[f"fma_{nt}t_glanes"] = attention.fma_peak(nt, reps) / 1e9
     q = np.random.default_rng(1).standard_normal((HOT_SEQS, n_q, d)).astype(np.float32)
     for dtype in ("fp16", "int8", "int4"):
         k, v, scales, tables = _cache(1, ctx, n_kv, d, dtype)
@@ -346,6 +359,17 @@ def torch_interaction(n_threads: int, reps: int) -> dict:
     return figures
 
 
+def fma_bound_rows(rows: list[dict], n_threads: int) -> None:
+    """fma_bound_*_gbs on every row: the fp16 KV bytes per second the cores' best FMA rate over the run allows (2 /
+    group bytes per multiply-add), and fma_pct_read_* = 100 * bound / the row's read (1 and n_threads threads)."""
+    for nt, read in ((1, "read_1t_gbs"), (n_threads, "read_gbs")):
+        peak = max(r[f"fma_{nt}t_glanes"] for r in rows)
+        for r in rows:
+            n_q, n_kv, _ = SHAPES[r["shape"]]
+            r[f"fma_bound_{nt}t_gbs"] = peak * 2 / (n_q // n_kv)
+            r[f"fma_pct_read_{nt}t"] = 100 * r[f"fma_bound_{nt}t_gbs"] / r[read]
+
+
 def _shape_list(quick: bool, only: str | None = None):
     for name, (n_q, n_kv, d) in SHAPES.items():
         if only and name != only:
@@ -395,6 +419,7 @@ def run(args) -> dict:
         row["ceil_x_sdpa_fp32"] = ideal_tok_s / row["sdpa_fp32_tok_s"]
         rows.append(row)
         print(f"measured {name} batch {batch} ctx {ctx}", flush=True)
+    fma_bound_rows(rows, nt)
     print()
     print(table(rows, COLUMNS))
     long = [r for r in rows if r["ctx"] >= 1024]
@@ -422,6 +447,15 @@ def run(args) -> dict:
     print(f"fp16 arithmetic alone on {nt} threads (KV in L2): {low[f'hot_fp16_{nt}t_gbs']:.1f} GB/s on the lowest row "
           f"against its read of {low['read_gbs']:.1f}: at that rate it could reach {low['ceil_pct_read']:.0f} % of "
           "the read")
+    fma_1t = min(long, key=lambda r: r["fma_pct_read_1t"])
+    fma_nt = min(long, key=lambda r: r[f"fma_pct_read_{nt}t"])
+    fma_nt_pct = fma_nt[f"fma_pct_read_{nt}t"]
+    print(f"fp32 multiply-add peak (12 FMA chains alone, best over the run): {max(r['fma_1t_glanes'] for r in rows):.1f} "
+          f"G/s on 1 thread, {max(r[f'fma_{nt}t_glanes'] for r in rows):.1f} on {nt}; at 2 / group bytes of fp16 KV per "
+          f"multiply-add no fp32 kernel passes {fma_1t['fma_bound_1t_gbs']:.1f} GB/s on one core for {fma_1t['shape']}: "
+          f"{fma_1t['fma_pct_read_1t']:.0f} % of one core's read on {fma_1t['batch']}x{fma_1t['ctx']}, and "
+          f"{fma_nt_pct:.0f} % of the {nt}-thread read on {fma_nt['shape']} "
+          f"{fma_nt['batch']}x{fma_nt['ctx']}")
     ceil_i8 = min(rows, key=lambda r: r["ceil_int8_x_fp16"])
     print(f"int8 arithmetic alone on {nt} threads: {ceil_i8[f'hot_int8_{nt}t_gbs']:.1f} GB/s of int8 KV on "
           f"{ceil_i8['shape']} {ceil_i8['batch']}x{ceil_i8['ctx']}, at that rate "
@@ -461,4 +495,8 @@ def run(args) -> dict:
         "ceiling_fp16_vs_read_bw": low["ceil_pct_read"] / 100,  # on the row that sets ratio_fp16_vs_read_bw
         "ceiling_fp16_1t_vs_read_bw_1t": ceil_1t,  # on the row that sets ratio_fp16_1t_vs_read_bw_1t
         "ceiling_int8_vs_fp16": ceil_i8["ceil_int8_x_fp16"],
+        "fma_peak_1t_glanes": max(r["fma_1t_glanes"] for r in rows),
+        f"fma_peak_{nt}t_glanes": max(r[f"fma_{nt}t_glanes"] for r in rows),
+        "ceiling_fp16_1t_fma_vs_read_bw_1t": fma_1t["fma_pct_read_1t"] / 100,  # the multiply-adds alone, 1 thread
+        "ceiling_fp16_fma_vs_read_bw": fma_nt_pct / 100,
     }

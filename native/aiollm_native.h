@@ -132,6 +132,11 @@ int aiollm_set_far_prefetch(int32_t mask);
  * threads of the pool and returns the fp32 sum of the data (so the reads cannot be optimised away). */
 double aiollm_read_sum(const void *buf, int64_t nbytes, int32_t n_threads);
 
+/* fp32 multiply-add peak probe (native/fma_peak.c): n_iters rounds of 12 independent FMAs of the ISA in use's widest
+ * vector on each of n_threads threads of the pool, nothing else; returns the multiply-adds done (vector lanes), -1
+ * for n_iters < 1 or n_threads outside 1..AIOLLM_MAX_THREADS. The caller times the call. */
+int64_t aiollm_fma_peak(int64_t n_iters, int32_t n_threads);
+
 /* Run this thread's later aiollm_decode_attention calls on its OpenMP team (the one its GEMMs and torch ops
  * use; 1) or on the library's pool (0, the default); returns the previous setting. Where the process has no
  * team the pool runs them anyway, and AIOLLM_ATTN_POOL=1 (read once) keeps every call on the pool. */

@@ -12,7 +12,7 @@ HERE = Path(__file__).resolve().parent
 HEADER = HERE / "aiollm_native.h"
 SOURCES = ["cpu.c", "dispatch.c", "threadpool.c", "kv_write.c", "attn_ref.c", "attn_avx2.c", "attn_avx512.c", "attn_avx512_vnni.c",
            "gemm.c", "gemm_avx512.c", "gemm_amx.c", "gemm_team.c"]
-SOURCES += ["fused_ops.c"]  # the decode step's RMSNorm, RoPE, SiLU*up, argmax
+SOURCES += ["fused_ops.c", "fma_peak.c"]  # the decode step's RMSNorm, RoPE, SiLU*up, argmax
 
 
 def _cdef_text() -> str:

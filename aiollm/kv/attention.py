@@ -33,6 +33,7 @@ native/aiollm_native.h, or `force_far_prefetch`).
 import contextlib
 import math
 import os
+import time
 
 import numpy as np
 
@@ -479,6 +480,23 @@ def read_sum(buf: np.ndarray, n_threads: int | None = None) -> float:
     return lib.aiollm_read_sum(ffi.cast("void *", buf.ctypes.data), buf.nbytes, _threads(n_threads))
 
 
+def fma_peak(n_threads: int | None = None, reps: int = 5, n_iters: int = 2_000_000) -> float:
+    """The cores' fp32 multiply-add peak in multiply-adds (vector lanes) per second on n_threads threads of the pool:
+    the best of `reps` calls of 12 independent FMA chains of the ISA in use (native/fma_peak.c), each n_iters rounds
+    per thread. GQA attention over fp16 KV needs 2 / group bytes of KV per multiply-add, so this rate bounds the
+    kernel's KV bytes per second whatever the memory does (`python -m bench attention`'s fma_bound_*)."""
+    for name, value in (("reps", reps), ("n_iters", n_iters)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+    threads = _threads(n_threads)
+    best = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        lanes = lib.aiollm_fma_peak(n_iters, threads)
+        best = max(best, lanes / (time.perf_counter() - t0))
+    return best
+
+
 def pool_size() -> int:
     """Threads the native pool has started (it grows on demand)."""
     return lib.aiollm_pool_size()
@@ -486,4 +504,4 @@ def pool_size() -> int:
 
 __all__ = ["DecodeStep", "decode_attention", "on_gemm_team", "kv_write", "read_sum", "set_num_threads",
            "get_num_threads", "isa", "supported_isas", "force_isa", "int8_path", "supported_int8_paths",
-           "force_int8_path", "far_prefetch", "force_far_prefetch", "pool_size"]
+           "force_int8_path", "far_prefetch", "force_far_prefetch", "fma_peak", "pool_size"]

@@ -1,6 +1,9 @@
 from pathlib import Path
 
+import pytest
+
 from aiollm._native import lib
+from aiollm.kv import attention
 
 
 def _cpuinfo_field(name: str) -> str:
@@ -56,3 +59,24 @@ def test_int8_near_prefetch_is_8_kib_exactly_on_amd_family_0x19_with_avx512():
     amd = _cpuinfo_field("vendor_id") == "AuthenticAMD"
     zen4 = amd and int(_cpuinfo_field("cpu family")) == 0x19 and "avx512f" in _proc_flags()
     assert lib.aiollm_cpu_int8_near_bytes() == (8192 if zen4 else 4096)
+
+
+def test_fma_peak_counts_the_multiply_adds_of_the_isa_in_use_and_refuses_bad_arguments():
+    """aiollm_fma_peak does 12 chains of the ISA's widest vector per round on each thread: 12 x 16 lanes on AVX-512, 12
+    x 8 on AVX2, 12 on the portable path; it refuses no rounds or a thread count outside the pool's range."""
+    lanes = {"avx512": 12 * 16, "avx2": 12 * 8, "ref": 12}[attention.isa()]
+    assert lib.aiollm_fma_peak(1000, 1) == lanes * 1000
+    assert lib.aiollm_fma_peak(1000, 2) == lanes * 2000
+    assert lib.aiollm_fma_peak(0, 1) == -1
+    assert lib.aiollm_fma_peak(10, 0) == -1
+    assert lib.aiollm_fma_peak(10, lib.AIOLLM_MAX_THREADS + 1) == -1
+    assert attention.fma_peak(1, reps=2, n_iters=10_000) > 1e8  # any core of this century: > 0.1 G multiply-adds/s
+
+
+def test_fma_peak_names_a_bad_argument():
+    with pytest.raises(ValueError, match="n_threads"):
+        attention.fma_peak(0)
+    with pytest.raises(ValueError, match="reps"):
+        attention.fma_peak(1, reps=0)
+    with pytest.raises(ValueError, match="n_iters"):
+        attention.fma_peak(1, n_iters=-5)
