@@ -53,13 +53,21 @@ T256 INLINE float hsum8(__m256 v) {
  * alternating pairs: SmolLM2 256 x 1024 0.72-0.82 / 0.64-0.76, Llama 64 x 1024 0.82-0.98 / 0.80-0.83; an int8 far
  * level, whole tiles 16 ahead once per tile as on AVX-512, took int8 from 1.51-1.70x fp16 to 1.10-1.20x), so
  * without AVX-512 it defaults off (native/cpu.c), except on a Zen 4 core whose AVX-512 a hypervisor hides, where it
- * lifted fp16 a lot (native/cpu.c), and int8 has none. */
+ * lifted fp16 a lot; int8 / int4 dot products take only the line form below, on items of many heads. */
 #ifndef PF_NEAR
 #define PF_NEAR 1
 #endif
 #ifndef PF_FAR_BYTES
 #define PF_FAR_BYTES 8192
 #endif
+/* int8 / int4 far level, AIOLLM_FAR_QUANTISED_LINES on items of many heads (Llama): each K and V line this many bytes
+ * of int8 tiles ahead into L2 as the score loop reads the same line, as on the AVX-512 kernel. Items of few heads
+ * (SmolLM2's 3) never take it: their int8 arithmetic binds, and requests are pure cost there. On a Zen 4 core whose
+ * AVX-512 a hypervisor hides (2026-12-07, paired in-process A/B from DRAM, int8 / fp16 tokens/s, whole tiles 16 ahead
+ * once per tile on / off): Llama 64 x 1024 1.74 / 1.37, 32 x 4096 1.67 / 1.21 (1 thread 1.42 / 1.29, 1.49 / 1.27),
+ * SmolLM2 256 x 1024 1.04 / 1.22, 64 x 4096 1.21 / 1.21 (1 thread 1.01 / 1.18, 1.05 / 1.15). */
+#define PF_FAR_I8_LINES 16384
+#define MANY_HEADS_I8_BYTES 4096 /* items whose int8 K tiles of one chunk pass this are of many heads */
 
 /* Scores of 16 tokens (chunk column `col` of a K tile) as two ymm halves for GB q heads, NP partial sums per
  * half: FMA latency 4 cycles on 2 ports wants >= 8 independent chains (GB * NP * 2). pk / pkf: the K tiles to
@@ -220,7 +228,8 @@ T256 INLINE void quantise_q(const float *qs, int rows, int D, int32_t *q4, int32
 /* int8 scores of 16 tokens as dot products: each 32-byte half of a K tile row is 8 lanes of [4 dims of one token]
  * (attn_internal.h). pk / pv: the K and V tiles to prefetch near (NULL: none), spread over the iterations. */
 T256 INLINE void scores_madd(const char *kt, int64_t col, int64_t BS, int D, const int32_t *q4, const float *qsc,
-                             int GB, __m256 *lo, __m256 *hi, const char *pk, const char *pv) {
+                             int GB, __m256 *lo, __m256 *hi, const char *pk, const char *pv, const char *pfk,
+                             const char *pfv) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i a0[4], a1[4];
     for (int g = 0; g < GB; g++) a0[g] = a1[g] = _mm256_setzero_si256();
@@ -228,6 +237,8 @@ T256 INLINE void scores_madd(const char *kt, int64_t col, int64_t BS, int D, con
     for (int j = 0; j < D / 4; j++, kp += 4 * BS) {
         prefetch_walk(&pk, 4 * BS, _MM_HINT_T0);
         prefetch_walk(&pv, 4 * BS, _MM_HINT_T0);
+        prefetch_walk(&pfk, 4 * BS, _MM_HINT_T1);
+        prefetch_walk(&pfv, 4 * BS, _MM_HINT_T1);
         const __m256i k0 = _mm256_loadu_si256((const __m256i *)kp), k1 = _mm256_loadu_si256((const __m256i *)(kp + 32));
         const __m256i u0 = _mm256_abs_epi8(k0), u1 = _mm256_abs_epi8(k1);
         for (int g = 0; g < GB; g++) {
@@ -247,7 +258,8 @@ T256 INLINE void scores_madd(const char *kt, int64_t col, int64_t BS, int D, con
  * moves) and corr = 8 * sum(q) removes the offset. The two rows' int16 pair sums are added before vpmaddwd
  * (|sum| <= 4 * 15 * 127, no saturation). */
 T256 INLINE void scores_madd4(const char *kt, int64_t col, int64_t BS, int D, const int32_t *q4, const int32_t *corr,
-                              const float *qsc, int GB, __m256 *lo, __m256 *hi, const char *pk, const char *pv) {
+                              const float *qsc, int GB, __m256 *lo, __m256 *hi, const char *pk, const char *pv,
+                              const char *pfk, const char *pfv) {
     const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(15);
     __m256i a0[4], a1[4];
     for (int g = 0; g < GB; g++) a0[g] = a1[g] = _mm256_setzero_si256();
@@ -255,6 +267,8 @@ T256 INLINE void scores_madd4(const char *kt, int64_t col, int64_t BS, int D, co
     for (int j = 0; j < D / 4; j += 2, kp += 4 * BS) {
         prefetch_walk(&pk, 4 * BS, _MM_HINT_T0);
         prefetch_walk(&pv, 4 * BS, _MM_HINT_T0);
+        prefetch_walk(&pfk, 4 * BS, _MM_HINT_T1);
+        prefetch_walk(&pfv, 4 * BS, _MM_HINT_T1);
         const __m256i p0 = _mm256_loadu_si256((const __m256i *)kp), p1 = _mm256_loadu_si256((const __m256i *)(kp + 32));
         const __m256i k00 = _mm256_and_si256(p0, nib), k01 = _mm256_and_si256(_mm256_srli_epi16(p0, 4), nib);
         const __m256i k10 = _mm256_and_si256(p1, nib), k11 = _mm256_and_si256(_mm256_srli_epi16(p1, 4), nib);
@@ -352,11 +366,13 @@ T256 INLINE void vaccum_madd4(const char *vt, int64_t row0, int D, int L, int h,
 /* Scores and online-softmax update of one 16-token chunk of one kv head; the weights go to pb (16 per q head)
  * and the rescale factors to alpha. m: running max per q head; l: 8 lane partial sums of the softmax
  * denominator per q head (l + g * 8, reduced once per item). q4 / qsc: the quantised q rows (int8 dot
- * products, else NULL). pk / pkf: the K tiles to prefetch (int8: pkf carries the near V tile). */
+ * products, else NULL). pk / pkf: the K tiles to prefetch (int8: pkf carries the near V tile); pfk / pfv: int8 / int4
+ * dot products' far K and V lines (NULL: none). */
 T256 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const uint16_t *vs, int c, int nv, int G, int D,
                               int BS, const float *qs, const int32_t *q4, const int32_t *corr, const float *qsc,
                               float *m, float *l,
-                              const char *pk, const char *pkf, float *pb, float *alpha) {
+                              const char *pk, const char *pkf, const char *pfk, const char *pfv, float *pb,
+                              float *alpha) {
     const __m256i iota0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), iota1 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     const __m256 m0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota0));
@@ -364,22 +380,23 @@ T256 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const 
     for (int g0 = 0; g0 < G; g0 += 4) {
         const int gb = G - g0 < 4 ? G - g0 : 4;
         const char *pkg = g0 ? NULL : pk, *pfg = g0 ? NULL : pkf; /* the first q-head block carries the prefetch */
+        const char *fkg = g0 ? NULL : pfk, *fvg = g0 ? NULL : pfv;
         __m256 lo[4], hi[4];
         if (q4 && dt == AIOLLM_DT_I4) {
             const int32_t *qg = q4 + g0 * (D / 4), *cg = corr + g0;
             switch (gb) {
-            case 1: scores_madd4(kt, c * 16, BS, D, qg, cg, qsc + g0, 1, lo, hi, pkg, pfg); break;
-            case 2: scores_madd4(kt, c * 16, BS, D, qg, cg, qsc + g0, 2, lo, hi, pkg, pfg); break;
-            case 3: scores_madd4(kt, c * 16, BS, D, qg, cg, qsc + g0, 3, lo, hi, pkg, pfg); break;
-            default: scores_madd4(kt, c * 16, BS, D, qg, cg, qsc + g0, 4, lo, hi, pkg, pfg); break;
+            case 1: scores_madd4(kt, c * 16, BS, D, qg, cg, qsc + g0, 1, lo, hi, pkg, pfg, fkg, fvg); break;
+            case 2: scores_madd4(kt, c * 16, BS, D, qg, cg, qsc + g0, 2, lo, hi, pkg, pfg, fkg, fvg); break;
+            case 3: scores_madd4(kt, c * 16, BS, D, qg, cg, qsc + g0, 3, lo, hi, pkg, pfg, fkg, fvg); break;
+            default: scores_madd4(kt, c * 16, BS, D, qg, cg, qsc + g0, 4, lo, hi, pkg, pfg, fkg, fvg); break;
             }
         } else if (q4) {
             const int32_t *qg = q4 + g0 * (D / 4);
             switch (gb) {
-            case 1: scores_madd(kt, c * 16, BS, D, qg, qsc + g0, 1, lo, hi, pkg, pfg); break;
-            case 2: scores_madd(kt, c * 16, BS, D, qg, qsc + g0, 2, lo, hi, pkg, pfg); break;
-            case 3: scores_madd(kt, c * 16, BS, D, qg, qsc + g0, 3, lo, hi, pkg, pfg); break;
-            default: scores_madd(kt, c * 16, BS, D, qg, qsc + g0, 4, lo, hi, pkg, pfg); break;
+            case 1: scores_madd(kt, c * 16, BS, D, qg, qsc + g0, 1, lo, hi, pkg, pfg, fkg, fvg); break;
+            case 2: scores_madd(kt, c * 16, BS, D, qg, qsc + g0, 2, lo, hi, pkg, pfg, fkg, fvg); break;
+            case 3: scores_madd(kt, c * 16, BS, D, qg, qsc + g0, 3, lo, hi, pkg, pfg, fkg, fvg); break;
+            default: scores_madd(kt, c * 16, BS, D, qg, qsc + g0, 4, lo, hi, pkg, pfg, fkg, fvg); break;
             }
         } else if (dt == AIOLLM_DT_I8) {
             switch (gb) {
@@ -531,6 +548,10 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
     if (dot) quantise_q(qs, NH * G, D, q4, dt == AIOLLM_DT_I4 ? corr : NULL, qsc);
     const int32_t far_tiles = (int32_t)(PF_FAR_BYTES / (D * BS * es));
     const int32_t pf_far = far_tiles > PF_NEAR ? far_tiles : PF_NEAR + 1;
+    /* int8 / int4 dot products' far lines: tiles ahead (past the near level), 0 where not issued */
+    const int32_t lines_i8 = PF_FAR_I8_LINES / (D * BS) > PF_NEAR ? PF_FAR_I8_LINES / (D * BS) : PF_NEAR + 1;
+    const int32_t far_lines = dot && (a->far_prefetch & AIOLLM_FAR_QUANTISED_LINES) &&
+                              (int64_t)NH * D * BS > MANY_HEADS_I8_BYTES ? lines_i8 : 0;
     for (int32_t blk = 0; blk < n_used; blk++) {
         const int64_t block = table[blk];
         for (int c = 0; c * 16 < BS; c++) {
@@ -545,7 +566,7 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                 /* Tiles ahead in this item's order (heads inner): the K tiles by the first chunk's score loop (it
                  * covers whole K rows), the V tiles by every chunk's V loop (its own rows); int8 both K and V in
                  * the first chunk's score loop. */
-                const char *pk = NULL, *pkf = NULL, *vn = NULL, *vf = NULL;
+                const char *pk = NULL, *pkf = NULL, *vn = NULL, *vf = NULL, *pfk = NULL, *pfv = NULL;
                 const int32_t t0 = blk * NH + h, nb = (t0 + PF_NEAR) / NH, fb = (t0 + pf_far) / NH;
                 if (nb < n_used) {
                     const int64_t at = kv_tile_bytes(kv, dt, table[nb], h0 + (t0 + PF_NEAR) % NH);
@@ -556,6 +577,11 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                         if (c == 0) pk = (const char *)kv->k + at;
                     }
                 }
+                const int32_t lb = (t0 + far_lines) / NH;
+                if (far_lines && c == 0 && lb < n_used) {
+                    const int64_t at = kv_tile_bytes(kv, dt, table[lb], h0 + (t0 + far_lines) % NH);
+                    pfk = (const char *)kv->k + at, pfv = (const char *)kv->v + at;
+                }
                 if (!kv_quantised(dt) && a->far_prefetch && fb < n_used) {
                     const int64_t at = kv_tile_bytes(kv, dt, table[fb], h0 + (t0 + pf_far) % NH);
                     vf = (const char *)kv->v + at;
@@ -564,7 +590,7 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                 float *mh = m + h * G, *lh = l + h * G * 8;
                 const int32_t *q4h = dot ? q4 + h * G * (D / 4) : NULL;
                 chunk_scores(dt, kt, ks, vs, c, w, G, D, BS, qs + h * GD, q4h, corr + h * G, qsc + h * G, mh, lh, pk, pkf,
-                             pb, alpha);
+                             pfk, pfv, pb, alpha);
                 chunk_values(dt, vt, c, w, G, D, pb, alpha, acc + h * GD, dot, vn, vf);
             }
         }

@@ -50,11 +50,14 @@ static int zen4(void) {
 
 /* The far (L2) software prefetch levels (AIOLLM_FAR_* mask) that pay on this CPU. None where the CPU lacks
  * AVX-512F (the AVX2 kernel runs): on an AMD Zen 3 host it cost fp16 up to 10 % and int8 a third (attn_avx2.c);
- * except fp32 / fp16 on a Zen 4 core whose AVX-512 a hypervisor hides (the AVX2 kernel, which has no int8 far level,
- * runs there): on such a host (family 0x19 model 0x11, 2 vCPUs, 30-32 GB/s of memory per core) on 2026-12-07, paired
- * in-process A/B against the read kernel from DRAM, fp16 without / with it: 2 threads SmolLM2 256 x 1024 0.57 / 0.64,
- * 64 x 4096 0.61 / 0.77, Llama 64 x 1024 0.72 / 0.97; 1 thread Llama 64 x 1024 0.40 / 0.84, SmolLM2 (compute-bound
- * there) 0.34 / 0.35 and 0.52 / 0.46; the bench's eight rows 42-74 % / 57-96 % of the read in one run. None on
+ * except on a Zen 4 core whose AVX-512 a hypervisor hides (the AVX2 kernel runs there): fp32 / fp16, and int8 / int4
+ * lines on items of many heads. On such a host (family 0x19 model 0x11, 2 vCPUs, 30-32 GB/s of memory per core) on
+ * 2026-12-07, paired in-process A/B from DRAM, fp16 / read without / with its far level: 2 threads SmolLM2 256 x 1024
+ * 0.57 / 0.64, 64 x 4096 0.61 / 0.77, Llama 64 x 1024 0.72 / 0.97; 1 thread Llama 64 x 1024 0.40 / 0.84, SmolLM2
+ * (compute-bound there) 0.34 / 0.35 and 0.52 / 0.46; the bench's eight rows 42-74 % / 57-96 % of the read in one
+ * run. int8 / fp16 tokens/s without / with the lines (Llama; SmolLM2's items of 3 heads never take them): 2 threads
+ * 64 x 1024 1.28 / 1.84, 32 x 4096 1.54 / 1.85, 128 x 1024 0.90 / 1.54; 1 thread 1.09 / 1.41, 0.87 / 1.50, 1.14 /
+ * 1.73 (attn_avx2.c). None on
  * AuthenticAMD family 0x1A (Zen 5) and later: measured on a Zen 5 host (paired in-process A/B against the read
  * kernel, from DRAM, 2 threads) without the far level fp16 read 1.06-1.08 of the read kernel instead of 0.98-1.04 and
  * int8 0.97-1.03 instead of 0.81-0.84.
@@ -72,7 +75,7 @@ static int zen4(void) {
  * (attn_avx512_impl.h), and a line form measured within noise of them or slower there. */
 int aiollm_cpu_far_prefetch_default(void) {
     if (amd_family() >= 0x1au) return 0;
-    if (!(aiollm_cpu_features() & AIOLLM_CPU_AVX512F)) return zen4() ? AIOLLM_FAR_FLOAT : 0;
+    if (!(aiollm_cpu_features() & AIOLLM_CPU_AVX512F)) return zen4() ? AIOLLM_FAR_FLOAT | AIOLLM_FAR_QUANTISED_LINES : 0;
     return intel() ? AIOLLM_FAR_FLOAT | AIOLLM_FAR_QUANTISED_LINES : AIOLLM_FAR_FLOAT | AIOLLM_FAR_QUANTISED;
 }
 

@@ -27,7 +27,8 @@ fp32 math or int8 dot products, VNNI on AVX-512 and vpmaddubsw/vpmaddwd on AVX2 
 AIOLLM_ATTN_INT8=fp32|vnni|madd or `force_int8_path`); int4 KV always runs int8 dot products (VNNI, else MADD) on
 the SIMD kernels, and in fp32 math on the reference path, which the fp32 int8 path also selects for it. The far (L2) software prefetch level is on or off per
 CPU and storage class (`far_prefetch(storage)`; off on Zen 5 and on CPUs without AVX-512 other than a Zen 4 core
-whose AVX-512 a hypervisor hides, and for int8 / int4 on Intel, where the kernels read faster without it; AIOLLM_ATTN_FAR_PREFETCH=0-7, the AIOLLM_FAR_* mask of
+whose AVX-512 a hypervisor hides, and for int8 / int4 on Intel and on that Zen 4 core only the line form on items of
+many heads, where the kernels read faster without it; AIOLLM_ATTN_FAR_PREFETCH=0-7, the AIOLLM_FAR_* mask of
 native/aiollm_native.h, or `force_far_prefetch`).
 """
 import contextlib

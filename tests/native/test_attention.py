@@ -151,13 +151,16 @@ def test_far_prefetch_on_and_off_give_identical_outputs(isa_forced, far_forced, 
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("isa", [isa for isa in ISAS if isa != "ref"])
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_every_int8_far_level_gives_identical_outputs(dtype):
-    """The int8 / int4 far levels (none, whole tiles, lines, both) compute the same bits, on items of many heads (8 kv
-    heads of d=128: past PHASE_I8_BYTES, where the line form applies) and of few (2 heads of d=64)."""
+def test_every_int8_far_level_gives_identical_outputs(isa_forced, isa, dtype):
+    """The int8 / int4 far levels (none, whole tiles, lines, both) compute the same bits on each SIMD kernel, on items
+    of many heads (8 kv heads of d=128: past PHASE_I8_BYTES / MANY_HEADS_I8_BYTES, where the line form applies) and of
+    few (2 heads of d=64)."""
     from aiollm._native import lib
 
     rng = np.random.default_rng(9)
+    isa_forced(isa)
     try:
         for n_kv_heads, head_dim in ((8, 128), (2, 64)):
             pool, table, _, seq_lens, q, _, _ = random_case(rng, dtype, head_dim, 1, [1500, 300, 17], n_kv_heads)
