@@ -10,76 +10,60 @@
 #include "attn_internal.h"
 
 #define CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-#define KEEP(v) __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), \
-                                      "+x"(a7), "+x"(a8), "+x"(a9), "+x"(a10), "+x"(a11))
-
-__attribute__((target("avx2,fma"))) static double chains_avx2(int64_t n_iters) {
-#define INIT(i) __m256 a##i = _mm256_set1_ps(0.001f * i);
-#define STEP(i) a##i = _mm256_fmadd_ps(a##i, m, c);
-#define SUM(i) s = _mm256_add_ps(s, a##i);
-    const __m256 m = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(1e-4f);
-    CHAINS(INIT)
-    for (int64_t i = 0; i < n_iters; i++) {
-        CHAINS(STEP)
-        KEEP();
+#define KEEP() __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), "+x"(a7), \
+                                     "+x"(a8), "+x"(a9), "+x"(a10), "+x"(a11))
+/* The loop, for the vector type VEC_T with its SET1 and FMADD (defined around each use below): the asm after each
+ * round makes every result live, so no FMA can be dropped or merged and nothing needs summing afterwards. */
+#define INIT(i) VEC_T a##i = SET1(0.001f * i);
+#define STEP(i) a##i = FMADD(a##i, m, c);
+#define CHAINS_LOOP()                                       \
+    const VEC_T m = SET1(0.999f), c = SET1(1e-4f);          \
+    CHAINS(INIT)                                            \
+    for (int64_t i = 0; i < n_iters; i++) {                 \
+        CHAINS(STEP)                                        \
+        KEEP();                                             \
     }
-    __m256 s = _mm256_setzero_ps();
-    CHAINS(SUM)
-    float lanes[8];
-    _mm256_storeu_ps(lanes, s);
-    return lanes[0];
-#undef INIT
-#undef STEP
-#undef SUM
+
+__attribute__((target("avx2,fma"))) static void chains_avx2(int64_t n_iters) {
+#define VEC_T __m256
+#define SET1 _mm256_set1_ps
+#define FMADD _mm256_fmadd_ps
+    CHAINS_LOOP()
+#undef VEC_T
+#undef SET1
+#undef FMADD
 }
 
-__attribute__((target("avx512f,fma"))) static double chains_avx512(int64_t n_iters) {
-#define INIT(i) __m512 a##i = _mm512_set1_ps(0.001f * i);
-#define STEP(i) a##i = _mm512_fmadd_ps(a##i, m, c);
-#define SUM(i) s = _mm512_add_ps(s, a##i);
-    const __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-4f);
-    CHAINS(INIT)
-    for (int64_t i = 0; i < n_iters; i++) {
-        CHAINS(STEP)
-        KEEP();
-    }
-    __m512 s = _mm512_setzero_ps();
-    CHAINS(SUM)
-    return _mm512_reduce_add_ps(s);
-#undef INIT
-#undef STEP
-#undef SUM
+__attribute__((target("avx512f,fma"))) static void chains_avx512(int64_t n_iters) {
+#define VEC_T __m512
+#define SET1 _mm512_set1_ps
+#define FMADD _mm512_fmadd_ps
+    CHAINS_LOOP()
+#undef VEC_T
+#undef SET1
+#undef FMADD
 }
 
-static double chains_ref(int64_t n_iters) {
+static void chains_ref(int64_t n_iters) {
     float a[12];
     for (int j = 0; j < 12; j++) a[j] = 0.001f * j;
     for (int64_t i = 0; i < n_iters; i++)
         for (int j = 0; j < 12; j++) a[j] = fmaf(a[j], 0.999f, 1e-4f);
-    double s = 0.0;
-    for (int j = 0; j < 12; j++) s += a[j];
-    return s;
+    __asm__ volatile("" : : "m"(a)); /* the results are used: the loop stays */
 }
 
-typedef struct {
-    int64_t n_iters;
-    double (*fn)(int64_t);
-    double sink[AIOLLM_MAX_THREADS];
-} fma_job;
-
 static void fma_task(void *ctx, int64_t item, int thread) {
-    fma_job *j = (fma_job *)ctx;
-    (void)item;
-    j->sink[thread] += j->fn(j->n_iters);
+    (void)item, (void)thread;
+    const int64_t *job = (const int64_t *)ctx; /* [n_iters, isa] */
+    if (job[1] == AIOLLM_ISA_AVX512) chains_avx512(job[0]);
+    else if (job[1] == AIOLLM_ISA_AVX2) chains_avx2(job[0]);
+    else chains_ref(job[0]);
 }
 
 int64_t aiollm_fma_peak(int64_t n_iters, int32_t n_threads) {
     if (n_iters < 1 || n_threads < 1 || n_threads > AIOLLM_MAX_THREADS) return -1;
-    fma_job job = {.n_iters = n_iters, .fn = chains_ref};
-    int64_t lanes = 12;
     const int isa = aiollm_isa();
-    if (isa == AIOLLM_ISA_AVX512) job.fn = chains_avx512, lanes = 12 * 16;
-    if (isa == AIOLLM_ISA_AVX2) job.fn = chains_avx2, lanes = 12 * 8;
-    pool_run(n_threads, n_threads, fma_task, &job);
-    return lanes * n_iters * n_threads;
+    int64_t job[2] = {n_iters, isa};
+    pool_run(n_threads, n_threads, fma_task, job);
+    return (isa == AIOLLM_ISA_AVX512 ? 12 * 16 : isa == AIOLLM_ISA_AVX2 ? 12 * 8 : 12) * n_iters * n_threads;
 }
