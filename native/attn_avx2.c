@@ -80,9 +80,10 @@ T256 INLINE float hsum8(__m256 v) {
 /* int8 / int4 far level, AIOLLM_FAR_QUANTISED_LINES on items of many heads (Llama): each K and V line this many bytes
  * of int8 tiles ahead into L2 as the score loop reads the same line, as on the AVX-512 kernel. Items of few heads
  * (SmolLM2's 3) never take it: their int8 arithmetic binds, and requests are pure cost there. On a Zen 4 core whose
- * AVX-512 a hypervisor hides (2026-12-07, paired in-process A/B from DRAM, int8 / fp16 tokens/s, whole tiles 16 ahead
- * once per tile on / off): Llama 64 x 1024 1.74 / 1.37, 32 x 4096 1.67 / 1.21 (1 thread 1.42 / 1.29, 1.49 / 1.27),
- * SmolLM2 256 x 1024 1.04 / 1.22, 64 x 4096 1.21 / 1.21 (1 thread 1.01 / 1.18, 1.05 / 1.15). */
+ * AVX-512 a hypervisor hides (2026-12-07, paired in-process A/B from DRAM, int8 / fp16 tokens/s without / with the
+ * lines): Llama 64 x 1024 1.28 / 1.84, 32 x 4096 1.54 / 1.85, 128 x 1024 0.90 / 1.54 (1 thread 1.09 / 1.41, 0.87 /
+ * 1.50, 1.14 / 1.73). Whole tiles 16 ahead once per tile on every item (AVX-512's other form) gave Llama as much but
+ * took SmolLM2 256 x 1024 from 1.22 to 1.04 (1 thread 1.18 to 1.01). */
 #define PF_FAR_I8_LINES 16384
 #define MANY_HEADS_I8_BYTES 4096 /* items whose int8 K tiles of one chunk pass this are of many heads */
 
