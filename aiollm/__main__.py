@@ -1,8 +1,8 @@
-"""`python -m aiollm COMMAND`: `serve` starts a local serving cluster (see aiollm/serve.py)."""
+"""`python -m aiollm COMMAND`: `serve` starts a local serving cluster (see aiollm/cli/serve.py)."""
 import argparse
 import sys
 
-from aiollm import serve
+from aiollm.cli import serve
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,7 +81,7 @@ import time
 
 import numpy as np
 
-from aiollm.kv._arrays import aligned_full
+from aiollm.native.arrays import aligned_full
 from bench.report import table
 
 SHAPES = {"smollm2": (9, 3, 64), "llama7b": (32, 32, 128)}
@@ -160,7 +160,7 @@ def paired_ratio(kern: list[float], ref: list[float]) -> float:
 
 def reader(buf: np.ndarray, n_threads: int):
     """(fn, bytes) of the library's read kernel over buf on n_threads."""
-    from aiollm.kv import attention
+    from aiollm.native import attention
 
     return (lambda: attention.read_sum(buf, n_threads)), buf.nbytes
 
@@ -168,7 +168,7 @@ def reader(buf: np.ndarray, n_threads: int):
 def kernel(k, v, scales, tables, q, n_threads: int):
     """(fn, KV bytes read) of one decode_attention call over one layer; scales: (k_scale, v_scale) for int8 /
     int4."""
-    from aiollm.kv import attention
+    from aiollm.native import attention
 
     lens = np.full(q.shape[0], tables.shape[1] * BLOCK, np.int32)
     out = np.empty_like(q)
@@ -181,7 +181,7 @@ def kernel(k, v, scales, tables, q, n_threads: int):
 def far_swapped(entry, storage: str):
     """(fn, bytes) of entry run with the far prefetch level of `storage`'s class the other way round from the
     library's choice (the other class as chosen)."""
-    from aiollm.kv import attention
+    from aiollm.native import attention
 
     fn, nbytes = entry
     other = not attention.far_prefetch(storage)
@@ -265,7 +265,7 @@ def hot_figures(row: dict, n_q: int, n_kv: int, d: int, reps: int, n_threads: in
     alu_share_* = the row's 1-thread read bandwidth / the 1-thread rate. The n-thread rates show where the
     arithmetic binds the DRAM figures: ceil_pct_read = 100 * min(1, hot fp16 rate / the row's n-thread read), and
     ceil_int8_x_fp16 = int8 tokens/s at its n-thread arithmetic rate / the row's measured fp16 tokens/s."""
-    from aiollm.kv import attention
+    from aiollm.native import attention
 
     ctx = max(BLOCK, HOT_BYTES // (n_kv * d * 2 * 2) // BLOCK * BLOCK)
     for nt in sorted({1, n_threads}):  # multiply-adds per second, at the same moment as the figures below
@@ -319,7 +319,7 @@ def torch_interaction(n_threads: int, reps: int) -> dict:
 
     import torch
 
-    from aiollm.kv import attention
+    from aiollm.native import attention
 
     k, v, _, tables = _cache(64, 1024, 3, 64, "fp16")
     q = np.random.default_rng(1).standard_normal((64, 9, 64)).astype(np.float32)
@@ -387,7 +387,7 @@ def _bytes_ratio(row: dict, other: str) -> float:
 
 
 def run(args) -> dict:
-    from aiollm.kv import attention
+    from aiollm.native import attention
 
     reps = 2 if args.quick else 3
     rounds = 3 if args.quick else 5

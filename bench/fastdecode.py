@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from aiollm.kv import attention as kv_attention
+from aiollm.native import attention as kv_attention
 from aiollm.model import load
 from aiollm.model.linear import fastest_cpu_dtype
 from bench.fastdecode_baselines import baselines_part

@@ -13,7 +13,7 @@ import torch
 from aiollm.model.linear import fastest_cpu_dtype
 from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
-from aiollm.workers import runner
+from aiollm.serving import runner
 from bench.fastdecode_steps import MODEL, random_prompts
 from bench.report import table
 
@@ -22,7 +22,7 @@ def baselines_part(model, seq_len: int, cores: int, quick: bool, no_transformers
     threads = sorted({1, cores})
     colocated_rows = _colocated(model, 16 if quick else 32, seq_len, threads)
     colocated = max(colocated_rows, key=lambda r: r["tokens_per_s"])
-    print(f"\n-- colocated decode (aiollm.workers.runner, {fastest_cpu_dtype()}, fp16 KV), prompts of S/2 tokens, both thread "
+    print(f"\n-- colocated decode (aiollm.serving.runner, {fastest_cpu_dtype()}, fp16 KV), prompts of S/2 tokens, both thread "
           f"counts after one prefill\n{table(colocated_rows)}")
     figures.update(colocated=colocated_rows, colocated_best_tokens_per_s=colocated["tokens_per_s"])
     if no_transformers:
@@ -39,7 +39,7 @@ def baselines_part(model, seq_len: int, cores: int, quick: bool, no_transformers
 
 
 def _colocated(model, batch: int, seq_len: int, threads: list[int], steps: int = 8) -> list[dict]:
-    """Decode steps of the colocated path (aiollm.workers.runner: prefill into a paged fp16 KV cache, then
+    """Decode steps of the colocated path (aiollm.serving.runner: prefill into a paged fp16 KV cache, then
     `decode_step`, S-part and attention in this process), timed one by one after a single prefill: `steps` at
     each thread count in turn (torch and attention threads alike), the median of each phase.
 

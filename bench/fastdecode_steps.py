@@ -10,11 +10,11 @@ import time
 import numpy as np
 import torch
 
-from aiollm.graph import Graph
+from aiollm.deploy.graph import Graph
 from aiollm.kv.pool import KVConfig, KVPool
-from aiollm.planner.fastdecode_probes import probe_step
-from aiollm.workers.fastdecode_messages import GetTrace
-from aiollm.workers.messages import GetLoad
+from aiollm.calibrate.fastdecode_probes import probe_step
+from aiollm.serving.fastdecode.messages import GetTrace
+from aiollm.serving.distserve.messages import GetLoad
 from bench.model import s_part_step
 
 # tokens in each trace request's prompt, and the shortest context of the synthetic rows (spread over [it, S))

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 import uvloop
 
-from aiollm.graph import Graph
+from aiollm.deploy.graph import Graph
 from aiollm.planner.fastdecode import AskCost, Overlap, TimeShared, balanced_context, predict_step, size
-from aiollm.planner.fastdecode_probes import long_step_terms, measure_effective_cores, measure_overlap, step_costs
+from aiollm.calibrate.fastdecode_probes import long_step_terms, measure_effective_cores, measure_overlap, step_costs
 from bench.fastdecode_steps import (
     PROMPT_LEN,
     kernel_r,

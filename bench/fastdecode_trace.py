@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import uvloop
 
-from aiollm.graph import Graph
+from aiollm.deploy.graph import Graph
 from aiollm.planner.fastdecode import (
     AskCost,
     balanced_context,
@@ -24,7 +24,7 @@ from aiollm.planner.fastdecode import (
     predict_step,
     schedule_gain,
 )
-from aiollm.planner.fastdecode_probes import long_step_terms, measure_overlap, step_costs, step_curve
+from aiollm.calibrate.fastdecode_probes import long_step_terms, measure_overlap, step_costs, step_curve
 from bench.fastdecode_steps import PROMPT_LEN, kernel_r, start_r_workers, t_fastest
 from bench.fastdecode_trace_runs import TURN_S, interleaved_traces, touch_kv, trace_schedule
 from bench.report import table
@@ -36,7 +36,7 @@ def trace_part(model, args, quick: bool, figures: dict) -> None:
     one whose schedule gain is largest on the step curve fitted to pipelined steps of B sequences measured at 8
     contexts in this placement first (`fit_step_curve`): where the S-part binds early in an unscheduled life and
     the R-part late. The step model, fed T(B), C(b) and R measured here too, prices the same windows beside it.
-    The runs with and without the schedule take turns of ~TURN_S seconds (bench.turns), `--trace-repeats` pairs,
+    The runs with and without the schedule take turns of ~TURN_S seconds (aiollm.calibrate.turns), `--trace-repeats` pairs,
     so that both sample the same minutes of the host; tokens/s is pooled per mode over whole periods in steady
     state, on each run's own clock."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -173,7 +173,7 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
     layers = model.config.n_layers
     async with Graph(startup_timeout=120.0) as graph:
         # two R-workers on the same core: the probes and the run without the schedule use the first, the run with
-        # it the second, and the two runs take turns (bench.turns); one waits idle while the other runs
+        # it the second, and the two runs take turns (aiollm.calibrate.turns); one waits idle while the other runs
         runs = await start_r_workers(graph, 2, prefix=("taskset", "-c", ",".join(map(str, r_cpus))))
         urls = runs[:1]
         r_kernel = kernel_r(model, 1024)
@@ -312,7 +312,7 @@ def _sls_gain_explained(traces: list, windows: list, price, batch: int, seq: int
 
 
 _READ_LOOP = """import sys, numpy as np
-from aiollm.kv import attention
+from aiollm.native import attention
 buf = np.ones(2**28 // 8)  # 256 MiB: read from DRAM
 attention.read_sum(buf, n_threads=1)
 print("reading", flush=True)

@@ -1,5 +1,5 @@
 """The schedule trace's two runs: S-workers with and without the load-stabilising schedule, each on an R-worker of
-its own, taking turns on the same cores (bench.turns) so that both sample the same minutes of the host."""
+its own, taking turns on the same cores (aiollm.calibrate.turns) so that both sample the same minutes of the host."""
 from __future__ import annotations
 
 import asyncio
@@ -7,15 +7,15 @@ import math
 import time
 
 from aiollm.actors.actor import Actor, handler
-from aiollm.graph import Graph
+from aiollm.deploy.graph import Graph
 from aiollm.sched.sls import SLSConfig
-from aiollm.workers.fastdecode_messages import GetRLoad, GetTrace, Synthetic
-from aiollm.workers.messages import Generate, Sampling, Tokens
-from aiollm.workers.s_worker import SWorker, SWorkerConfig
+from aiollm.serving.fastdecode.messages import GetRLoad, GetTrace, Synthetic
+from aiollm.serving.distserve.messages import Generate, Sampling, Tokens
+from aiollm.serving.fastdecode.s_worker import SWorker, SWorkerConfig
 from bench.fastdecode_steps import PROMPT_LEN, random_prompts, wait_steps
-from bench.turns import TakingTurns, Turns, active_clock
+from aiollm.calibrate.turns import TakingTurns, Turns, active_clock
 
-# seconds a turn of the interleaved schedule trace lasts (bench.turns): short beside the host's drift, which moves
+# seconds a turn of the interleaved schedule trace lasts (aiollm.calibrate.turns): short beside the host's drift, which moves
 # the step by a quarter over minutes, and long beside a handover (one event-loop wake-up)
 TURN_S = 6.0
 
@@ -62,7 +62,7 @@ async def interleaved_traces(graph: Graph, model, urls: dict[str, str], batch: i
                               schedule: SLSConfig, pipeline_min: int, ramp: int, steps: dict[str, int],
                               order: tuple[str, str], rounds: int, tag: str) -> dict[str, dict]:
     """Real requests (prompts of PROMPT_LEN, completions to `seq_len`) through two S-workers, "with" the schedule
-    and "without", each on its own R-worker (`urls[name]`), taking turns on this core (bench.turns): "with" ramps up
+    and "without", each on its own R-worker (`urls[name]`), taking turns on this core (aiollm.calibrate.turns): "with" ramps up
     alone for `ramp` iterations, then they alternate in `order`, `rounds` turns each, until each has run
     `steps[name]` steps. Their traces, each step's end on its worker's own clock."""
     cycle = [(name, math.ceil((steps[name] - (ramp if name == "with" else 0)) / rounds)) for name in order]

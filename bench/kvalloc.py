@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aiollm.kv._arrays import aligned_full
+from aiollm.native.arrays import aligned_full
 from bench.attention import WINDOW, paired, paired_ratio, reader
 from bench.report import table
 
@@ -96,7 +96,7 @@ def blocks_per_run(tables: np.ndarray) -> np.ndarray:
 
 def attention_entry(k, v, scales, tables: np.ndarray, q: np.ndarray, n_threads: int):
     """(fn, KV bytes the call reads) of decode_attention over tables (the batch's blocks, not the whole pool)."""
-    from aiollm.kv import attention
+    from aiollm.native import attention
 
     lens = np.full(len(tables), tables.shape[1] * BLOCK, np.int32)
     out = np.empty_like(q)

@@ -36,11 +36,11 @@ import time
 
 import torch
 
-from aiollm.kv.attention import read_sum
+from aiollm.native.attention import read_sum
 from aiollm.model import load
 from aiollm.model.engine import ColocatedEngine
-from aiollm.model.fused_ops import seconds_buffer
-from aiollm.model.gemm import PackedWeight, gemm
+from aiollm.native.fused_ops import seconds_buffer
+from aiollm.native.gemm import PackedWeight, gemm
 from aiollm.model.linear import linear
 from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams

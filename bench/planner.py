@@ -1,7 +1,7 @@
 """Planner: search speed on 4x8 GPUs, DistServe's published OPT-13B example side by side, the paper's
 OPT-13B/66B/175B setting (disaggregated vs colocated per-GPU goodput), attainment-vs-rate plot.
 
-The simulator's accuracy against a real `bench serve` run (bench/sim_vs_real.py) needs that run's results
+The simulator's accuracy against a real `bench serve` run (aiollm/calibrate/sim_vs_real.py) needs that run's results
 (see `read_serve_results` there for the file it reads); without one the figure is null and says why.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from aiollm.planner.profiles import latency_model
 from aiollm.planner.simulator import InstanceSpec, SimConfig, simulate
 from aiollm.planner.workload import LengthSample, Workload
 from bench.report import table
-from bench.sim_vs_real import sim_vs_real
+from aiollm.calibrate.sim_vs_real import sim_vs_real
 
 # DistServe's chatbot SLOs on ShareGPT (paper, Table 1 as we read it): (TTFT s, TPOT s).
 PAPER_SLOS = {"opt-13b": (0.25, 0.1), "opt-66b": (2.5, 0.15), "opt-175b": (4.0, 0.2)}
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, default=Path("bench/results/planner_attainment.png"))
     parser.add_argument("--serve-results", type=Path, nargs="+", default=None,
                         help="JSON files from real bench serve runs, e.g. one per rate (format: see "
-                             f"bench/sim_vs_real.py:read_serve_results; default: {SERVE_RESULTS_GLOB})")
+                             f"aiollm/calibrate/sim_vs_real.py:read_serve_results; default: {SERVE_RESULTS_GLOB})")
     parser.add_argument("--sim-plot", type=Path, default=Path("bench/results/sim_vs_real.png"),
                         help="simulated vs real attainment per rate")
     parser.add_argument("--serve-calibration", type=Path, default=DEFAULT_CALIBRATION,

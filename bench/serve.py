@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.report import table
-from bench.serve_cpu import CoreMeter
-from bench.serve_load import (
+from aiollm.loadgen.cpu_meter import CoreMeter
+from aiollm.loadgen.replay import (
     BenchRequest,
     bootstrap_ratio,
     goodput_ratio,
@@ -209,10 +209,10 @@ def _plot(path: Path, rows: list[dict], setups: list[str], ttft_slo: float, tpot
 
 
 def _run_steps(args, r: dict, requests: list[BenchRequest]) -> dict:
-    """What the disaggregated instances logged while this run was served (see bench.serve_steps)."""
+    """What the disaggregated instances logged while this run was served (see aiollm.loadgen.step_logs)."""
     if not args.step_log or r["setup"] != "disaggregated":
         return {}
-    from bench.serve_steps import read_logs, steps_between
+    from aiollm.loadgen.step_logs import read_logs, steps_between
     wall0, wall1 = r["wall"]
     return {"steps": steps_between(read_logs(args.step_log), wall0, wall1, [len(q.prompt_ids) for q in requests],
                                    [wall0 + float(a) for a in r["arrivals"]],
@@ -246,7 +246,7 @@ def _why_not(raw: list[dict], goodput: dict[str, float], ttft_slo: float, tpot_s
 
 def run(args: argparse.Namespace) -> dict:
     from aiollm.model.loader import load_tokenizer
-    from aiollm.workers.roles.common import served_name
+    from aiollm.deploy.roles.common import served_name
 
     ttft_slo, given_tpot = _slos(args.goodput)
     rates = sorted(float(r) for r in args.request_rate.split(","))
@@ -329,7 +329,7 @@ def run(args: argparse.Namespace) -> dict:
     figures["per_rate"] = rows
     # the format bench/planner.py:read_serve_results reads for its simulator-vs-real check, with the
     # L_m the prefill instances used
-    from aiollm.workers.roles.prefill import compute_bound_length
+    from aiollm.deploy.roles.prefill import compute_bound_length
     figures.update({"model": args.model, "ttft_slo": ttft_slo, "tpot_slo": tpot_slo,
                     "kv_tokens": args.decode_kv_blocks * 16, "max_batch_tokens": compute_bound_length(args.model),
                     "runs": [{"setup": r["setup"], "rate": r["rate"], "attainment": row["attainment"],

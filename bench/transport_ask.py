@@ -24,7 +24,7 @@ from aiollm.actors.codec import Codec
 from aiollm.actors.echo import EchoActor, Ping, Pong
 from aiollm.actors.messages import ASK, PROTOCOL_VERSION, Reply, Request
 from aiollm.actors.node import Node, NodeConfig
-from aiollm.graph import Graph
+from aiollm.deploy.graph import Graph
 from bench import transport_peers
 
 # Untimed round trips at the start of every round (as transport_peers does for every kind).

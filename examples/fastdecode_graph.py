@@ -2,7 +2,7 @@
 
     python examples/fastdecode_graph.py [--model smollm2] [--max-tokens 24] [--no-pipeline] [--sls-interval F]
 
-Each node is `python -m aiollm.node --role ...` started by aiollm.graph (ports chosen by the OS,
+Each node is `python -m aiollm.node --role ...` started by aiollm.deploy.graph (ports chosen by the OS,
 one random cluster secret). The R-workers hold the KV (fp16, a 1 GiB budget each) and run the
 attention; the S-worker holds the weights, prefills the prompts, streams their KV to the R-worker
 it places them on, and decodes them as one batch. The script talks to the S-worker through
@@ -15,15 +15,15 @@ import sys
 import time
 
 from aiollm import log
-from aiollm.graph import Graph
+from aiollm.deploy.graph import Graph
 from aiollm.kv.pool import KV_DTYPES
 from aiollm.model.gguf_file import GGUFFile
 from aiollm.model.hf_dir import HFDirectory
 from aiollm.model.loader import resolve
 from aiollm.model.sampling import SamplingParams
 from aiollm.model.tokenizer import Tokenizer
-from aiollm.workers.backend import GenerateRequest
-from aiollm.workers.cluster_client import ClusterClient
+from aiollm.serving.backend import GenerateRequest
+from aiollm.serving.distserve.client import ClusterClient
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
            "Three reasons to learn Python are"]

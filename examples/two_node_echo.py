@@ -16,7 +16,7 @@ from aiollm import log
 from aiollm.actors import Actor, NodeConfig, Terminated, handler
 from aiollm.actors.echo import Count, Echo, EchoActor, Fail, GetStats, PingPeer, Ping, Sleep
 from aiollm.errors import RemoteError
-from aiollm.graph import Graph
+from aiollm.deploy.graph import Graph
 
 
 class Watcher(Actor):

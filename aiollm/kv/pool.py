@@ -29,8 +29,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from aiollm.kv import attention
-from aiollm.kv._arrays import aligned_full
+from aiollm.native import attention
+from aiollm.native.arrays import aligned_full
 
 _STORAGE = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8, "int4": np.uint8}
 _QUANTISED = ("int8", "int4")  # per-token-per-head fp16 scales beside the codes

@@ -1,5 +1,5 @@
 """One decode step of the colocated forward over a paged KV pool: the single implementation behind the
-colocated engine (`aiollm.model.engine`) and the serving runner (`aiollm.workers.runner`).
+colocated engine (`aiollm.model.engine`) and the serving runner (`aiollm.serving.runner`).
 
 Each sequence feeds one token; every layer runs its S-part (`pre_attention`, `post_attention`) and its
 R-part (attend with the native kernel, on the same OpenMP team as the GEMMs). On the fused CPU path all the
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from aiollm.kv.attention import on_gemm_team
+from aiollm.native.attention import on_gemm_team
 from aiollm.kv.pool import KVPool
 from aiollm.model.llama import LlamaModel
 

@@ -1,6 +1,6 @@
 """The S-part's matrix products: each weight packed once at load time for the fastest kernel on its device.
 
-On a CPU with AVX-512 (fp32) or AVX512_BF16 (bf16) the weight becomes an aiollm.model.gemm.PackedWeight
+On a CPU with AVX-512 (fp32) or AVX512_BF16 (bf16) the weight becomes an aiollm.native.gemm.PackedWeight
 and products run on the native skinny GEMM, which streams the weights at close to the machine's read
 bandwidth at small batch and reuses them from L2 across the rows of larger ones. oneDNN's packed GEMMs
 (the path before it, kept as the fallback) read SmolLM2's weights at ~15 GB/s at batch 8 and reached
@@ -12,7 +12,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from aiollm.model import gemm
+from aiollm.native import gemm
 
 Weight = torch.Tensor | gemm.PackedWeight
 

@@ -10,7 +10,7 @@ over the paged KV cache. `prefill` runs both for whole prompts and hands each la
 
 The arithmetic follows transformers' LlamaForCausalLM (RMSNorm in fp32, RoPE half-split, SDPA), so fp32
 greedy tokens equal transformers'. On CPU in fp32/bf16 the small ops between the matrix products (RMSNorm,
-RoPE, SiLU*up) run as single native calls (aiollm.model.fused_ops): through PyTorch they cost several
+RoPE, SiLU*up) run as single native calls (aiollm.native.fused_ops): through PyTorch they cost several
 ATen ops each, every one with its OpenMP fork/join; when every matrix is on the native GEMM, each half-layer
 (pre_attention, post_attention) is one native call (fused_ops.layer_pre / layer_post, same bits). RoPE is then bit-identical to transformers' formula;
 RMSNorm sums the squares in another order (a few fp32 ulps).
@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from aiollm.model import fused_ops
+from aiollm.native import fused_ops
 from aiollm.model.attention import prefill_attention
 from aiollm.model.config import ModelConfig
-from aiollm.model.gemm import PackedWeight
+from aiollm.native.gemm import PackedWeight
 from aiollm.model.linear import linear, linear_add
 from aiollm.model.rope import RotaryTable, Rotation
 from aiollm.model.tokenizer import Tokenizer

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from aiollm.model import fused_ops
+from aiollm.native import fused_ops
 from aiollm.model.config import ModelConfig, RopeScaling
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aiollm.model import fused_ops
+from aiollm.native import fused_ops
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ reaches 90 % of the best measured S-part throughput B/T(B) (past it, more batch 
 That formula ignores costs that dominate on a small CPU box (measured on 2 shared vCPUs: the formula
 predicted 0.60x the real step). `predict_step` adds them, each measured in real steps of S-worker and
 R-worker processes with their CPU clocks (`step_costs`, `long_step_terms` in
-`aiollm.planner.fastdecode_probes`, which measures every input this module prices), not assumed:
+`aiollm.calibrate.fastdecode_probes`, which measures every input this module prices), not assumed:
 - communication and bookkeeping: every layer sends each R-worker one `Attend` per mini-batch and waits for the
   reply. Per ask at b rows: the S-worker's CPU beyond its S-part T(B) (encoding, the event loop, sampling
   spread over the asks), the R-worker's CPU beyond the attention (decoding, KV write, block tables, reply),

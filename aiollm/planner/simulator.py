@@ -96,7 +96,7 @@ class SimConfig:
     decode_slowdown: tuple[float, ...] = ()
     slowdown_period: float = 0.5
     # The controller sends a prefill instance at most this many requests whose first token has not come
-    # back (aiollm.workers.controller's prefill_queue_limit) and keeps the rest in its own FCFS queue; this
+    # back (aiollm.serving.distserve.controller's prefill_queue_limit) and keeps the rest in its own FCFS queue; this
     # caps a prefill batch at that many prompts however short they are. 0 = no limit (DistServe's simulator).
     prefill_queue_limit: int = 0
 

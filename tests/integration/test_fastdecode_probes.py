@@ -1,4 +1,4 @@
-"""The FastDecode sizing's probes (aiollm.planner.fastdecode_probes) against real R-worker processes on a tiny
+"""The FastDecode sizing's probes (aiollm.calibrate.fastdecode_probes) against real R-worker processes on a tiny
 random Llama: each reads what its docstring says from real decode steps, gives every sequence back, and refuses
 bad arguments. The figures are timings, so the tests check their kind and bounds, not their values."""
 import asyncio
@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from aiollm.graph import Graph
+from aiollm.deploy.graph import Graph
 from aiollm.planner.fastdecode import AskCost, Overlap
-from aiollm.planner.fastdecode_probes import long_step_terms, measure_overlap, probe_step, step_costs
-from aiollm.workers.fastdecode_messages import GetRLoad
-from tests.integration.fastdecode_cluster import start_r_workers, tiny  # noqa: F401 (fixture)
+from aiollm.calibrate.fastdecode_probes import long_step_terms, measure_overlap, probe_step, step_costs
+from aiollm.serving.fastdecode.messages import GetRLoad
+from aiollm.testing.fastdecode_cluster import start_r_workers, tiny  # noqa: F401 (fixture)
 
 CONTEXTS = [5, 9, 30, 17, 40, 3]
 
@@ -76,7 +76,7 @@ def test_t_of_b_and_r_are_measured_on_the_roles_threads(tiny, monkeypatch):
     import torch
 
     from aiollm.kv.pool import KVPool
-    from aiollm.planner import fastdecode_probes
+    from aiollm.calibrate import fastdecode_probes
 
     model, _ = tiny
     monkeypatch.setattr(fastdecode_probes, "_load_model", lambda name: (torch, model))

@@ -18,15 +18,15 @@ import torch
 
 from aiollm.actors.node import NodeConfig
 from aiollm.errors import RemoteError
-from aiollm.graph import Graph
+from aiollm.deploy.graph import Graph
 from aiollm.model.engine import generate
 from aiollm.model.loader import load
 from aiollm.model.sampling import SamplingParams
 from aiollm.sched.sls import SLSConfig
-from aiollm.workers.backend import GenerateRequest
-from aiollm.workers import runner
-from aiollm.workers.cluster_client import ClusterClient
-from aiollm.workers.fastdecode_messages import (
+from aiollm.serving.backend import GenerateRequest
+from aiollm.serving import runner
+from aiollm.serving.distserve.client import ClusterClient
+from aiollm.serving.fastdecode.messages import (
     Admit,
     Attend,
     GetRLoad,
@@ -34,9 +34,9 @@ from aiollm.workers.fastdecode_messages import (
     Release,
     Synthetic,
 )
-from aiollm.workers.s_worker import SWorker, SWorkerConfig
-from bench.turns import TakingTurns, Turns
-from tests.integration.fastdecode_cluster import start_r_workers, tiny  # noqa: F401 (fixture)
+from aiollm.serving.fastdecode.s_worker import SWorker, SWorkerConfig
+from aiollm.calibrate.turns import TakingTurns, Turns
+from aiollm.testing.fastdecode_cluster import start_r_workers, tiny  # noqa: F401 (fixture)
 
 # mixed lengths, crossing 16-token block boundaries while decoding
 PROMPTS = [[5, 17, 42, 99, 3], list(range(20, 57)), [33], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 200],
@@ -107,7 +107,7 @@ async def test_tokens_equal_colocated_generate_with_and_without_pipeline_and_sch
 
 @pytest.mark.slow
 async def test_s_workers_taking_turns_give_the_same_tokens_and_never_step_at_once(tiny):
-    """The schedule trace's two S-workers (bench.turns), one with the schedule: each decodes exactly as alone, and
+    """The schedule trace's two S-workers (aiollm.calibrate.turns), one with the schedule: each decodes exactly as alone, and
     one's steps (its S-part and its R-worker round trips) never overlap the other's."""
     model, directory = tiny
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]

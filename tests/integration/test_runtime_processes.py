@@ -1,6 +1,6 @@
 """The actor runtime between OS processes over TCP: asks, streams, cancellation, liveness, auth, the CLI, the demo.
 
-Every node process is started through `aiollm.graph.Graph` (or `subprocess` for the CLI checks)
+Every node process is started through `aiollm.deploy.graph.Graph` (or `subprocess` for the CLI checks)
 and stopped in a `finally`, killed if it does not stop by itself.
 """
 import asyncio
@@ -17,8 +17,8 @@ import pytest
 from aiollm.actors import Node, NodeConfig
 from aiollm.actors.echo import Count, Echo, EchoActor, Fail, GetStats, Ping, PingPeer, Pong, Sleep
 from aiollm.errors import AuthenticationFailed, RemoteError
-from aiollm.graph import Graph
-from tests.unit.actor_helpers import SECRET, Watcher
+from aiollm.deploy.graph import Graph
+from aiollm.testing.actor_helpers import SECRET, Watcher
 
 ROOT = Path(__file__).resolve().parents[2]
 # Liveness settings for these tests: a dead peer must be noticed within HEARTBEAT_TIMEOUT.

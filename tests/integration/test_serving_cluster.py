@@ -7,10 +7,10 @@ import pytest
 
 from aiollm.model.engine import generate
 from aiollm.model.sampling import SamplingParams
-from aiollm.workers.controller import ControllerConfig
-from aiollm.workers.decode import DecodeConfig
-from aiollm.workers.prefill import PrefillConfig
-from tests.integration.serving_cluster import cluster, tiny  # noqa: F401 (fixture)
+from aiollm.serving.distserve.controller import ControllerConfig
+from aiollm.serving.distserve.decode import DecodeConfig
+from aiollm.serving.distserve.prefill import PrefillConfig
+from aiollm.testing.serving_cluster import cluster, tiny  # noqa: F401 (fixture)
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):", "naïve café"]
 

@@ -8,13 +8,13 @@ import pytest
 from aiollm.actors import Actor, Node, NodeConfig, handler
 from aiollm.model.engine import generate
 from aiollm.model.sampling import SamplingParams
-from aiollm.workers.backend import ModelInfo
-from aiollm.workers.controller import ControllerConfig
-from aiollm.workers.engine import ColocatedEngine, EngineConfig
-from aiollm.workers.frontend import Frontend, FrontendConfig, start_server
-from aiollm.workers.messages import KVLost, Prefill, Prefilled, Sampling
-from aiollm.workers.prefill import PrefillConfig, PrefillInstance
-from tests.integration.serving_cluster import SECRET, cluster, tiny  # noqa: F401 (fixture)
+from aiollm.serving.backend import ModelInfo
+from aiollm.serving.distserve.controller import ControllerConfig
+from aiollm.serving.colocated import ColocatedEngine, EngineConfig
+from aiollm.frontend.app import Frontend, FrontendConfig, start_server
+from aiollm.serving.distserve.messages import KVLost, Prefill, Prefilled, Sampling
+from aiollm.serving.distserve.prefill import PrefillConfig, PrefillInstance
+from aiollm.testing.serving_cluster import SECRET, cluster, tiny  # noqa: F401 (fixture)
 
 
 

@@ -6,13 +6,13 @@ import asyncio
 import pytest
 
 from aiollm.actors import NodeConfig
-from aiollm.graph import Graph
+from aiollm.deploy.graph import Graph
 from aiollm.model.engine import generate
 from aiollm.model.loader import load
 from aiollm.model.sampling import SamplingParams
-from aiollm.workers.fastdecode_messages import GetRLoad
-from tests.integration.serving_cluster import SECRET, cluster
-from tests.unit.tiny_llama import write_hf_dir
+from aiollm.serving.fastdecode.messages import GetRLoad
+from aiollm.testing.serving_cluster import SECRET, cluster
+from aiollm.testing.tiny_llama import write_hf_dir
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "def add(a, b):", "naïve café jumps over the lazy dog"]
 

@@ -13,7 +13,7 @@ import pytest
 from aiollm.model.engine import generate
 from aiollm.model.loader import load
 from aiollm.model.sampling import SamplingParams
-from tests.unit.tiny_llama import write_hf_dir
+from aiollm.testing.tiny_llama import write_hf_dir
 
 
 def _cmdline(pid: int) -> str:

@@ -1,7 +1,7 @@
 """Instance loss and take-back with real processes: a SIGKILLed decode instance fails its in-flight
 request with a clear error when no other decode instance is left, a restarted one re-registers and
 serves again, and a frozen prefill instance declared dead by the heartbeat is taken back once it
-answers. Every node is a `python -m aiollm.node` subprocess started through `aiollm.graph.Graph`
+answers. Every node is a `python -m aiollm.node` subprocess started through `aiollm.deploy.graph.Graph`
 (stopped, or killed, when the test ends); the frontend's client actor runs in this process."""
 import asyncio
 import signal
@@ -9,14 +9,14 @@ import signal
 import pytest
 
 from aiollm.actors import NodeConfig
-from aiollm.graph import Graph
+from aiollm.deploy.graph import Graph
 from aiollm.model.engine import generate
 from aiollm.model.loader import load
 from aiollm.model.sampling import SamplingParams
-from aiollm.workers.backend import GenerateRequest, Unavailable
-from aiollm.workers.cluster_client import ClusterClient
-from tests.unit.actor_helpers import SECRET
-from tests.unit.tiny_llama import write_hf_dir
+from aiollm.serving.backend import GenerateRequest, Unavailable
+from aiollm.serving.distserve.client import ClusterClient
+from aiollm.testing.actor_helpers import SECRET
+from aiollm.testing.tiny_llama import write_hf_dir
 
 # a dead peer is noticed within HEARTBEAT_TIMEOUT; the controller probes dead instances every 2 s
 CONFIG = NodeConfig(secret=SECRET, heartbeat_interval=0.2, heartbeat_timeout=1.0)

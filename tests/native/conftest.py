@@ -3,7 +3,7 @@ case, and the quantisers' definition."""
 import numpy as np
 import pytest
 
-from aiollm.kv import attention
+from aiollm.native import attention
 from aiollm.kv.pool import KVConfig, KVPool
 
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from aiollm._native import ffi, lib
-from aiollm.kv import attention
+from aiollm.native import attention
 from aiollm.kv.pool import KVConfig, KVPool
 
 H, G, D, BS = 2, 3, 64, 16

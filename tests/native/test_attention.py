@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from aiollm.kv import attention
+from aiollm.native import attention
 from tests.native.conftest import random_case, reference
 
 # Tolerances (absolute, outputs are averages of N(0,1) values so they are O(1)).

@@ -232,7 +232,7 @@ def test_pool_arrays_start_on_cache_lines_and_start_zeroed(dtype):
 
 
 def test_aligned_full_fills_every_element_of_the_shape():
-    from aiollm.kv._arrays import aligned_full
+    from aiollm.native.arrays import aligned_full
 
     for shape, fill, dtype in (((7, 5), 0.25, np.float16), ((3,), 1, np.int8), ((2, 0, 4), 3.0, np.float32)):
         arr = aligned_full(shape, fill, dtype)

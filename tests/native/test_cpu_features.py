@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from aiollm._native import lib
-from aiollm.kv import attention
+from aiollm.native import attention
 
 
 def _cpuinfo_field(name: str) -> str:

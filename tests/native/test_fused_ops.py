@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiollm.kv import attention
-from aiollm.model import fused_ops
+from aiollm.native import attention
+from aiollm.native import fused_ops
 from aiollm.model.config import ModelConfig
 from aiollm.model.rope import RotaryTable, apply_rotary
 

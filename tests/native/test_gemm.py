@@ -1,4 +1,4 @@
-"""The native skinny GEMM (aiollm.model.gemm) against a float64 reference, on awkward shapes."""
+"""The native skinny GEMM (aiollm.native.gemm) against a float64 reference, on awkward shapes."""
 import itertools
 import os
 import subprocess
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from aiollm.model import gemm
+from aiollm.native import gemm
 from aiollm.model.linear import linear, linear_add, pack
 
 # fp32: products and sums in fp32, K <= 1536 terms of O(1) values: relative to the largest output
@@ -121,7 +121,7 @@ def test_linear_uses_the_native_kernel_and_agrees_with_dense(dtype):
 def test_library_pool_path_gives_the_same_bits_as_torchs_openmp_team():
     """GEMMs run on torch's OpenMP team when torch's libgomp is loaded; AIOLLM_GEMM_POOL=1 (read once per process)
     keeps them on the library's own pool. Both must give the same result."""
-    script = ("import torch\nfrom aiollm.model import gemm\ng = torch.Generator().manual_seed(5)\n"
+    script = ("import torch\nfrom aiollm.native import gemm\ng = torch.Generator().manual_seed(5)\n"
               "w, x = torch.randn(300, 64, generator=g), torch.randn(40, 64, generator=g)\n"
               "y = gemm.gemm(x, gemm.PackedWeight(w), n_threads=2)\n"
               "print(float((y.double() - x.double() @ w.double().T).abs().max()), y.sum().item().hex())\n")

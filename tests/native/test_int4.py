@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from aiollm.kv import attention
+from aiollm.native import attention
 from aiollm.kv.pool import KVConfig, KVPool, int4_logical
 from tests.native.conftest import assert_codes_equal_the_definition, random_case, reference
 

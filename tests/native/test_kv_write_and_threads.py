@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from aiollm.kv import attention
+from aiollm.native import attention
 from aiollm.kv.pool import KVConfig, KVPool, int4_logical, int8_logical
 from tests.native.conftest import reference, shuffled_tables
 
@@ -168,7 +168,7 @@ def test_on_the_gemm_team_results_equal_the_pools():
 def test_on_the_gemm_team_leaves_the_pool_unstarted(forced_pool):
     """In a fresh process with torch's OpenMP runtime loaded, attention on the team starts no pool worker;
     AIOLLM_ATTN_POOL=1 sends it back to the pool."""
-    code = ("import torch; import numpy as np; from aiollm.kv import attention; "
+    code = ("import torch; import numpy as np; from aiollm.native import attention; "
             "from tests.native.test_kv_write_and_threads import _big_case\n"
             "pool, q, table, lens = _big_case(4)\n"
             "with attention.on_gemm_team(): pool.attend(0, q, table, lens, n_threads=2)\n"
@@ -203,7 +203,7 @@ def test_pool_works_in_a_forked_child():
 
 @pytest.mark.parametrize("name", ["ref", "avx2", "avx512"])
 def test_env_var_selects_the_isa(name):
-    code = "from aiollm.kv import attention; print(attention.isa())"
+    code = "from aiollm.native import attention; print(attention.isa())"
     env = dict(os.environ, AIOLLM_ATTN_ISA=name)
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert got == (name if name in attention.supported_isas() else attention.supported_isas()[-1])

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from aiollm.model import fused_ops, gemm
+from aiollm.native import fused_ops
+from aiollm.native import gemm
 from aiollm.model.config import ModelConfig
 from aiollm.model.rope import RotaryTable
 

@@ -8,7 +8,7 @@ import pytest
 from aiollm.actors import Actor, Message, handler
 from aiollm.actors.echo import Count, Echo, EchoActor, Fail, GetStats, Ping, Pong, Sleep
 from aiollm.errors import ActorDied, ProtocolError, RemoteError
-from tests.unit.actor_helpers import Watcher, started, wait_until
+from aiollm.testing.actor_helpers import Watcher, started, wait_until
 
 
 class Hold(Message, tag="test.actor.hold"):

@@ -7,7 +7,7 @@ import pytest
 from aiollm.actors import Actor, Message, handler
 from aiollm.actors.echo import EchoActor, Ping, Pong, Sleep
 from aiollm.actors.reply import LocalReply
-from tests.unit.actor_helpers import started
+from aiollm.testing.actor_helpers import started
 
 LABEL = contextvars.ContextVar("label", default="unset")
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from aiollm.actors.echo import Echo, EchoActor, Ping, Pong
-from tests.unit.actor_helpers import started
+from aiollm.testing.actor_helpers import started
 
 LISTEN = {"tcp": ("tcp://127.0.0.1:0",), "inproc": ()}
 

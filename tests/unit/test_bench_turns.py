@@ -1,10 +1,10 @@
-"""The turns two S-workers of the schedule trace take on one core (bench.turns): who runs when, and each run's own
+"""The turns two S-workers of the schedule trace take on one core (aiollm.calibrate.turns): who runs when, and each run's own
 clock."""
 import asyncio
 
 import pytest
 
-from bench.turns import Turns, active_clock
+from aiollm.calibrate.turns import Turns, active_clock
 
 
 async def _run(turns: Turns, names: list[str], iterations: int) -> list[str]:

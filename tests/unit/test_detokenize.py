@@ -1,5 +1,5 @@
 """Incremental detokenisation: split multi-byte characters and stop strings across deltas."""
-from aiollm.workers.detokenize import IncrementalText
+from aiollm.frontend.detokenize import IncrementalText
 
 
 def _utf8_decode(ids):

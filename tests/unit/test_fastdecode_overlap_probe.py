@@ -1,10 +1,10 @@
-"""measure_overlap's rebalancing (aiollm.planner.fastdecode_probes), on a stand-in for probe_step whose CPU
+"""measure_overlap's rebalancing (aiollm.calibrate.fastdecode_probes), on a stand-in for probe_step whose CPU
 figures follow the context: the loss is read where the measured sides meet, not where the model expected them to."""
 from types import SimpleNamespace
 
 import pytest
 
-from aiollm.planner import fastdecode_probes
+from aiollm.calibrate import fastdecode_probes
 from aiollm.planner.fastdecode import AskCost
 
 LAYERS = 10

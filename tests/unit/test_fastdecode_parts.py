@@ -9,9 +9,9 @@ import torch
 from aiollm.errors import KVCacheFull
 from aiollm.kv.pool import KVConfig
 from aiollm.sched.sls import SLSConfig
-from aiollm.workers.pipeline import _packed, _worker_slices, minibatches, place
-from aiollm.workers.r_worker import SequenceStore, parse_size
-from aiollm.workers.s_worker import SWorkerConfig, config_from_args, r_worker_urls
+from aiollm.serving.fastdecode.pipeline import _packed, _worker_slices, minibatches, place
+from aiollm.serving.fastdecode.r_worker import SequenceStore, parse_size
+from aiollm.serving.fastdecode.s_worker import SWorkerConfig, config_from_args, r_worker_urls
 
 
 def test_place_balances_expected_total_length():

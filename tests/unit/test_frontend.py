@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from aiollm.workers.backend import FINISH_LENGTH, FINISH_STOP, BackendStats, ModelInfo, Overloaded, TokenDelta, Unavailable
-from aiollm.workers.frontend import Frontend, FrontendConfig, start_server
+from aiollm.serving.backend import FINISH_LENGTH, FINISH_STOP, BackendStats, ModelInfo, Overloaded, TokenDelta, Unavailable
+from aiollm.frontend.app import Frontend, FrontendConfig, start_server
 
 EOS = 3
 REPLY = "Hello, world! The end."

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from aiollm.model import gemm
+from aiollm.native import gemm
 from aiollm.model.linear import fastest_cpu_dtype, linear, linear_add, pack
 
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import aiollm.model
-from aiollm.generate import main
+from aiollm.cli.generate import main
 from aiollm.model.engine import ColocatedEngine, generate
 from aiollm.model.sampling import SamplingParams
-from tests.unit.tiny_llama import write_hf_dir
+from aiollm.testing.tiny_llama import write_hf_dir
 
 PROMPTS = [[5, 17, 42, 99, 3], list(range(20, 57)), [33], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 200]]
 N_NEW = 20  # crosses a 16-token block boundary for every prompt
@@ -107,7 +107,7 @@ def test_one_call_decode_step_equals_the_per_layer_step(tiny, dtype, kv_dtype):
     replaced must give the same logits and the same KV cache, bit for bit."""
     import numpy as np
 
-    from aiollm.model import gemm
+    from aiollm.native import gemm
     if not gemm.supported(dtype):
         pytest.skip(f"the one-call step needs the native {dtype} GEMM (AVX-512), which this CPU lacks")
 

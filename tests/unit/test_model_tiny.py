@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import aiollm.model
 from aiollm.errors import ModelFormatError
 from aiollm.model.config import ModelConfig
-from tests.unit.tiny_llama import write_gguf, write_hf_dir
+from aiollm.testing.tiny_llama import write_gguf, write_hf_dir
 
 LOGIT_ATOL = 1e-4  # fp32, same op order as transformers: differences are GEMM summation order only
 PROMPTS = [[5, 17, 42, 99, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 200], [33]]

@@ -15,7 +15,7 @@ from aiollm.actors.messages import ASK, PROTOCOL_VERSION, Failure, Reply, Tensor
 from aiollm.actors.ref import ActorRef
 from aiollm.errors import AuthenticationFailed, NodeUnreachable, ProtocolError, RemoteError
 from aiollm.transports import connect, listen
-from tests.unit.actor_helpers import SECRET, Watcher, started, wait_until
+from aiollm.testing.actor_helpers import SECRET, Watcher, started, wait_until
 from tests.unit.test_actor import Gate, Hold
 
 

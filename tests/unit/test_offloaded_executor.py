@@ -7,9 +7,9 @@ import pytest
 
 from aiollm.errors import KVCacheFull
 from aiollm.model.sampling import SamplingParams
-from aiollm.workers import runner
-from aiollm.workers.fastdecode_messages import Admit, Release, RLoad
-from aiollm.workers.offloaded_executor import OffloadedExecutor
+from aiollm.serving import runner
+from aiollm.serving.fastdecode.messages import Admit, Release, RLoad
+from aiollm.serving.fastdecode.offloaded_executor import OffloadedExecutor
 
 
 class FakeWorker:

@@ -1,7 +1,7 @@
 """`python -m aiollm.plan`: bad inputs exit 2 with a message naming the problem."""
 import pytest
 
-from aiollm.plan import main
+from aiollm.cli.plan import main
 
 
 @pytest.mark.parametrize("argv, message", [

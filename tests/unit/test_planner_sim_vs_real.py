@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-import bench.sim_vs_real as bp
+import aiollm.calibrate.sim_vs_real as bp
 from aiollm.planner.latency import LatencyModel, StackLatency, piecewise
-from bench.sim_same_run import consensus, hops, same_run_model, slowdowns, visible_steps
-from bench.sim_vs_real_stats import difference
+from aiollm.calibrate.same_run import consensus, hops, same_run_model, slowdowns, visible_steps
+from aiollm.calibrate.sim_vs_real_stats import difference
 
 # Prefill 10 ms + 1 ms/token; decode 50 ms/step up to batch 2, then 30 ms more per sequence (a table).
 LATENCY = LatencyModel("smollm2", "cpu", "test", {1: StackLatency(

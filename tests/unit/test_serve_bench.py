@@ -1,8 +1,8 @@
 """The serving benchmark's pure parts: percentiles, attainment, DistServe goodput (interpolated rate)."""
 import pytest
 
-from bench.serve_cpu import CoreMeter
-from bench.serve_load import (
+from aiollm.loadgen.cpu_meter import CoreMeter
+from aiollm.loadgen.replay import (
     RequestResult,
     attainment,
     bootstrap_ratio,
@@ -77,8 +77,8 @@ def test_core_meter_sees_a_busy_child_process():
 
 
 def test_steps_between_slices_by_time_and_matches_requests_by_length(tmp_path):
-    from aiollm.workers.step_log import StepLog
-    from bench.serve_steps import read_logs, steps_between
+    from aiollm.serving.step_log import StepLog
+    from aiollm.loadgen.step_logs import read_logs, steps_between
     log = StepLog(tmp_path / "prefill0.jsonl")
     log.record("prefill", 5.0, 5.5, lengths=[10], recv=[4.9])  # before the run: not counted
     log.record("prefill", 100.2, 100.5, lengths=[30, 40], recv=[100.1, 100.15])

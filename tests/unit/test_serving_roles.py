@@ -3,8 +3,8 @@ import argparse
 
 import pytest
 
-from aiollm.workers.roles.common import served_name
-from aiollm.workers.roles.controller import instances
+from aiollm.deploy.roles.common import served_name
+from aiollm.deploy.roles.controller import instances
 
 
 def test_instance_lists_named_or_bare():

@@ -1,12 +1,12 @@
 """The step curve the schedule trace places S by (aiollm.planner.fastdecode.fit_step_curve and
-aiollm.planner.fastdecode_probes.step_curve): the fit recovers a known bent line from its points, the S it
+aiollm.calibrate.fastdecode_probes.step_curve): the fit recovers a known bent line from its points, the S it
 balances moves past a rounded corner, and the probes visit the contexts from the middle outwards."""
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from aiollm.planner import fastdecode_probes
+from aiollm.calibrate import fastdecode_probes
 from aiollm.planner.fastdecode import StepCurve, balanced_seq_len, fit_step_curve, schedule_gain
 
 # a step like the Zen 4 host's at B=128: ~190 ms while the S-part binds, ~0.9 us per entry once the R-part does

@@ -1,0 +1,308 @@
+"""The OpenAI-compatible HTTP frontend (FastAPI + uvicorn) over a `Backend`.
+
+Why the frontend owns text: tokenisation, the chat template, incremental detokenisation and stop
+strings all happen here, so the backends (an in-process engine or the disaggregated cluster's
+controller) move only token ids. Every request is watched for a client disconnect; when the
+client goes, the backend is told to cancel, which frees the request's KV wherever it lives.
+Errors use OpenAI's JSON shape: 400 naming the parameter, 404 for an unknown model, 429 when
+the frontend or the backend is at its admission limit, 503 when the backend cannot serve.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import jinja2
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from aiollm.log import get_logger
+from aiollm.frontend import protocol as oai
+from aiollm.model.sampling import SamplingParams
+from aiollm.serving.backend import FINISH_STOP, Backend, GenerateRequest, ModelInfo, Overloaded, Unavailable
+from aiollm.frontend.detokenize import IncrementalText
+from aiollm.frontend.metrics import CONTENT_TYPE, ServingMetrics
+
+
+def _log():
+    """Bound at call time, after the process configured logging (a module-level logger would not be)."""
+    return get_logger("frontend")
+
+
+class TextTokenizer(Protocol):
+    """What the frontend needs from a tokenizer (aiollm.model's Tokenizer has it)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """Where the frontend listens and how much it takes at once."""
+
+    # interface to bind (loopback by default)
+    host: str = "127.0.0.1"
+    # TCP port; 0 picks a free one
+    port: int = 8000
+    # HTTP generation requests served at once; one more gets 429
+    max_in_flight: int = 512
+    # vocabulary size, to validate token-id prompts; 0 skips the check
+    vocab_size: int = 0
+    # max_tokens when a request omits it (capped by the context): decode instances reserve KV for the
+    # whole completion, so "the rest of an 8k context" for every chat request would starve admission
+    default_max_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"FrontendConfig.port must be in [0, 65535], got {self.port}")
+        if self.max_in_flight <= 0:
+            raise ValueError(f"FrontendConfig.max_in_flight must be > 0, got {self.max_in_flight}")
+        if self.default_max_tokens <= 0:
+            raise ValueError(f"FrontendConfig.default_max_tokens must be > 0, got {self.default_max_tokens}")
+
+
+class HTTPError(Exception):
+    """An error answered to the client in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.body = status, oai.error_body(message, err_type, param, code)
+
+
+def _bad(message: str, param: str | None, code: str | None = None) -> HTTPError:
+    return HTTPError(400, message, "invalid_request_error", param, code)
+
+
+class Frontend:
+    """Builds the FastAPI app for one backend and one tokenizer."""
+
+    def __init__(self, backend: Backend, tokenizer: TextTokenizer, info: ModelInfo, config: FrontendConfig) -> None:
+        self.backend, self.tokenizer, self.info, self.config = backend, tokenizer, info, config
+        self.metrics = ServingMetrics()
+        self._in_flight = 0
+        self.app = self._build_app()
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="aiollm", docs_url=None, redoc_url=None)
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+            first = exc.errors()[0]
+            names = [str(p) for p in first.get("loc", ()) if p != "body" and not isinstance(p, int)]
+            param = names[0] if names else None
+            return JSONResponse(oai.error_body(f"{param or 'body'}: {first.get('msg')}", "invalid_request_error", param),
+                                status_code=400)
+
+        @app.exception_handler(HTTPError)
+        async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
+            return JSONResponse(exc.body, status_code=exc.status)
+
+        @app.get("/health")
+        async def health() -> Response:
+            try:
+                await self.backend.stats()
+            except Unavailable as exc:
+                raise HTTPError(503, str(exc), "service_unavailable") from exc
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/v1/models")
+        async def models() -> dict:
+            return {"object": "list", "data": [{"id": self.info.name, "object": "model", "created": 0,
+                                                "owned_by": "aiollm", "max_model_len": self.info.max_context}]}
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            self.metrics.in_flight.set(self._in_flight)
+            return Response(self.metrics.render(await self.backend.stats()), media_type=CONTENT_TYPE)
+
+        @app.post("/v1/completions")
+        async def completions(body: oai.CompletionRequest, request: Request) -> Response:
+            self._check_model(body.model)
+            if isinstance(body.prompt, str):
+                ids = self.tokenizer.encode(body.prompt)
+            else:
+                ids = self._check_ids(body.prompt)
+            return await self._respond(request, body, ids, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(body: oai.ChatCompletionRequest, request: Request) -> Response:
+            self._check_model(body.model)
+            messages = [{"role": m.role, "content": m.content} for m in body.messages]
+            try:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            except (ValueError, jinja2.TemplateError) as exc:  # e.g. a role the model's template refuses
+                raise _bad(f"messages: the chat template refused them: {exc}", "messages") from exc
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            return await self._respond(request, body, ids, chat=True)
+
+        return app
+
+    def _check_model(self, name: str) -> None:
+        if name != self.info.name:
+            raise HTTPError(404, f"The model `{name}` does not exist; this server serves `{self.info.name}`.",
+                            "invalid_request_error", "model", "model_not_found")
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.config.vocab_size
+        if vocab and any(not 0 <= i < vocab for i in ids):
+            raise _bad(f"prompt: token ids must be in [0, {vocab})", "prompt")
+        return ids
+
+    def _sampling(self, body, prompt_len: int, chat: bool) -> SamplingParams:
+        context = self.info.max_context
+        prompt_param = "messages" if chat else "prompt"
+        if prompt_len >= context:
+            raise _bad(f"This model's maximum context length is {context} tokens; the {prompt_param} has "
+                       f"{prompt_len} tokens.", prompt_param, "context_length_exceeded")
+        if body.max_tokens is not None:
+            max_tokens = body.max_tokens
+        else:
+            max_tokens = min(context - prompt_len, self.config.default_max_tokens)
+        if prompt_len + max_tokens > context:
+            param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+            raise _bad(f"This model's maximum context length is {context} tokens. However, you requested "
+                       f"{prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, {max_tokens} in the "
+                       f"completion). Please reduce the length of the {prompt_param} or {param}.",
+                       param, "context_length_exceeded")
+        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                              top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos)
+
+    async def _respond(self, request: Request, body, ids: list[int], chat: bool) -> Response:
+        sampling = self._sampling(body, len(ids), chat)
+        if self._in_flight >= self.config.max_in_flight:
+            raise HTTPError(429, f"Too many requests in flight ({self.config.max_in_flight}); retry later.",
+                            "rate_limit_error", code="rate_limit_exceeded")
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        run = _Run(self, request, GenerateRequest(request_id, tuple(ids), sampling), body.stops)
+        pieces = run.pieces()
+        try:
+            first = await anext(pieces)
+        except Overloaded as exc:
+            raise HTTPError(429, str(exc), "rate_limit_error", code="overloaded") from exc
+        except Unavailable as exc:
+            raise HTTPError(503, str(exc), "service_unavailable") from exc
+        model = self.info.name
+        if not body.stream:
+            try:
+                texts, finish = [first[0]], first[1]
+                async for text, finish in pieces:
+                    texts.append(text)
+            except Unavailable as exc:
+                raise HTTPError(503, str(exc), "service_unavailable") from exc
+            finally:
+                await pieces.aclose()
+            use = oai.usage(len(ids), run.num_tokens)
+            build = oai.chat_completion if chat else oai.completion
+            return JSONResponse(build(request_id, model, "".join(texts), finish, use))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(self._sse(run, pieces, first, chat, include_usage, len(ids)),
+                                 media_type="text/event-stream")
+
+    async def _sse(self, run: "_Run", pieces: AsyncIterator, first, chat: bool, include_usage: bool,
+                   prompt_len: int) -> AsyncIterator[str]:
+        rid, model = run.request.request_id, self.info.name
+        try:
+            if chat:
+                yield _event(oai.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
+            piece = first
+            while True:
+                text, finish = piece
+                if chat:
+                    yield _event(oai.chat_chunk(rid, model, {"content": text} if text else {}, finish))
+                else:
+                    yield _event(oai.completion_chunk(rid, model, text, finish))
+                if finish is not None:
+                    break
+                try:
+                    piece = await anext(pieces)
+                except Unavailable as exc:  # headers are sent: report in-band, as OpenAI does
+                    yield _event(oai.error_body(str(exc), "service_unavailable"))
+                    return
+            if include_usage:
+                use = oai.usage(prompt_len, run.num_tokens)
+                build = oai.chat_chunk if chat else oai.completion_chunk
+                yield _event(build(rid, model, {} if chat else "", None, use))
+            yield "data: [DONE]\n\n"
+        finally:
+            await pieces.aclose()
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+class _Run:
+    """One request's generation: backend deltas -> settled text pieces, stop strings, metrics, cancel."""
+
+    def __init__(self, frontend: Frontend, http: Request, request: GenerateRequest, stops: list[str]) -> None:
+        self.frontend, self.http, self.request = frontend, http, request
+        self.text = IncrementalText(frontend.tokenizer.decode, stops)
+        self.arrival = time.monotonic()
+        self.num_tokens = 0
+
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
+        """Yield (text, None) for new text and finally (text, finish_reason); cancels the backend on exit
+        unless the request finished."""
+        backend, metrics, rid = self.frontend.backend, self.frontend.metrics, self.request.request_id
+        watcher = asyncio.create_task(self._watch_disconnect())
+        first = last = None
+        outcome = "aborted"
+        self.frontend._in_flight += 1
+        try:
+            metrics.prompt_tokens.inc(len(self.request.prompt_ids))
+            async for delta in backend.submit(self.request):
+                last = time.monotonic()
+                first = first or last
+                self.num_tokens += len(delta.token_ids)
+                metrics.tokens_generated(len(delta.token_ids))
+                text = self.text.feed(delta.token_ids)
+                if self.text.stopped:
+                    outcome = "stop"
+                    await backend.cancel(rid)
+                    yield text, FINISH_STOP
+                    return
+                if delta.finish_reason is not None:
+                    outcome = delta.finish_reason
+                    yield text + self.text.flush(), delta.finish_reason
+                    return
+                if text:
+                    yield text, None
+            raise Unavailable(f"request {rid} ended without a finish reason (cancelled)")
+        finally:
+            self.frontend._in_flight -= 1
+            watcher.cancel()
+            if outcome == "aborted":
+                await asyncio.shield(backend.cancel(rid))
+            metrics.request_done(outcome, self.arrival, first, last, self.num_tokens)
+
+    async def _watch_disconnect(self) -> None:
+        """Cancel the backend request once the HTTP client has gone."""
+        while True:
+            message = await self.http.receive()
+            if message["type"] == "http.disconnect":
+                _log().info("client disconnected", request_id=self.request.request_id)
+                await self.frontend.backend.cancel(self.request.request_id)
+                return
+
+
+async def start_server(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, asyncio.Task, int]:
+    """Start uvicorn on this event loop; returns the server, its task, and the bound port (for port 0)."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError(f"HTTP server on {host}:{port} stopped while starting")
+        await asyncio.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return server, task, bound

@@ -1,0 +1,464 @@
+"""DistServe's controller: FCFS dispatch to prefill, then decode instances; failover; timings.
+
+Requests wait in one FCFS queue; the head goes to the prefill instance with the shortest queue
+(aiollm.sched.dispatch) as long as that instance has fewer than `prefill_queue_limit` requests not
+yet prefilled — so a prefill instance whose KV buffer is full (it stops prefilling) pushes back
+into this queue instead of piling up work. After the first token, the request goes to the
+least-loaded decode instance, which pulls the KV itself. All tokens pass through here on their way
+to the frontend, so the controller records each request's arrival, first-token and token times,
+and hands each finished request's timings to a replanning hook (see `ReplanHook`).
+
+Failover: when an instance dies (watched: `Terminated`, which also covers a silent node past the
+heartbeat timeout), a decode pull fails, or a KV lease expires, the request is sent back to the head
+of the queue with its prompt extended by the tokens already generated, up to `max_retries` times;
+the client sees one uninterrupted stream. Why retry rather than fail: the tokens so far are kept, so
+a retry costs one re-prefill, not the whole request. A request fails with a clear error ("failed: ...
+lost ...; no live decode instance") once its retries are spent or no live instance of the kind it
+needs is left (the frontend answers 503 before the stream starts, or ends the stream with the error).
+
+Taking instances back: a dead instance's name stays in the tables. An instance (re)started with
+`--controller URL` joins with `Register` (a known name is taken back at its new address, a new name
+is added, so replicas can also be added while serving); and every `revive_probe_s` the controller
+asks each dead instance's last address for its load, so one declared dead after a heartbeat loss
+that is in fact alive (a frozen process that resumed, a network blip) is taken back as well. Stale
+work of a taken-back instance (prefills and decodes already failed over) is cancelled on sight.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from aiollm.actors.actor import Actor, handler
+from aiollm.actors.messages import Terminated
+from aiollm.actors.ref import ActorRef
+from aiollm.errors import AiollmError
+from aiollm.log import get_logger
+from aiollm.sched.dispatch import Dispatcher
+from aiollm.serving.distserve.messages import (
+    Cancel,
+    Decode,
+    Delta,
+    Generate,
+    GetLoad,
+    KVLost,
+    Load,
+    Prefill,
+    Prefilled,
+    Register,
+    Registered,
+    Sampling,
+    Tokens,
+)
+
+
+def _log():
+    """Bound at call time, after the process configured logging (a module-level logger would not be)."""
+    return get_logger("controller")
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """Admission and failover limits of the controller."""
+
+    # most requests sent to one prefill instance and not yet prefilled
+    prefill_queue_limit: int = 4
+    # most requests waiting in the controller's queue; one more is refused as overloaded (HTTP 429)
+    max_waiting: int = 4096
+    # times one request may be re-dispatched after an instance failure
+    max_retries: int = 2
+    # seconds between load polls of the instances (for /metrics)
+    load_poll_s: float = 0.5
+    # seconds between probes of a dead instance's last address (it is taken back when it answers)
+    revive_probe_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_queue_limit", "max_waiting", "load_poll_s", "revive_probe_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ControllerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_retries < 0:
+            raise ValueError(f"ControllerConfig.max_retries must be >= 0, got {self.max_retries}")
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """What the controller recorded for one finished request (times from time.monotonic())."""
+
+    request_id: str
+    arrival: float
+    first_token: float
+    # time each generated token reached the controller (the first one included)
+    token_times: tuple[float, ...]
+    prompt_len: int
+    output_len: int
+
+
+# Called with every finished request, e.g. `lambda t: monitor.observe(t.arrival, t.prompt_len, t.output_len)`
+# with aiollm.planner.replan.WorkloadMonitor, which replans when the workload drifts.
+ReplanHook = Callable[[RequestTiming], object]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: list[int]
+    sampling: Sampling
+    reply_to: ActorRef
+    arrival: float
+    first_token_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    stage: str = "waiting"  # waiting | prefill | decode
+    prefill: str | None = None
+    decode: str | None = None
+    retries: int = 0
+
+    @property
+    def current_prompt(self) -> list[int]:
+        """After a failover, the tokens generated so far are prefilled again with the prompt."""
+        return self.prompt + self.generated
+
+    @property
+    def remaining(self) -> int:
+        return self.sampling.max_tokens - len(self.generated)
+
+
+class Controller(Actor):
+    """Dispatches requests over n prefill and m decode instances (given by URL)."""
+
+    def __init__(self, prefill_urls: dict[str, str], decode_urls: dict[str, str],
+                 config: ControllerConfig = ControllerConfig(), replan: ReplanHook | None = None) -> None:
+        if not prefill_urls or not decode_urls:
+            raise ValueError("the controller needs at least one prefill and one decode instance")
+        self.config, self.replan = config, replan
+        self._urls = {**prefill_urls, **decode_urls}
+        self._prefill_names, self._decode_names = list(prefill_urls), list(decode_urls)
+        self.dispatcher = Dispatcher()
+        self._refs: dict[str, ActorRef] = {}
+        self._queue: deque[_Request] = deque()
+        self._requests: dict[str, _Request] = {}
+        self._loads: dict[str, Load] = {}
+        # the most recent finished requests, for inspection
+        self.finished: deque[RequestTiming] = deque(maxlen=1000)
+        self._tasks: list[asyncio.Task] = []
+
+    async def on_start(self) -> None:
+        for name, url in self._urls.items():
+            self._refs[name] = self.node.ref(url)
+        for name in self._prefill_names:
+            self.dispatcher.add_prefill(name)
+        for name in self._decode_names:
+            load = await self._ask_load(self._refs[name], attempts=300)
+            self.dispatcher.add_decode(name, capacity_tokens=load.kv_blocks_total * load.kv_block_size)
+            self._loads[name] = load
+        for ref in self._refs.values():
+            await self.watch(ref)
+        self._tasks = [asyncio.create_task(self._poll_loads(), name="controller-loads"),
+                       asyncio.create_task(self._probe_dead(), name="controller-revive")]
+
+    async def on_stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- from the frontend ------------------------------------------------------------------
+
+    @handler(Generate)
+    async def on_generate(self, msg: Generate) -> None:
+        if len(self._queue) >= self.config.max_waiting:
+            await msg.reply_to.tell(Tokens([Delta(msg.request_id, [], error="overloaded")]))
+            return
+        req = _Request(msg.request_id, list(msg.prompt_ids), msg.sampling, msg.reply_to, time.monotonic())
+        self._requests[req.request_id] = req
+        self._queue.append(req)
+        await self._dispatch()
+
+    @handler(Cancel)
+    async def on_cancel(self, msg: Cancel) -> None:
+        req = self._requests.pop(msg.request_id, None)
+        if req is None:
+            return
+        if req.stage == "waiting":
+            self._queue.remove(req)
+        elif req.stage == "prefill":
+            self.dispatcher.prefill_done(req.prefill, len(req.current_prompt))
+            await self._tell(req.prefill, Cancel(req.request_id))
+            await self._dispatch()
+        else:
+            self.dispatcher.decode_done(req.decode, self._decode_need(req))
+            await self._tell(req.decode, Cancel(req.request_id))
+            await self._tell(req.prefill, Cancel(req.request_id))  # frees the KV if not yet pulled
+
+    @handler(GetLoad)
+    async def on_get_load(self, msg: GetLoad) -> Load:
+        loads = {name: self._loads.get(name) for name in self._urls}
+        live = [load for load in loads.values() if load is not None]
+        return Load(
+            waiting=len(self._queue) + sum(self.dispatcher.prefill[n].queued for n in self._prefill_names),
+            running=sum(self.dispatcher.decode[n].running for n in self._decode_names),
+            kv_blocks_used=sum(load.kv_blocks_used for load in live),
+            kv_blocks_total=sum(load.kv_blocks_total for load in live),
+            prefill_queues={n: self.dispatcher.prefill[n].queued for n in self._prefill_names},
+            decode_queues={n: loads[n].waiting if loads[n] else 0 for n in self._decode_names},
+        )
+
+    # ---- from the instances -----------------------------------------------------------------
+
+    @handler(Prefilled)
+    async def on_prefilled(self, msg: Prefilled) -> None:
+        req = self._requests.get(msg.request_id)
+        if req is None or req.stage != "prefill" or req.prefill != msg.source:
+            if msg.error is None and msg.finish is None:  # a stale prefill: free its KV
+                await self._tell(msg.source, Cancel(msg.request_id))
+            return
+        self.dispatcher.prefill_done(msg.source, len(req.current_prompt))
+        if msg.error is not None:
+            await self._retry(req, msg.error)
+            await self._dispatch()
+            return
+        await self._forward(req, [msg.first_token], msg.finish)
+        if msg.finish is None:
+            await self._to_decode(req)
+        await self._dispatch()
+
+    @handler(Tokens)
+    async def on_tokens(self, msg: Tokens) -> None:
+        out: dict[ActorRef, list[Delta]] = defaultdict(list)
+        now = time.monotonic()
+        for delta in msg.deltas:
+            req = self._requests.get(delta.request_id)
+            if req is None or req.stage != "decode" or req.decode != msg.source:
+                if delta.finish is None and delta.error is None:  # stale work of a taken-back instance
+                    await self._tell(msg.source, Cancel(delta.request_id))
+                continue
+            if delta.error is not None:
+                self.dispatcher.decode_done(req.decode, self._decode_need(req))
+                await self._retry(req, delta.error)
+                continue
+            req.generated += delta.token_ids
+            req.token_times += [now] * len(delta.token_ids)
+            out[req.reply_to].append(Delta(req.request_id, delta.token_ids, delta.finish))
+            if delta.finish is not None:
+                self.dispatcher.decode_done(req.decode, self._decode_need(req))
+                self._complete(req)
+        for dest, deltas in out.items():
+            await self._reply(dest, deltas)
+        await self._dispatch()
+
+    @handler(KVLost)
+    async def on_kv_lost(self, msg: KVLost) -> None:
+        req = self._requests.get(msg.request_id)
+        if req is None or req.stage != "decode" or req.prefill != msg.source:
+            return
+        self.dispatcher.decode_done(req.decode, self._decode_need(req))
+        await self._tell(req.decode, Cancel(req.request_id))
+        await self._retry(req, f"KV lease expired on {msg.source}")
+        await self._dispatch()
+
+    @handler(Terminated)
+    async def on_terminated(self, msg: Terminated) -> None:
+        name = next((n for n, ref in self._refs.items() if ref.url == msg.url), None)
+        if name is None or not self._instance_alive(name):
+            return
+        # an orderly stop (the cluster shutting down) is not a fault worth a warning
+        (_log().info if msg.reason == "node stopped" else _log().warning)("instance lost", instance=name,
+                                                                          reason=msg.reason)
+        await self._lose(name, msg.reason)
+        await self._dispatch()
+
+    @handler(Register)
+    async def on_register(self, msg: Register) -> Registered:
+        if msg.kind not in ("prefill", "decode"):
+            raise ValueError(f"Register.kind must be 'prefill' or 'decode', got {msg.kind!r}")
+        names = self._prefill_names if msg.kind == "prefill" else self._decode_names
+        known = msg.name in self._urls
+        if known and msg.name not in names:
+            raise ValueError(f"instance {msg.name!r} is registered as the other kind, not {msg.kind}")
+        if known and self._instance_alive(msg.name):
+            if self._refs[msg.name].url == msg.instance.url:
+                return Registered(known=True)
+            # restarted before its old address was declared dead: the old one's requests fail over
+            await self._lose(msg.name, f"replaced by {msg.instance.url}")
+        await self._take(msg.name, msg.kind, self.node.ref(msg.instance.url), msg.capacity_tokens)
+        _log().warning("instance registered", instance=msg.name, url=msg.instance.url, known=known)
+        await self._dispatch()
+        return Registered(known=known)
+
+    # ---- instances ----------------------------------------------------------------------------
+
+    async def _lose(self, name: str, reason: str) -> None:
+        """Stop sending to `name` and fail its requests over (or fail them, see `_retry`)."""
+        self.dispatcher.mark_dead(name)
+        for req in list(self._requests.values()):
+            if req.stage == "prefill" and req.prefill == name:
+                self.dispatcher.prefill_done(name, len(req.current_prompt))
+                await self._retry(req, f"prefill instance {name} lost ({reason})")
+            elif req.stage == "decode" and req.decode == name:
+                self.dispatcher.decode_done(name, self._decode_need(req))
+                await self._tell(req.prefill, Cancel(req.request_id))
+                await self._retry(req, f"decode instance {name} lost ({reason})")
+
+    async def _take(self, name: str, kind: str, ref: ActorRef, capacity_tokens: int) -> None:
+        """Add `name` at `ref`, or take it back there (live, empty counters) and watch it."""
+        old = self._refs.get(name)
+        if old is not None:
+            await self.unwatch(old)
+        self._refs[name], self._urls[name] = ref, ref.url
+        if kind == "prefill":
+            if name not in self._prefill_names:
+                self._prefill_names.append(name)
+            self.dispatcher.add_prefill(name)
+        else:
+            if name not in self._decode_names:
+                self._decode_names.append(name)
+            self.dispatcher.add_decode(name, capacity_tokens)
+        self.dispatcher.revive(name, capacity_tokens or None)
+        await self.watch(ref)
+
+    async def _probe_dead(self) -> None:
+        """Ask each dead instance's last address for its load; one that answers registers again (through
+        this actor's own mailbox, so the take-back runs between handlers, not inside one)."""
+        while True:
+            await asyncio.sleep(self.config.revive_probe_s)
+            for name in [n for n in self._urls if not self._instance_alive(n)]:
+                try:
+                    load = await self._refs[name].ask(GetLoad(), timeout=2.0)
+                except (AiollmError, TimeoutError):  # still gone
+                    continue
+                kind = "prefill" if name in self.dispatcher.prefill else "decode"
+                _log().warning("dead instance answers again", instance=name)
+                await self.ref.tell(Register(name, kind, self._refs[name], load.kv_blocks_total * load.kv_block_size))
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    async def _dispatch(self) -> None:
+        """Send queue heads to the prefill instance with the shortest queue while it has room."""
+        while self._queue:
+            name = self.dispatcher.choose_prefill()
+            if name is None:
+                await self._fail(self._queue.popleft(), "unavailable: no live prefill instance")
+                continue
+            if self.dispatcher.prefill[name].queued >= self.config.prefill_queue_limit:
+                return
+            req = self._queue.popleft()
+            prompt = req.current_prompt
+            self.dispatcher.assign_prefill(name, len(prompt))
+            req.stage, req.prefill, req.decode = "prefill", name, None
+            sampling = msgspec.structs.replace(req.sampling, max_tokens=req.remaining)
+            await self._tell(name, Prefill(req.request_id, prompt, sampling, self.ref))
+
+    async def _to_decode(self, req: _Request) -> None:
+        name = self.dispatcher.choose_decode(self._decode_need(req))
+        if name is None:
+            await self._tell(req.prefill, Cancel(req.request_id))
+            await self._fail(req, "unavailable: no live decode instance")
+            return
+        self.dispatcher.assign_decode(name, self._decode_need(req))
+        req.stage, req.decode = "decode", name
+        # the decode side continues after the generated tokens; the last one is its first input
+        prompt, first = req.current_prompt[:-1], req.generated[-1]
+        sampling = msgspec.structs.replace(req.sampling, max_tokens=req.remaining + 1)
+        await self._tell(name, Decode(req.request_id, prompt, first, sampling, self._refs[req.prefill], self.ref))
+
+    def _decode_need(self, req: _Request) -> int:
+        return len(req.prompt) + req.sampling.max_tokens
+
+    async def _forward(self, req: _Request, tokens: list[int], finish: str | None) -> None:
+        now = time.monotonic()
+        req.first_token_at = req.first_token_at or now
+        req.generated += tokens
+        req.token_times += [now] * len(tokens)
+        if finish is not None:
+            self._complete(req)
+        await self._reply(req.reply_to, [Delta(req.request_id, tokens, finish)])
+
+    async def _retry(self, req: _Request, reason: str) -> None:
+        if req.retries >= self.config.max_retries or req.remaining <= 0:
+            await self._fail(req, f"failed: {reason}; retries spent")
+            return
+        for kind in ("prefill", "decode"):
+            if not self.dispatcher.any_alive(kind):
+                await self._fail(req, f"failed: {reason}; no live {kind} instance")
+                return
+        _log().warning("request failed over", request_id=req.request_id, reason=reason, retry=req.retries + 1)
+        req.retries += 1
+        req.stage, req.prefill, req.decode = "waiting", None, None
+        self._queue.appendleft(req)
+
+    async def _fail(self, req: _Request, error: str) -> None:
+        self._requests.pop(req.request_id, None)
+        await self._reply(req.reply_to, [Delta(req.request_id, [], error=error)])
+
+    async def _reply(self, dest: ActorRef, deltas: list[Delta]) -> None:
+        """Send tokens to a frontend; if it is gone, cancel its requests here (their KV is freed)."""
+        try:
+            await dest.tell(Tokens(deltas))
+        except Exception as exc:
+            _log().warning("frontend unreachable: cancelling its requests", frontend=dest.url, error=str(exc))
+            for delta in deltas:
+                if delta.request_id in self._requests:
+                    await self.on_cancel(Cancel(delta.request_id))
+
+    def _complete(self, req: _Request) -> None:
+        self._requests.pop(req.request_id, None)
+        timing = RequestTiming(req.request_id, req.arrival, req.first_token_at, tuple(req.token_times),
+                               len(req.prompt), len(req.generated))
+        self.finished.append(timing)
+        if self.replan is not None:
+            try:
+                self.replan(timing)
+            except Exception:
+                _log().exception("replanning hook failed")
+
+    async def _tell(self, name: str | None, msg) -> None:
+        if name is None:
+            return
+        try:
+            await self._refs[name].tell(msg)
+        except Exception as exc:  # a dead instance: its Terminated notice does the failover
+            _log().warning("send failed", instance=name, message=type(msg).__name__, error=str(exc))
+
+    async def _ask_load(self, ref: ActorRef, attempts: int = 1) -> Load:
+        for attempt in range(attempts):
+            try:
+                return await ref.ask(GetLoad(), timeout=5.0)
+            except Exception:
+                if attempt + 1 == attempts:
+                    raise
+                await asyncio.sleep(0.2)
+        raise AssertionError("unreachable")
+
+    async def _poll_loads(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.load_poll_s)
+            live = [n for n in self._urls if self._instance_alive(n)]
+            results = await asyncio.gather(*(self._refs[n].ask(GetLoad(), timeout=2.0) for n in live),
+                                           return_exceptions=True)
+            for name, result in zip(live, results):
+                if isinstance(result, Load):
+                    self._loads[name] = result
+
+    def _instance_alive(self, name: str) -> bool:
+        table = self.dispatcher.prefill if name in self.dispatcher.prefill else self.dispatcher.decode
+        return table[name].alive
+
+
+async def register_with(node, controller_url: str, name: str, kind: str, instance: ActorRef,
+                        attempts: int = 30) -> Registered:
+    """Join a running controller from an instance's node (`--controller` of the prefill/decode roles).
+
+    Retries for a while (the controller may still be starting); raises the last error after
+    `attempts` tries half a second apart."""
+    load = await instance.ask(GetLoad(), timeout=10.0)
+    msg = Register(name, kind, instance, load.kv_blocks_total * load.kv_block_size if kind == "decode" else 0)
+    controller = node.ref(controller_url)
+    for _ in range(attempts - 1):
+        try:
+            return await controller.ask(msg, timeout=10.0)
+        except (AiollmError, TimeoutError):
+            await asyncio.sleep(0.5)
+    return await controller.ask(msg, timeout=10.0)

@@ -1,0 +1,219 @@
+"""DistServe's prefill instance: an FCFS queue, batches up to L_m tokens, a bounded KV buffer.
+
+Why the buffer is the queue: a prefilled sequence's KV stays here until a decode instance has
+room, pulls it (the `PullKV` stream, one block per item) and acknowledges it (`AckKV`). The buffer
+is a paged pool of fixed size; the loop only starts a batch whose prompts fit in its free blocks,
+so when decode falls behind, prefill stops, its queue grows, and the controller (which sends each
+instance at most a few requests ahead) keeps the rest in its own queue. Each held sequence has a
+lease: if nobody pulls and acks it in time (the puller died, the request was forgotten), the KV
+is freed and the controller is told (`KVLost`), which fails the request over.
+
+Handlers only change state and wake the loop; the model runs in a thread, so KV pulls are served
+while the next batch computes.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from aiollm.actors.actor import Actor, handler
+from aiollm.actors.ref import ActorRef
+from aiollm.errors import AiollmError
+from aiollm.log import get_logger
+from aiollm.model.llama import LlamaModel
+from aiollm.sched.prefill_batching import take_batch
+from aiollm.serving import runner
+from aiollm.serving.distserve.messages import AckKV, Cancel, GetLoad, KVBlock, KVLost, Load, Prefill, Prefilled, PullKV
+from aiollm.serving.step_log import StepLog
+
+
+def _log():
+    """Bound at call time, after the process configured logging (a module-level logger would not be)."""
+    return get_logger("prefill")
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Sizing of one prefill instance."""
+
+    # the KV buffer: blocks, tokens per block, storage type (must match the decode instances')
+    kv_blocks: int = 1024
+    block_size: int = 16
+    kv_dtype: str = "fp32"
+    # L_m: most prompt tokens in one prefill batch (a longer prompt runs alone)
+    max_batch_tokens: int = 512
+    # seconds a prefilled sequence's KV is kept waiting for its pull and ack
+    lease_s: float = 60.0
+    # file to record each batch's timing in (aiollm.serving.step_log); empty: none
+    step_log: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("kv_blocks", "block_size", "max_batch_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"PrefillConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.lease_s <= 0:
+            raise ValueError(f"PrefillConfig.lease_s must be > 0, got {self.lease_s}")
+
+
+@dataclass
+class _Held:
+    seq: runner.Sequence
+    reply_to: ActorRef
+    deadline: float
+    pulling: bool = False
+
+
+class PrefillInstance(Actor):
+    """Prefills prompts and holds their KV until a decode instance pulled it."""
+
+    def __init__(self, model: LlamaModel, config: PrefillConfig = PrefillConfig()) -> None:
+        self.model, self.config = model, config
+        self.cache = runner.PagedCache(model, config.kv_blocks, config.block_size, config.kv_dtype)
+        self._queue: OrderedDict[str, tuple[runner.Sequence, ActorRef]] = OrderedDict()
+        self._computing: set[str] = set()
+        self._cancelled: set[str] = set()
+        self._held: dict[str, _Held] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        # sequences prefilled so far (for load checks and logs)
+        self.prefilled = 0
+        self._steps = StepLog(config.step_log) if config.step_log else None
+        # when each queued request arrived (only with a step log)
+        self._received: dict[str, float] = {}
+
+    async def on_start(self) -> None:
+        self._tasks = [asyncio.create_task(self._loop(), name=f"{self.name}-loop"),
+                       asyncio.create_task(self._expire_leases(), name=f"{self.name}-leases")]
+
+    async def on_stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._steps is not None:
+            self._steps.close()
+
+    @handler(Prefill)
+    async def on_prefill(self, msg: Prefill) -> None:
+        seq = runner.new_sequence(msg.request_id, msg.prompt_ids, msg.sampling.params(), self.model)
+        if self.cache.blocks_for(len(seq.prompt)) > self.cache.total_blocks:
+            await msg.reply_to.tell(Prefilled(msg.request_id, -1, None, self.name,
+                                              error=f"prompt of {len(seq.prompt)} tokens exceeds the KV buffer"))
+            return
+        self._queue[msg.request_id] = (seq, msg.reply_to)
+        if self._steps is not None:
+            self._received[msg.request_id] = time.time()
+        self._wake.set()
+
+    @handler(Cancel)
+    async def on_cancel(self, msg: Cancel) -> None:
+        rid = msg.request_id
+        self._received.pop(rid, None)
+        if self._queue.pop(rid, None) is None and rid in self._computing:
+            self._cancelled.add(rid)
+        held = self._held.get(rid)
+        if held is not None and not held.pulling:
+            self._release(rid)
+
+    @handler(PullKV)
+    async def on_pull(self, msg: PullKV):
+        held = self._held.get(msg.request_id)
+        if held is None:
+            raise KeyError(f"no KV held for request {msg.request_id!r} on {self.name} (lease expired or cancelled)")
+        held.pulling = True
+        sent = 0
+        try:
+            for index, block in enumerate(held.seq.blocks):
+                kv = self.cache.pool.read(None, [block])
+                yield KVBlock(index, kv.k, kv.v, kv.k_scale, kv.v_scale)
+                sent += 1
+        finally:
+            held.pulling = False
+            if sent < len(held.seq.blocks):  # the puller went away mid-stream: it will not ack
+                self._release(msg.request_id)
+
+    @handler(AckKV)
+    async def on_ack(self, msg: AckKV) -> None:
+        self._release(msg.request_id)
+
+    @handler(GetLoad)
+    async def on_get_load(self, msg: GetLoad) -> Load:
+        return Load(waiting=len(self._queue) + len(self._computing), running=len(self._held),
+                    kv_blocks_used=self.cache.used_blocks, kv_blocks_total=self.cache.total_blocks,
+                    kv_block_size=self.cache.block_size)
+
+    def _release(self, request_id: str) -> None:
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self.cache.free(held.seq)
+            self._wake.set()
+
+    def _next_batch(self) -> list[tuple[runner.Sequence, ActorRef]]:
+        """FCFS prompts up to L_m whose KV fits in the free part of the buffer."""
+        entries = list(self._queue.values())
+        count = take_batch([len(seq.prompt) for seq, _ in entries], self.config.max_batch_tokens)
+        batch, free = [], self.cache.free_blocks
+        for seq, reply_to in entries[:count]:
+            need = self.cache.blocks_for(len(seq.prompt))
+            if need > free:
+                break
+            free -= need
+            self.cache.reserve(seq, len(seq.prompt))
+            del self._queue[seq.request_id]
+            self._computing.add(seq.request_id)
+            batch.append((seq, reply_to))
+        return batch
+
+    async def _loop(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if not batch:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            seqs = [seq for seq, _ in batch]
+            started = time.time()
+            try:
+                await asyncio.to_thread(runner.prefill_into, self.model, self.cache, seqs)
+            except Exception as exc:  # a failed batch fails its own requests only
+                _log().exception("prefill failed", instance=self.name, batch=len(seqs))
+                for seq, reply_to in batch:
+                    self._computing.discard(seq.request_id)
+                    self.cache.free(seq)
+                    await self._tell(reply_to, Prefilled(seq.request_id, -1, None, self.name,
+                                                         error=f"prefill failed: {exc}"))
+                continue
+            deadline = time.monotonic() + self.config.lease_s
+            self.prefilled += len(batch)
+            for seq, reply_to in batch:
+                rid = seq.request_id
+                self._computing.discard(rid)
+                cancelled = rid in self._cancelled
+                self._cancelled.discard(rid)
+                if cancelled or seq.finish is not None:
+                    self.cache.free(seq)
+                else:
+                    self._held[rid] = _Held(seq, reply_to, deadline)
+                if not cancelled:
+                    await self._tell(reply_to, Prefilled(rid, seq.output[0], seq.finish, self.name))
+            if self._steps is not None:
+                self._steps.record("prefill", started, time.time(), lengths=[len(s.prompt) for s in seqs],
+                                   recv=[self._received.pop(s.request_id, started) for s in seqs])
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.config.lease_s / 4))
+            now = time.monotonic()
+            for rid, held in list(self._held.items()):
+                if held.deadline < now and not held.pulling:
+                    _log().warning("KV lease expired", instance=self.name, request_id=rid)
+                    self._release(rid)
+                    await self._tell(held.reply_to, KVLost(rid, self.name))
+
+    async def _tell(self, dest: ActorRef, msg) -> None:
+        """Answer a controller; a vanished one is only logged (leases free whatever it left here)."""
+        try:
+            await dest.tell(msg)
+        except AiollmError as exc:
+            _log().warning("controller unreachable", controller=dest.url, message=type(msg).__name__, error=str(exc))

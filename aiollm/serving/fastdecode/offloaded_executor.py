@@ -1,0 +1,140 @@
+"""The decode instance's offloaded executor: S-part in the decode instance, attention on FastDecode R-workers.
+
+Why: a DistServe decode instance's KV and attention scale with context, its weights do not; with
+this executor the instance keeps only the weights and the batched S-part, and each sequence's KV
+lives on one R-worker (its own process, its own RAM). The R-worker pulls that KV itself, straight
+from the prefill instance (`Admit(source=<prefill>)` -> `PullKV` stream -> `AckKV`), so the
+prompt's KV never passes through the decode instance.
+
+It implements aiollm.serving.distserve.decode.DecodeExecutor: `reserve` places the sequence on the R-worker
+with the least expected total length among those with room (aiollm.serving.fastdecode.pipeline.place, the
+S-worker's rule) and books its blocks there; `load_kv` admits it on that R-worker; `step` runs
+aiollm.serving.fastdecode.pipeline.decode_step and samples here; `free` releases it on its R-worker. The
+block count the instance's admission sees is the sum over R-workers; a sequence that fits that sum
+but no single R-worker fails its pull with KVCacheFull (blocks of one sequence cannot span workers).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+
+from aiollm.actors.node import Node
+from aiollm.actors.ref import ActorRef
+from aiollm.errors import AiollmError, KVCacheFull
+from aiollm.log import get_logger
+from aiollm.model.llama import LlamaModel
+from aiollm.serving import runner
+from aiollm.serving.fastdecode.messages import Admit, GetRLoad, Release, RLoad
+from aiollm.serving.fastdecode.pipeline import StepRow, decode_step, place
+
+
+def _log():
+    return get_logger("offloaded_executor")
+
+
+@dataclass(frozen=True)
+class OffloadedConfig:
+    """How the offloaded executor runs steps."""
+
+    # split steps into two mini-batches so the S-part here overlaps the R-workers' attention
+    pipeline: bool = True
+    # ...only from this batch size on (below it the S-part is weight-bound and two halves read the weights twice)
+    pipeline_min_batch: int = 64
+
+    def __post_init__(self) -> None:
+        if self.pipeline_min_batch <= 0:
+            raise ValueError(f"OffloadedConfig.pipeline_min_batch must be > 0, got {self.pipeline_min_batch}")
+
+
+@dataclass
+class _Placed:
+    """A sequence's id on its R-worker, the worker's index (-1: none had room), and the blocks booked there."""
+
+    sid: int
+    worker: int
+    blocks: int
+
+
+class OffloadedExecutor:
+    """Places sequences on R-workers, has them pull their KV from the prefill instance, decodes through them."""
+
+    def __init__(self, model: LlamaModel, workers: list[ActorRef], loads: list[RLoad],
+                 config: OffloadedConfig = OffloadedConfig()) -> None:
+        kinds = {(load.block_size, load.dtype) for load in loads}
+        if len(kinds) != 1:
+            raise ValueError(f"R-workers disagree on KV block size / dtype: {sorted(kinds)}")
+        self.model, self.workers, self.config = model, workers, config
+        self.block_size, self.kv_dtype = kinds.pop()
+        # blocks each R-worker can hold, what this executor booked there, and the expected total length placed there
+        self.capacity = [load.blocks_total - load.blocks_used for load in loads]
+        self.booked = [0] * len(workers)
+        self.expected = [0] * len(workers)
+        self.total_blocks = sum(self.capacity)
+        self._placed: dict[str, _Placed] = {}
+        self._ids = itertools.count()
+        self._releases: set[asyncio.Task] = set()
+
+    @classmethod
+    async def connect(cls, node: Node, urls: list[str], model: LlamaModel, block_size: int, kv_dtype: str,
+                      config: OffloadedConfig = OffloadedConfig()) -> OffloadedExecutor:
+        """Refs to the R-workers at `urls` (bound to `node`), checked to store KV as the prefill instances do."""
+        if not urls:
+            raise ValueError("r_workers: need at least one R-worker URL")
+        workers = [node.ref(url) for url in urls]
+        loads: list[RLoad] = await asyncio.gather(*(w.ask(GetRLoad(), timeout=30.0) for w in workers))
+        for url, load in zip(urls, loads):
+            if (load.block_size, load.dtype) != (block_size, kv_dtype):
+                raise ValueError(f"R-worker {url} stores {load.dtype} KV in blocks of {load.block_size}; the "
+                                 f"prefill instances' KV is {kv_dtype} in blocks of {block_size} (must match)")
+        return cls(model, workers, loads, config)
+
+    @property
+    def used_blocks(self) -> int:
+        return sum(self.booked)
+
+    def reserve(self, seq: runner.Sequence) -> None:
+        need = -(-seq.max_length // self.block_size)
+        full = frozenset(i for i, cap in enumerate(self.capacity) if self.booked[i] + need > cap)
+        if len(full) == len(self.workers):
+            self._placed[seq.request_id] = _Placed(-1, -1, need)
+            return
+        worker = place(self.expected, seq.max_length, full)
+        self.booked[worker] += need
+        self.expected[worker] += seq.max_length
+        self._placed[seq.request_id] = _Placed(next(self._ids), worker, need)
+
+    async def load_kv(self, seq: runner.Sequence, source: ActorRef) -> None:
+        """The sequence's R-worker pulls the prompt's KV from `source` and acknowledges it there."""
+        placed = self._placed[seq.request_id]
+        if placed.worker < 0:
+            free = max(c - b for c, b in zip(self.capacity, self.booked))
+            raise KVCacheFull(placed.blocks, free, max(self.capacity))
+        # KV entries before the first decode step: the prompt (the first token is fed, not cached yet)
+        await self.workers[placed.worker].ask(
+            Admit(placed.sid, seq.request_id, seq.length - 1, seq.max_length, source), timeout=60.0)
+
+    async def step(self, seqs: list[runner.Sequence]) -> list[int]:
+        placed = [self._placed[s.request_id] for s in seqs]
+        rows = [StepRow(p.sid, p.worker, s.output[-1], s.length - 1) for p, s in zip(placed, seqs)]
+        pipeline = self.config.pipeline and len(rows) >= self.config.pipeline_min_batch
+        return await decode_step(self.model, self.workers, rows, pipeline,
+                                 lambda indices, logits: runner.sample_next([seqs[i] for i in indices], logits))
+
+    def free(self, seq: runner.Sequence) -> None:
+        """Give back the booking and release the sequence on its R-worker (a tell sent in the background: a
+        Release that overtakes nothing is harmless, the R-worker drops unknown ids)."""
+        placed = self._placed.pop(seq.request_id, None)
+        if placed is None or placed.worker < 0:
+            return
+        self.booked[placed.worker] -= placed.blocks
+        self.expected[placed.worker] -= seq.max_length
+        task = asyncio.get_running_loop().create_task(self._release(placed))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, placed: _Placed) -> None:
+        try:
+            await self.workers[placed.worker].tell(Release([placed.sid]))
+        except AiollmError as exc:  # the R-worker is gone: nothing left to free there
+            _log().warning("release failed", worker=self.workers[placed.worker].url, error=str(exc))

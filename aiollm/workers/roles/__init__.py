@@ -1,1 +1,0 @@
-"""Serving roles for `python -m aiollm.node --role prefill|decode|controller|frontend`."""
