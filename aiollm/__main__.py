@@ -1,4 +1,5 @@
 """`python -m aiollm COMMAND`: `serve` starts a local serving cluster (see aiollm/cli/serve.py)."""
+
 import argparse
 import sys
 

@@ -1,4 +1,5 @@
 """`python -m aiollm.generate`: see aiollm.cli.generate."""
+
 import sys
 
 from aiollm.cli.generate import main

@@ -12,6 +12,7 @@ the heap's top stay with the process.
 Process-wide and effective for allocations made after the call, so each entry point (a node, the bench, the CLIs)
 calls it before loading a model. A no-op returning False where the C library is not glibc.
 """
+
 from __future__ import annotations
 
 import ctypes

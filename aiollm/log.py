@@ -3,6 +3,7 @@
 Logs go to stderr as key=value lines (or JSON with `json=True`), so a node's output can be
 read by a person and parsed by a machine.
 """
+
 import logging
 import sys
 

@@ -1,4 +1,5 @@
 """`python -m aiollm.node`: see aiollm.cli.node."""
+
 import sys
 
 from aiollm.cli.node import main

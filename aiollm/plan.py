@@ -1,4 +1,5 @@
 """`python -m aiollm.plan`: see aiollm.cli.plan."""
+
 import sys
 
 from aiollm.cli.plan import main

@@ -1,4 +1,5 @@
 """Entry point of the benchmark suite: `python -m bench NAME [options] [--json PATH]`."""
+
 import argparse
 import importlib
 import json

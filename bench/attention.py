@@ -76,6 +76,7 @@ on a row. When SDPA itself reads near the read bandwidth (sdpa_*_gbs), the x_sdp
 any kernel here; the table and the JSON (`ceiling_fp16_vs_sdpa_*`, the lowest over rows, the bound on
 `ratio_fp16_vs_sdpa_*`) show it.
 """
+
 import gc
 import time
 
@@ -86,13 +87,51 @@ from bench.report import table
 
 SHAPES = {"smollm2": (9, 3, 64), "llama7b": (32, 32, 128)}
 BLOCK = 16
-COLUMNS = ["shape", "batch", "ctx", "run_batch", "kv_mib", "read_1t_gbs", "fp16_1t_gbs", "pct_read_1t", "read_gbs",
-           "fp16_gbs", "pct_read", "pct_read_best", "read_same_gbs", "pct_read_same", "fp16_shuf_gbs", "pct_read_shuf",
-           "pct_read_far_alt", "fp16_tok_s", "int8_tok_s", "int8_x_fp16", "int8_x_fp16_paired", "int8_x_fp16_far_alt", "sdpa_bf16_tok_s", "sdpa_fp32_tok_s",
-           "x_sdpa_bf16", "x_sdpa_fp32", "sdpa_bf16_gbs", "sdpa_fp32_gbs", "ceil_x_sdpa_bf16", "ceil_x_sdpa_fp32",
-           "hot_fp16_1t_gbs", "fma_bound_1t_gbs", "hot_int8_1t_gbs", "alu_share_fp16", "alu_share_int8", "ceil_pct_read",
-           "ceil_int8_x_fp16", "int4_tok_s", "int4_x_fp16", "int4_x_fp16_paired", "int4_x_int8", "hot_int4_1t_gbs",
-           "alu_share_int4"]
+COLUMNS = [
+    "shape",
+    "batch",
+    "ctx",
+    "run_batch",
+    "kv_mib",
+    "read_1t_gbs",
+    "fp16_1t_gbs",
+    "pct_read_1t",
+    "read_gbs",
+    "fp16_gbs",
+    "pct_read",
+    "pct_read_best",
+    "read_same_gbs",
+    "pct_read_same",
+    "fp16_shuf_gbs",
+    "pct_read_shuf",
+    "pct_read_far_alt",
+    "fp16_tok_s",
+    "int8_tok_s",
+    "int8_x_fp16",
+    "int8_x_fp16_paired",
+    "int8_x_fp16_far_alt",
+    "sdpa_bf16_tok_s",
+    "sdpa_fp32_tok_s",
+    "x_sdpa_bf16",
+    "x_sdpa_fp32",
+    "sdpa_bf16_gbs",
+    "sdpa_fp32_gbs",
+    "ceil_x_sdpa_bf16",
+    "ceil_x_sdpa_fp32",
+    "hot_fp16_1t_gbs",
+    "fma_bound_1t_gbs",
+    "hot_int8_1t_gbs",
+    "alu_share_fp16",
+    "alu_share_int8",
+    "ceil_pct_read",
+    "ceil_int8_x_fp16",
+    "int4_tok_s",
+    "int4_x_fp16",
+    "int4_x_fp16_paired",
+    "int4_x_int8",
+    "hot_int4_1t_gbs",
+    "alu_share_int4",
+]
 STORAGE = {"fp16": np.float16, "int8": np.int8, "int4": np.uint8}  # int4: two codes a byte
 
 
@@ -121,8 +160,9 @@ def _cache(batch: int, ctx: int, n_kv: int, d: int, dtype: str):
     v = aligned_full((n_blocks, n_kv, BLOCK, d // pack), fill, STORAGE[dtype])
     # int8 / int4: K and V scales in arrays of their own, as a pool holds them (one shared array would read half the
     # bytes)
-    scales = (tuple(aligned_full((n_blocks, n_kv, BLOCK), 0.01, np.float16) for _ in range(2))
-              if dtype != "fp16" else None)
+    scales = (
+        tuple(aligned_full((n_blocks, n_kv, BLOCK), 0.01, np.float16) for _ in range(2)) if dtype != "fp16" else None
+    )
     return k, v, scales, np.arange(n_blocks, dtype=np.int32).reshape(batch, ctx // BLOCK)
 
 
@@ -174,8 +214,11 @@ def kernel(k, v, scales, tables, q, n_threads: int):
     out = np.empty_like(q)
     k_scale, v_scale = scales if scales is not None else (None, None)
     nbytes = k.nbytes + v.nbytes + (k_scale.nbytes + v_scale.nbytes if scales is not None else 0)
-    return (lambda: attention.decode_attention(k, v, q, tables, lens, k_scale=k_scale, v_scale=v_scale, out=out,
-                                               n_threads=n_threads)), nbytes
+    return (
+        lambda: attention.decode_attention(
+            k, v, q, tables, lens, k_scale=k_scale, v_scale=v_scale, out=out, n_threads=n_threads
+        )
+    ), nbytes
 
 
 def far_swapped(entry, storage: str):
@@ -212,8 +255,14 @@ def kernel_figures(row: dict, shape: tuple, n_threads: int, big: np.ndarray, rou
     row["pct_read_1t"] = 100 * paired_ratio(fp16_1t, read_1t)
     fp16 = kernel(k, v, None, tables, q, n_threads)
     int8 = kernel(k8, v8, scales, tables, q, n_threads)
-    entries = [fp16, kernel(k, v, None, shuffled, q, n_threads), int8, reader(big, n_threads), far_swapped(fp16, "fp16"),
-               far_swapped(int8, "int8")]
+    entries = [
+        fp16,
+        kernel(k, v, None, shuffled, q, n_threads),
+        int8,
+        reader(big, n_threads),
+        far_swapped(fp16, "fp16"),
+        far_swapped(int8, "int8"),
+    ]
     bf16, fp32 = sdpa_entry(shape, "bf16", n_threads, reps), sdpa_entry(shape, "fp32", n_threads, reps)
     int4 = kernel(k4, v4, scales4, tables, q, n_threads)
     entries += [bf16, fp32, int4]
@@ -394,17 +443,24 @@ def run(args) -> dict:
     nt = args.threads
     buf = aligned_full((WINDOW // 4,), 1, np.float32)  # aligned like the KV, so the read is the best one
     far, far_int8 = attention.far_prefetch("fp16"), attention.far_prefetch("int8")
-    print(f"kernel {attention.isa()}, far prefetch fp16 {'on' if far else 'off'}, int8 / int4 {'on' if far_int8 else 'off'} "
-          f"(this CPU's default; *_far_alt: the other way for that storage, paired in the same rounds); read bandwidth measured beside each kernel figure (1 GiB, 1 and {nt} threads; "
-          f"pct_* = median over {rounds} rounds of the same round's ratio)")
+    print(
+        f"kernel {attention.isa()}, far prefetch fp16 {'on' if far else 'off'}, int8 / int4 {'on' if far_int8 else 'off'} "
+        f"(this CPU's default; *_far_alt: the other way for that storage, paired in the same rounds); read bandwidth measured beside each kernel figure (1 GiB, 1 and {nt} threads; "
+        f"pct_* = median over {rounds} rounds of the same round's ratio)"
+    )
     inter = torch_interaction(nt, reps)
     print("attention next to torch (SmolLM2 64x1024, ms/call): " + ", ".join(f"{k} {v:.2f}" for k, v in inter.items()))
     rows = []
     for name, n_q, n_kv, d, batch, ctx in _shape_list(args.quick, args.shape):
         per_seq = ctx * n_kv * d * 2 * 2
         run_batch = min(batch, max(1, int(args.max_gib * 2**30 // per_seq)))
-        row = {"shape": name, "batch": batch, "ctx": ctx, "run_batch": run_batch,
-               "kv_mib": round(run_batch * per_seq / 2**20)}
+        row = {
+            "shape": name,
+            "batch": batch,
+            "ctx": ctx,
+            "run_batch": run_batch,
+            "kv_mib": round(run_batch * per_seq / 2**20),
+        }
         s = (run_batch, ctx, n_q, n_kv, d)
         kernel_figures(row, s, nt, buf, rounds, reps)
         gc.collect()
@@ -424,46 +480,62 @@ def run(args) -> dict:
     print(table(rows, COLUMNS))
     long = [r for r in rows if r["ctx"] >= 1024]
     low = min(long, key=lambda r: r["pct_read"])
-    print(f"lowest fp16 / read bandwidth ({nt} threads): {low['pct_read']:.1f} % on {low['shape']} "
-          f"{low['batch']}x{low['ctx']} (best rounds {low['pct_read_best']:.1f} %, vs a read of its own size "
-          f"{low['pct_read_same']:.1f} %)")
+    print(
+        f"lowest fp16 / read bandwidth ({nt} threads): {low['pct_read']:.1f} % on {low['shape']} "
+        f"{low['batch']}x{low['ctx']} (best rounds {low['pct_read_best']:.1f} %, vs a read of its own size "
+        f"{low['pct_read_same']:.1f} %)"
+    )
     ceil_bf16 = min(rows, key=lambda r: r["ceil_x_sdpa_bf16"])
     ceil_fp32 = min(rows, key=lambda r: r["ceil_x_sdpa_fp32"])
     for name, r in (("bf16", ceil_bf16), ("fp32", ceil_fp32)):
-        print(f"ceiling vs SDPA {name}: at 100 % of the {nt}-thread read bandwidth the fp16 kernel would reach "
-              f"{r[f'ceil_x_sdpa_{name}']:.2f}x on {r['shape']} {r['batch']}x{r['ctx']} "
-              f"(SDPA {name} reads {r[f'sdpa_{name}_gbs']:.1f} GB/s of {r['read_gbs']:.1f})")
+        print(
+            f"ceiling vs SDPA {name}: at 100 % of the {nt}-thread read bandwidth the fp16 kernel would reach "
+            f"{r[f'ceil_x_sdpa_{name}']:.2f}x on {r['shape']} {r['batch']}x{r['ctx']} "
+            f"(SDPA {name} reads {r[f'sdpa_{name}_gbs']:.1f} GB/s of {r['read_gbs']:.1f})"
+        )
     for dtype in ("fp16", "int8", "int4"):
         r = max(rows, key=lambda r: r[f"alu_share_{dtype}"])
-        print(f"{dtype} arithmetic alone (KV in L2, 1 thread): {min(x[f'hot_{dtype}_1t_gbs'] for x in rows):.1f}-"
-              f"{max(x[f'hot_{dtype}_1t_gbs'] for x in rows):.1f} GB/s; at the 1-thread read bandwidth it needs up to "
-              f"{100 * r[f'alu_share_{dtype}']:.0f} % of the core ({r['shape']} {r['batch']}x{r['ctx']})")
+        print(
+            f"{dtype} arithmetic alone (KV in L2, 1 thread): {min(x[f'hot_{dtype}_1t_gbs'] for x in rows):.1f}-"
+            f"{max(x[f'hot_{dtype}_1t_gbs'] for x in rows):.1f} GB/s; at the 1-thread read bandwidth it needs up to "
+            f"{100 * r[f'alu_share_{dtype}']:.0f} % of the core ({r['shape']} {r['batch']}x{r['ctx']})"
+        )
     low_1t = min(long, key=lambda r: r["pct_read_1t"])
     ceil_1t = min(1.0, low_1t["hot_fp16_1t_gbs"] / low_1t["read_1t_gbs"])
-    print(f"lowest fp16 / read bandwidth (1 thread): {low_1t['pct_read_1t']:.1f} % on {low_1t['shape']} "
-          f"{low_1t['batch']}x{low_1t['ctx']}, whose arithmetic alone (KV in L2) reads {low_1t['hot_fp16_1t_gbs']:.1f} "
-          f"GB/s against one core's read of {low_1t['read_1t_gbs']:.1f}: with a perfect overlap of the two at most "
-          f"{100 * ceil_1t:.0f} % of the read")
-    print(f"fp16 arithmetic alone on {nt} threads (KV in L2): {low[f'hot_fp16_{nt}t_gbs']:.1f} GB/s on the lowest row "
-          f"against its read of {low['read_gbs']:.1f}: at that rate it could reach {low['ceil_pct_read']:.0f} % of "
-          "the read")
+    print(
+        f"lowest fp16 / read bandwidth (1 thread): {low_1t['pct_read_1t']:.1f} % on {low_1t['shape']} "
+        f"{low_1t['batch']}x{low_1t['ctx']}, whose arithmetic alone (KV in L2) reads {low_1t['hot_fp16_1t_gbs']:.1f} "
+        f"GB/s against one core's read of {low_1t['read_1t_gbs']:.1f}: with a perfect overlap of the two at most "
+        f"{100 * ceil_1t:.0f} % of the read"
+    )
+    print(
+        f"fp16 arithmetic alone on {nt} threads (KV in L2): {low[f'hot_fp16_{nt}t_gbs']:.1f} GB/s on the lowest row "
+        f"against its read of {low['read_gbs']:.1f}: at that rate it could reach {low['ceil_pct_read']:.0f} % of "
+        "the read"
+    )
     fma_1t = min(long, key=lambda r: r["fma_pct_read_1t"])
     fma_nt = min(long, key=lambda r: r[f"fma_pct_read_{nt}t"])
     fma_nt_pct = fma_nt[f"fma_pct_read_{nt}t"]
-    print(f"fp32 multiply-add peak (12 FMA chains alone, best over the run): {max(r['fma_1t_glanes'] for r in rows):.1f} "
-          f"G/s on 1 thread, {max(r[f'fma_{nt}t_glanes'] for r in rows):.1f} on {nt}; at 2 / group bytes of fp16 KV per "
-          f"multiply-add no fp32 kernel passes {fma_1t['fma_bound_1t_gbs']:.1f} GB/s on one core for {fma_1t['shape']}: "
-          f"{fma_1t['fma_pct_read_1t']:.0f} % of one core's read on {fma_1t['batch']}x{fma_1t['ctx']}, and "
-          f"{fma_nt_pct:.0f} % of the {nt}-thread read on {fma_nt['shape']} "
-          f"{fma_nt['batch']}x{fma_nt['ctx']}")
+    print(
+        f"fp32 multiply-add peak (12 FMA chains alone, best over the run): {max(r['fma_1t_glanes'] for r in rows):.1f} "
+        f"G/s on 1 thread, {max(r[f'fma_{nt}t_glanes'] for r in rows):.1f} on {nt}; at 2 / group bytes of fp16 KV per "
+        f"multiply-add no fp32 kernel passes {fma_1t['fma_bound_1t_gbs']:.1f} GB/s on one core for {fma_1t['shape']}: "
+        f"{fma_1t['fma_pct_read_1t']:.0f} % of one core's read on {fma_1t['batch']}x{fma_1t['ctx']}, and "
+        f"{fma_nt_pct:.0f} % of the {nt}-thread read on {fma_nt['shape']} "
+        f"{fma_nt['batch']}x{fma_nt['ctx']}"
+    )
     ceil_i8 = min(rows, key=lambda r: r["ceil_int8_x_fp16"])
-    print(f"int8 arithmetic alone on {nt} threads: {ceil_i8[f'hot_int8_{nt}t_gbs']:.1f} GB/s of int8 KV on "
-          f"{ceil_i8['shape']} {ceil_i8['batch']}x{ceil_i8['ctx']}, at that rate "
-          f"{ceil_i8['ceil_int8_x_fp16']:.2f}x the fp16 tokens/s measured there")
+    print(
+        f"int8 arithmetic alone on {nt} threads: {ceil_i8[f'hot_int8_{nt}t_gbs']:.1f} GB/s of int8 KV on "
+        f"{ceil_i8['shape']} {ceil_i8['batch']}x{ceil_i8['ctx']}, at that rate "
+        f"{ceil_i8['ceil_int8_x_fp16']:.2f}x the fp16 tokens/s measured there"
+    )
     low4 = min(rows, key=lambda r: r["int4_x_fp16"])
-    print(f"int4 vs fp16 tokens/s: lowest {low4['int4_x_fp16']:.2f}x (paired {low4['int4_x_fp16_paired']:.2f}x) on "
-          f"{low4['shape']} {low4['batch']}x{low4['ctx']}, {low4['int4_x_int8']:.2f}x int8 there; at one rate of bytes "
-          f"it would be {_bytes_ratio(low4, 'fp16'):.2f}x fp16 and {_bytes_ratio(low4, 'int8'):.2f}x int8")
+    print(
+        f"int4 vs fp16 tokens/s: lowest {low4['int4_x_fp16']:.2f}x (paired {low4['int4_x_fp16_paired']:.2f}x) on "
+        f"{low4['shape']} {low4['batch']}x{low4['ctx']}, {low4['int4_x_int8']:.2f}x int8 there; at one rate of bytes "
+        f"it would be {_bytes_ratio(low4, 'fp16'):.2f}x fp16 and {_bytes_ratio(low4, 'int8'):.2f}x int8"
+    )
     return {
         "isa": attention.isa(),
         "far_prefetch": far,

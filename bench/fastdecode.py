@@ -31,6 +31,7 @@ This module is the command line and the order of the parts; each part is a modul
 `bench.fastdecode_throughput`, `bench.fastdecode_baselines` and `bench.fastdecode_trace` (its two runs taking
 turns in `bench.fastdecode_trace_runs`), all measuring with `bench.fastdecode_steps`.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,9 +43,9 @@ from pathlib import Path
 
 import torch
 
-from aiollm.native import attention as kv_attention
 from aiollm.model import load
 from aiollm.model.linear import fastest_cpu_dtype
+from aiollm.native import attention as kv_attention
 from bench.fastdecode_baselines import baselines_part
 from bench.fastdecode_steps import MODEL
 from bench.fastdecode_throughput import throughput_part
@@ -61,31 +62,53 @@ SECTIONS = ("throughput", "baselines", "trace")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--quick", action="store_true",
-                        help="S=256, B=16,64, a shorter trace and one transformers batch (about 3 minutes)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="S=256, B=16,64, a shorter trace and one transformers batch (about 3 minutes)",
+    )
     parser.add_argument("--seq-len", type=int, help="context S of the throughput runs (default 1024; quick 256)")
     parser.add_argument("--batches", help="comma-separated B (default 16,64,256,512; quick 16,64)")
     parser.add_argument("--trace-batch", type=int, help="B of the schedule trace (default 128; quick 64)")
-    parser.add_argument("--trace-seq-len", type=int,
-                        help="S of the schedule trace (default: where the gain peaks on pipelined steps measured at 8 "
-                             "contexts, fitted: fit_step_curve)")
-    parser.add_argument("--trace-budget", type=float,
-                        help="seconds the trace runs may take by the step model; caps the balanced S (default 2000: "
-                             "on the Zen 5 host the balanced S=1856 at B=128 took ~520-590 s a pair; on the Zen 4 host, "
-                             "whose S-part is ~2x slower, 900 capped S at 1440 below the balance at 2080, 1500 at 2048 "
-                             "(~950 s a pair; the model's estimate is conservative) below balances at 2128-2432; quick 120)")
-    parser.add_argument("--trace-repeats", type=int, default=1,
-                        help="pairs of trace runs with and without the schedule (taking turns; which takes the "
-                             "first turn alternates)")
-    parser.add_argument("--trace-micro-batch", type=int, default=8,
-                        help="M of the schedule trace; F = M*(S - prompt)/B steps between micro-batches")
+    parser.add_argument(
+        "--trace-seq-len",
+        type=int,
+        help="S of the schedule trace (default: where the gain peaks on pipelined steps measured at 8 "
+        "contexts, fitted: fit_step_curve)",
+    )
+    parser.add_argument(
+        "--trace-budget",
+        type=float,
+        help="seconds the trace runs may take by the step model; caps the balanced S (default 2000: "
+        "on the Zen 5 host the balanced S=1856 at B=128 took ~520-590 s a pair; on the Zen 4 host, "
+        "whose S-part is ~2x slower, 900 capped S at 1440 below the balance at 2080, 1500 at 2048 "
+        "(~950 s a pair; the model's estimate is conservative) below balances at 2128-2432; quick 120)",
+    )
+    parser.add_argument(
+        "--trace-repeats",
+        type=int,
+        default=1,
+        help="pairs of trace runs with and without the schedule (taking turns; which takes the first turn alternates)",
+    )
+    parser.add_argument(
+        "--trace-micro-batch",
+        type=int,
+        default=8,
+        help="M of the schedule trace; F = M*(S - prompt)/B steps between micro-batches",
+    )
     parser.add_argument("--plot", type=Path, default=Path("fastdecode_sls_trace.png"), help="PNG of the trace")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    parser.add_argument("--merge", action="store_true",
-                        help="keep the figures of the parts not run from the existing --json file (so the parts can "
-                             "run under separate holds of the bench lock); each part's seconds and run time stay")
-    parser.add_argument("--parts", default=",".join(SECTIONS),
-                        help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (ratios need their parts)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the figures of the parts not run from the existing --json file (so the parts can "
+        "run under separate holds of the bench lock); each part's seconds and run time stay",
+    )
+    parser.add_argument(
+        "--parts",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (ratios need their parts)",
+    )
 
 
 def run(args) -> dict:
@@ -103,17 +126,21 @@ def run(args) -> dict:
     os.environ["OMP_WAIT_POLICY"] = "passive"
     torch.set_num_threads(1)
     kv_attention.set_num_threads(1)
-    print(f"context: {cores} cores shared by the S-worker (this process, 1 torch thread, or {cores} in the "
-          f"time-shared rows) and the R-worker processes (1 attention thread each, OMP_WAIT_POLICY=passive); "
-          f"baselines at their best of 1 and {cores} torch threads")
+    print(
+        f"context: {cores} cores shared by the S-worker (this process, 1 torch thread, or {cores} in the "
+        f"time-shared rows) and the R-worker processes (1 attention thread each, OMP_WAIT_POLICY=passive); "
+        f"baselines at their best of 1 and {cores} torch threads"
+    )
     model = load(MODEL, dtype=fastest_cpu_dtype())
     figures: dict = {"cores": cores, "seq_len": seq_len, "quick": quick, "s_dtype": fastest_cpu_dtype()}
     if args.merge and args.json is not None and args.json.exists():
         # the parts run now overwrite their own keys; the ratios across parts are recomputed below
         figures = {**json.loads(args.json.read_text()), **figures}
         kept = [p for p in SECTIONS if p not in parts]
-        print(f"merging into {args.json}: keeping its figures of " + ", ".join(
-            f"{p} (finished {figures.get(f'finished_{p}', '?')})" for p in kept))
+        print(
+            f"merging into {args.json}: keeping its figures of "
+            + ", ".join(f"{p} (finished {figures.get(f'finished_{p}', '?')})" for p in kept)
+        )
     for part in parts:
         started = time.perf_counter()
         if part == "throughput" and not OMP_PASSIVE_AT_START:
@@ -129,11 +156,14 @@ def run(args) -> dict:
         print(f"[{part}: {figures[f'seconds_{part}']:.0f} s]")
     if "transformers_best_tokens_per_s" in figures and "fastdecode_best_tokens_per_s" in figures:
         hf = figures["transformers_best_tokens_per_s"]
-        figures.update(ratio_tokens_vs_transformers_best=figures["fastdecode_best_tokens_per_s"] / hf,
-                       ratio_tokens_vs_transformers_best_fp16_kv=figures["fastdecode_best_fp16_tokens_per_s"] / hf)
+        figures.update(
+            ratio_tokens_vs_transformers_best=figures["fastdecode_best_tokens_per_s"] / hf,
+            ratio_tokens_vs_transformers_best_fp16_kv=figures["fastdecode_best_fp16_tokens_per_s"] / hf,
+        )
     if "colocated_best_tokens_per_s" in figures and "fastdecode_best_tokens_per_s" in figures:
-        figures["ratio_tokens_vs_colocated"] = (figures["fastdecode_best_tokens_per_s"]
-                                                / figures["colocated_best_tokens_per_s"])
+        figures["ratio_tokens_vs_colocated"] = (
+            figures["fastdecode_best_tokens_per_s"] / figures["colocated_best_tokens_per_s"]
+        )
     return figures
 
 

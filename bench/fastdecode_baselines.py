@@ -1,5 +1,6 @@
 """`bench fastdecode`'s baselines: transformers `generate` at its best batch, dtype and thread count, and the
 colocated `generate()` engine (S-part and attention in one process), decoding from prompts of S/2 tokens."""
+
 from __future__ import annotations
 
 import copy
@@ -17,13 +18,16 @@ from aiollm.serving import runner
 from bench.fastdecode_steps import MODEL, random_prompts
 from bench.report import table
 
+
 def baselines_part(model, seq_len: int, cores: int, quick: bool, no_transformers: bool, figures: dict) -> None:
     """transformers `generate` at its best batch, dtype and thread count, and the colocated `generate()`."""
     threads = sorted({1, cores})
     colocated_rows = _colocated(model, 16 if quick else 32, seq_len, threads)
     colocated = max(colocated_rows, key=lambda r: r["tokens_per_s"])
-    print(f"\n-- colocated decode (aiollm.serving.runner, {fastest_cpu_dtype()}, fp16 KV), prompts of S/2 tokens, both thread "
-          f"counts after one prefill\n{table(colocated_rows)}")
+    print(
+        f"\n-- colocated decode (aiollm.serving.runner, {fastest_cpu_dtype()}, fp16 KV), prompts of S/2 tokens, both thread "
+        f"counts after one prefill\n{table(colocated_rows)}"
+    )
     figures.update(colocated=colocated_rows, colocated_best_tokens_per_s=colocated["tokens_per_s"])
     if no_transformers:
         return
@@ -32,8 +36,10 @@ def baselines_part(model, seq_len: int, cores: int, quick: bool, no_transformers
     configs = [(fastest_cpu_dtype(), 16)] if quick else [("bf16", 16), ("bf16", 64), ("fp32", 16), ("fp32", 64)]
     hf_rows = _transformers(seq_len, configs, threads)
     torch.set_num_threads(1)
-    print(f"\n-- transformers generate, prompts of S/2 tokens (each generate times its first half of decode "
-          f"steps at one thread count and the second half at the other)\n{table(hf_rows)}")
+    print(
+        f"\n-- transformers generate, prompts of S/2 tokens (each generate times its first half of decode "
+        f"steps at one thread count and the second half at the other)\n{table(hf_rows)}"
+    )
     hf_best = max(hf_rows, key=lambda r: r["tokens_per_s"])
     figures.update(transformers=hf_rows, transformers_best_tokens_per_s=hf_best["tokens_per_s"])
 
@@ -62,8 +68,15 @@ def _colocated(model, batch: int, seq_len: int, threads: list[int], steps: int =
             runner.decode_step(model, cache, seqs, n)
             times.append(time.perf_counter() - started)
         step = statistics.median(times)
-        rows.append({"threads": n, "batch": batch, "prompt_len": seq_len // 2, "step_ms": 1e3 * step,
-                     "tokens_per_s": batch / step})
+        rows.append(
+            {
+                "threads": n,
+                "batch": batch,
+                "prompt_len": seq_len // 2,
+                "step_ms": 1e3 * step,
+                "tokens_per_s": batch / step,
+            }
+        )
     torch.set_num_threads(1)
     return rows
 
@@ -100,11 +113,26 @@ def _transformers(seq_len: int, configs: list[tuple[str, int]], threads: list[in
         ids = torch.randint(100, base.config.vocab_size, (batch, seq_len // 2), generator=gen)
         clock = Clock()
         with torch.inference_mode():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([clock]),
+            )
         gaps = np.diff(clock.stamps)  # decode steps only: stamps[0] is the prefill's logits
         for phase, count in enumerate(threads):
-            step = float(np.median(gaps[phase * steps:(phase + 1) * steps]))
-            rows.append({"dtype": dtype, "threads": count, "batch": batch, "prompt_len": seq_len // 2,
-                         "step_ms": 1e3 * step, "tokens_per_s": batch / step})
+            step = float(np.median(gaps[phase * steps : (phase + 1) * steps]))
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "threads": count,
+                    "batch": batch,
+                    "prompt_len": seq_len // 2,
+                    "step_ms": 1e3 * step,
+                    "tokens_per_s": batch / step,
+                }
+            )
     return rows

@@ -1,6 +1,7 @@
 """The measuring tools every part of `bench fastdecode` shares: T(B) of the S-part in this process, the attention
 kernel alone, R-worker processes, and the median decode step of synthetic sequences through them, with T(B) read
 right before and after it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,11 +11,11 @@ import time
 import numpy as np
 import torch
 
+from aiollm.calibrate.fastdecode_probes import probe_step
 from aiollm.deploy.graph import Graph
 from aiollm.kv.pool import KVConfig, KVPool
-from aiollm.calibrate.fastdecode_probes import probe_step
-from aiollm.serving.fastdecode.messages import GetTrace
 from aiollm.serving.distserve.messages import GetLoad
+from aiollm.serving.fastdecode.messages import GetTrace
 from bench.model import s_part_step
 
 # tokens in each trace request's prompt, and the shortest context of the synthetic rows (spread over [it, S))
@@ -45,8 +46,9 @@ def _t_runs(model, sizes: list[int], rounds: int, warm: bool, out: dict[int, lis
     a warm-up of each unless `warm` is False): interleaved, so a slow phase of this machine (up to 2x, lasting
     seconds) falls on every size alike. Yields after each run (see `t_samples_async`)."""
     with torch.inference_mode():
-        inputs = {b: (torch.randint(0, model.config.vocab, (b,)), model.rope(torch.arange(b) % 1024 + 64))
-                  for b in sizes}
+        inputs = {
+            b: (torch.randint(0, model.config.vocab, (b,)), model.rope(torch.arange(b) % 1024 + 64)) for b in sizes
+        }
         for rnd in range(rounds + warm):
             for b, (ids, rope) in inputs.items():
                 started = time.perf_counter()
@@ -87,10 +89,13 @@ def kernel_r(model, seq_len: int, dtype: str = "fp16", batch: int = 16) -> float
     """R: seconds of attention per context entry, all layers, one thread (one R-worker)."""
     c = model.config
     per_seq = -(-seq_len // 16)
-    pool = KVPool(KVConfig(n_layers=c.n_layers, n_blocks=batch * per_seq, n_kv_heads=c.n_kv_heads,
-                           head_dim=c.head_dim, dtype=dtype))
+    pool = KVPool(
+        KVConfig(
+            n_layers=c.n_layers, n_blocks=batch * per_seq, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, dtype=dtype
+        )
+    )
     for arr in (pool.k, pool.v, pool.k_scale, pool.v_scale):  # touch the memory (untouched pages all read
-        if arr is not None:                                    # as the one shared zero page)
+        if arr is not None:  # as the one shared zero page)
             arr.fill(1)
     tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
     lens = np.full(batch, seq_len, np.int32)
@@ -104,17 +109,29 @@ def kernel_r(model, seq_len: int, dtype: str = "fp16", batch: int = 16) -> float
     return best / (batch * seq_len)
 
 
-async def start_r_workers(graph: Graph, n: int, threads: int = 1, kv_dtype: str = "fp16",
-                     prefix: tuple[str, ...] = ()) -> list[str]:
+async def start_r_workers(
+    graph: Graph, n: int, threads: int = 1, kv_dtype: str = "fp16", prefix: tuple[str, ...] = ()
+) -> list[str]:
     args = ("--model", MODEL, "--kv-memory", "8GiB", "--kv-dtype", kv_dtype, "--threads", str(threads))
-    nodes = await asyncio.gather(*(graph.start_node("r-worker", process=True, args=args, prefix=prefix)
-                                   for _ in range(n)))
+    nodes = await asyncio.gather(
+        *(graph.start_node("r-worker", process=True, args=args, prefix=prefix) for _ in range(n))
+    )
     return [node.actors["r-worker"] for node in nodes]
 
 
-async def synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_len: int, name: str,
-                          steps: int = 5, pipeline: bool = True, context: int = 0, s_threads: int = 1,
-                          t_rounds: int = 2) -> dict:
+async def synthetic_step(
+    graph: Graph,
+    model,
+    urls: list[str],
+    batch: int,
+    seq_len: int,
+    name: str,
+    steps: int = 5,
+    pipeline: bool = True,
+    context: int = 0,
+    s_threads: int = 1,
+    t_rounds: int = 2,
+) -> dict:
     """Median step time of B sequences with contexts spread over [16, S - steps) (or all at `context`), of 5 steps
     by default (of 3, one configuration read 403 and 635 ms in one run) after a warm-up step
     (aiollm.planner.fastdecode.probe_step); the S-worker (this process) runs its S-part on
@@ -128,16 +145,26 @@ async def synthetic_step(graph: Graph, model, urls: list[str], batch: int, seq_l
         before = await t_samples_async(model, sizes, t_rounds)
         span = seq_len - PROMPT_LEN - steps - 3
         lens = [context or PROMPT_LEN + (i * span) // batch for i in range(batch)]
-        step, s_cpu, r_cpus, held = await probe_step(graph.driver, model, urls, lens, steps, pipeline and batch >= 2,
-                                                     name)
+        step, s_cpu, r_cpus, held = await probe_step(
+            graph.driver, model, urls, lens, steps, pipeline and batch >= 2, name
+        )
         after = await t_samples_async(model, sizes, t_rounds, warm=False)
         local = {b: statistics.median(before[b] + after[b]) for b in sizes}
     finally:
         torch.set_num_threads(1)
-    return {"batch": batch, "r_workers": len(urls), "s_threads": s_threads, "pipelined": pipeline and batch >= 2,
-            "step_ms": 1e3 * step, "tokens_per_s": batch / step, "kv_tokens": int(held),
-            "s_cpu_ms": 1e3 * s_cpu, "r_cpu_ms": 1e3 * sum(r_cpus), "busy": (s_cpu + sum(r_cpus)) / step,
-            "t_local_ms": {str(b): 1e3 * t for b, t in local.items()}}
+    return {
+        "batch": batch,
+        "r_workers": len(urls),
+        "s_threads": s_threads,
+        "pipelined": pipeline and batch >= 2,
+        "step_ms": 1e3 * step,
+        "tokens_per_s": batch / step,
+        "kv_tokens": int(held),
+        "s_cpu_ms": 1e3 * s_cpu,
+        "r_cpu_ms": 1e3 * sum(r_cpus),
+        "busy": (s_cpu + sum(r_cpus)) / step,
+        "t_local_ms": {str(b): 1e3 * t for b, t in local.items()},
+    }
 
 
 async def wait_steps(s, steps: int) -> None:

@@ -17,6 +17,7 @@ Figures: blocks per run of the batch's tables, GB/s of KV read, the share of the
 over rounds of the same round's ratio), and the ratios between table kinds (`ratio_churned_vs_lifo`,
 `ratio_lockstep_extent_vs_single`, `ratio_churned_vs_fresh`). A histogram of blocks per run goes to --plot.
 """
+
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +33,12 @@ CHURN_SIZES = (4, 129)  # blocks per churn sequence: [low, high)
 def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, default=256, help="sequences attended per call (default 256)")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
-    parser.add_argument("--churn-rounds", type=int, default=2000,
-                        help="admit/free rounds before the batch (an R-worker some hours into its life)")
+    parser.add_argument(
+        "--churn-rounds",
+        type=int,
+        default=2000,
+        help="admit/free rounds before the batch (an R-worker some hours into its life)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="paired measurement rounds")
     parser.add_argument("--threads", type=int, default=2, help="attention threads")
     parser.add_argument("--plot", type=Path, default=Path("kvalloc_runs.png"), help="PNG of blocks per run")
@@ -101,8 +106,11 @@ def attention_entry(k, v, scales, tables: np.ndarray, q: np.ndarray, n_threads: 
     lens = np.full(len(tables), tables.shape[1] * BLOCK, np.int32)
     out = np.empty_like(q)
     per_block = (k[0].nbytes + v[0].nbytes) + (2 * scales[0].nbytes if scales is not None else 0)
-    return (lambda: attention.decode_attention(k, v, q, tables, lens, k_scale=scales, v_scale=scales, out=out,
-                                               n_threads=n_threads)), tables.size * per_block
+    return (
+        lambda: attention.decode_attention(
+            k, v, q, tables, lens, k_scale=scales, v_scale=scales, out=out, n_threads=n_threads
+        )
+    ), tables.size * per_block
 
 
 def run(args) -> dict:
@@ -110,18 +118,23 @@ def run(args) -> dict:
 
     batch, blocks = args.batch, -(-args.seq_len // BLOCK)
     n_blocks = 2 * batch * blocks
-    kinds = {"fresh": np.arange(batch * blocks, dtype=np.int32).reshape(batch, blocks),
-             "churned": churned_tables(BlockAllocator(n_blocks), batch, blocks, args.churn_rounds),
-             "churned_lifo": churned_tables(LifoFreeList(n_blocks), batch, blocks, args.churn_rounds),
-             "lockstep": lockstep_tables(n_blocks, batch, blocks, 16),
-             "lockstep_single": lockstep_tables(n_blocks, batch, blocks, 1)}
+    kinds = {
+        "fresh": np.arange(batch * blocks, dtype=np.int32).reshape(batch, blocks),
+        "churned": churned_tables(BlockAllocator(n_blocks), batch, blocks, args.churn_rounds),
+        "churned_lifo": churned_tables(LifoFreeList(n_blocks), batch, blocks, args.churn_rounds),
+        "lockstep": lockstep_tables(n_blocks, batch, blocks, 16),
+        "lockstep_single": lockstep_tables(n_blocks, batch, blocks, 1),
+    }
     k = aligned_full((n_blocks, N_KV, HEAD_DIM, BLOCK), 0.01, np.float16)  # on cache lines, as KVPool allocates
     v = aligned_full((n_blocks, N_KV, BLOCK, HEAD_DIM), 0.01, np.float16)
     k8, v8 = aligned_full(k.shape, 1, np.int8), aligned_full(v.shape, 1, np.int8)
     scales = aligned_full((n_blocks, N_KV, BLOCK), 0.01, np.float16)
     q = np.random.default_rng(1).standard_normal((batch, N_Q, HEAD_DIM)).astype(np.float32)
-    print(f"SmolLM2 layer, {batch} sequences x {blocks * BLOCK} tokens in a pool of {n_blocks} blocks, "
-          f"{args.threads} threads, {args.rounds} paired rounds against the read kernel (1 GiB)", flush=True)
+    print(
+        f"SmolLM2 layer, {batch} sequences x {blocks * BLOCK} tokens in a pool of {n_blocks} blocks, "
+        f"{args.threads} threads, {args.rounds} paired rounds against the read kernel (1 GiB)",
+        flush=True,
+    )
     # (table kind, dtype): every fp16 kind, and int8 where the allocators differ
     measured = [(name, "fp16") for name in kinds] + [("churned", "int8"), ("churned_lifo", "int8")]
     caches = {"fp16": (k, v, None), "int8": (k8, v8, scales)}
@@ -132,20 +145,33 @@ def run(args) -> dict:
     rows = []
     for (name, dtype), rates in zip(measured, got):
         runs = blocks_per_run(kinds[name])
-        rows.append({"tables": name, "dtype": dtype, "blocks_per_run": float(runs.mean()),
-                     "blocks_per_run_p10": float(np.percentile(runs, 10)), "gbs": max(rates),
-                     "pct_read": 100 * paired_ratio(rates, read)})
+        rows.append(
+            {
+                "tables": name,
+                "dtype": dtype,
+                "blocks_per_run": float(runs.mean()),
+                "blocks_per_run_p10": float(np.percentile(runs, 10)),
+                "gbs": max(rates),
+                "pct_read": 100 * paired_ratio(rates, read),
+            }
+        )
     print(table(rows))
     by = {f"{name}_{dtype}": rates for (name, dtype), rates in zip(measured, got)}
     _plot({name: blocks_per_run(t) for name, t in kinds.items()}, args.plot)
     print(f"wrote {args.plot}")
-    return {"batch": batch, "seq_len": blocks * BLOCK, "pool_blocks": n_blocks, "threads": args.threads,
-            "read_gbs": max(read), "rows": rows,
-            **{f"blocks_per_run_{name}": float(blocks_per_run(t).mean()) for name, t in kinds.items()},
-            "ratio_churned_vs_lifo": paired_ratio(by["churned_fp16"], by["churned_lifo_fp16"]),
-            "ratio_churned_vs_lifo_int8": paired_ratio(by["churned_int8"], by["churned_lifo_int8"]),
-            "ratio_lockstep_extent_vs_single": paired_ratio(by["lockstep_fp16"], by["lockstep_single_fp16"]),
-            "ratio_churned_vs_fresh": paired_ratio(by["churned_fp16"], by["fresh_fp16"])}
+    return {
+        "batch": batch,
+        "seq_len": blocks * BLOCK,
+        "pool_blocks": n_blocks,
+        "threads": args.threads,
+        "read_gbs": max(read),
+        "rows": rows,
+        **{f"blocks_per_run_{name}": float(blocks_per_run(t).mean()) for name, t in kinds.items()},
+        "ratio_churned_vs_lifo": paired_ratio(by["churned_fp16"], by["churned_lifo_fp16"]),
+        "ratio_churned_vs_lifo_int8": paired_ratio(by["churned_int8"], by["churned_lifo_int8"]),
+        "ratio_lockstep_extent_vs_single": paired_ratio(by["lockstep_fp16"], by["lockstep_single_fp16"]),
+        "ratio_churned_vs_fresh": paired_ratio(by["churned_fp16"], by["fresh_fp16"]),
+    }
 
 
 def _plot(runs: dict[str, np.ndarray], path: Path) -> None:

@@ -29,6 +29,7 @@ the GEMM floor (`s_part_ms` vs `gemm_floor_ms`: what norms, RoPE, the K/V store 
 add to the bare matrix products), attention beside the mean step's KV read at the read bandwidth
 (`attention_ms` vs `kv_read_ms`), sampling, the rest, and the prefill.
 """
+
 import copy
 import os
 import statistics
@@ -36,14 +37,14 @@ import time
 
 import torch
 
-from aiollm.native.attention import read_sum
 from aiollm.model import load
 from aiollm.model.engine import ColocatedEngine
-from aiollm.native.fused_ops import seconds_buffer
-from aiollm.native.gemm import PackedWeight, gemm
 from aiollm.model.linear import linear
 from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
+from aiollm.native.attention import read_sum
+from aiollm.native.fused_ops import seconds_buffer
+from aiollm.native.gemm import PackedWeight, gemm
 from bench.report import table
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -55,8 +56,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--gemm-only", action="store_true", help="only the GEMM rows (native kernel vs oneDNN)")
     # 3 rounds made a fp32 run 391 s (over the ~5 min a bench lock hold may take); 2 keep it near 5 min
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="alternating rounds of ours and transformers' generate per decode batch >= 8")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="alternating rounds of ours and transformers' generate per decode batch >= 8",
+    )
 
 
 def _timed(fn, min_seconds: float, max_reps: int) -> float:
@@ -104,8 +109,10 @@ def gemm_rows(model, batches: list[int]) -> list[dict]:
         return []
     kinds = {name: [getattr(layer, name) for layer in w.layers] for name in ("qkv", "o", "gate_up", "down")}
     kinds["lm_head"] = [w.lm_head]
-    onednn = {name: [torch.ops.mkldnn._reorder_linear_weight(p.to_dense(), None) for p in packed]
-              for name, packed in kinds.items()}
+    onednn = {
+        name: [torch.ops.mkldnn._reorder_linear_weight(p.to_dense(), None) for p in packed]
+        for name, packed in kinds.items()
+    }
     rows = []
     with torch.inference_mode():
         for b in batches:
@@ -114,20 +121,45 @@ def gemm_rows(model, batches: list[int]) -> list[dict]:
                 n, k = packed[0].shape
                 x = torch.randn(b, k, dtype=model.dtype)
                 ours = min(_timed(lambda x=x, ws=packed: [gemm(x, p) for p in ws], 0.0, 1) for _ in range(3))
-                theirs = min(_timed(lambda x=x, ws=onednn[name]: [
-                    torch.ops.mkldnn._linear_pointwise(x, d, None, "none", [], "") for d in ws], 0.0, 1)
-                    for _ in range(3))
+                theirs = min(
+                    _timed(
+                        lambda x=x, ws=onednn[name]: [
+                            torch.ops.mkldnn._linear_pointwise(x, d, None, "none", [], "") for d in ws
+                        ],
+                        0.0,
+                        1,
+                    )
+                    for _ in range(3)
+                )
                 gbytes = len(packed) * n * k * x.element_size() / 1e9
                 gflop = len(packed) * 2 * b * n * k / 1e9
-                rows.append({"shape": f"{name} {n}x{k}", "batch": b, "ours_ms": 1e3 * ours, "onednn_ms": 1e3 * theirs,
-                             "ours_gb_s": gbytes / ours, "ours_gflops": gflop / ours,
-                             "onednn_gb_s": gbytes / theirs, "onednn_gflops": gflop / theirs, "ratio": theirs / ours})
-                step.update(ours_ms=step["ours_ms"] + 1e3 * ours, onednn_ms=step["onednn_ms"] + 1e3 * theirs,
-                            gflop=step["gflop"] + gflop, gbytes=step["gbytes"] + gbytes)
+                rows.append(
+                    {
+                        "shape": f"{name} {n}x{k}",
+                        "batch": b,
+                        "ours_ms": 1e3 * ours,
+                        "onednn_ms": 1e3 * theirs,
+                        "ours_gb_s": gbytes / ours,
+                        "ours_gflops": gflop / ours,
+                        "onednn_gb_s": gbytes / theirs,
+                        "onednn_gflops": gflop / theirs,
+                        "ratio": theirs / ours,
+                    }
+                )
+                step.update(
+                    ours_ms=step["ours_ms"] + 1e3 * ours,
+                    onednn_ms=step["onednn_ms"] + 1e3 * theirs,
+                    gflop=step["gflop"] + gflop,
+                    gbytes=step["gbytes"] + gbytes,
+                )
             gflop, gbytes = step.pop("gflop"), step.pop("gbytes")
-            step.update(ours_gb_s=1e3 * gbytes / step["ours_ms"], ours_gflops=1e3 * gflop / step["ours_ms"],
-                        onednn_gb_s=1e3 * gbytes / step["onednn_ms"], onednn_gflops=1e3 * gflop / step["onednn_ms"],
-                        ratio=step["onednn_ms"] / step["ours_ms"])
+            step.update(
+                ours_gb_s=1e3 * gbytes / step["ours_ms"],
+                ours_gflops=1e3 * gflop / step["ours_ms"],
+                onednn_gb_s=1e3 * gbytes / step["onednn_ms"],
+                onednn_gflops=1e3 * gflop / step["onednn_ms"],
+                ratio=step["onednn_ms"] / step["ours_ms"],
+            )
             rows.append(step)
     return rows
 
@@ -144,8 +176,16 @@ def _matrix_params(model, lm_head: bool) -> int:
     return c.n_layers * per_layer + (c.vocab * c.hidden if lm_head else 0)
 
 
-def generate_bound(model, b: int, prompt_len: int, new_tokens: int, step_gemm_s: float, kv_bytes_per_token: int,
-                   peak_flops: float, read_bytes_per_s: float) -> float:
+def generate_bound(
+    model,
+    b: int,
+    prompt_len: int,
+    new_tokens: int,
+    step_gemm_s: float,
+    kv_bytes_per_token: int,
+    peak_flops: float,
+    read_bytes_per_s: float,
+) -> float:
     """Seconds of a generate call with everything but matrix products and KV reads free (see the module doc)."""
     c = model.config
     prefill_flops = 2 * b * prompt_len * _matrix_params(model, lm_head=False) + 2 * b * c.vocab * c.hidden
@@ -158,7 +198,7 @@ def generate_bound(model, b: int, prompt_len: int, new_tokens: int, step_gemm_s:
 
 def read_bandwidth() -> float:
     """Bytes/s of one streaming read of 512 MiB with the native kernel's threads (best of 3)."""
-    buf = torch.ones(128 * 2 ** 20).numpy()
+    buf = torch.ones(128 * 2**20).numpy()
     read_sum(buf)
     best = min(_timed(lambda: read_sum(buf), 0.0, 1) for _ in range(3))
     return buf.nbytes / best
@@ -189,8 +229,17 @@ def prefill(model, hf, lengths: list[int]) -> list[dict]:
     return rows
 
 
-def decode(model, hf, batches: list[int], new_tokens: int, prompt: list[int], bandwidth: float,
-           peak: float, floors: dict[int, float], rounds: int = 3) -> list[dict]:
+def decode(
+    model,
+    hf,
+    batches: list[int],
+    new_tokens: int,
+    prompt: list[int],
+    bandwidth: float,
+    peak: float,
+    floors: dict[int, float],
+    rounds: int = 3,
+) -> list[dict]:
     """floors: a step's GEMM time per batch measured earlier in the run (the GEMM rows); the floor is the
     lower of that and the one measured beside the row (both are best-of-a-few on a shared machine).
 
@@ -218,8 +267,13 @@ def decode(model, hf, batches: list[int], new_tokens: int, prompt: list[int], ba
         ids = torch.tensor([prompt] * b)
         with torch.inference_mode():
             started = time.perf_counter()
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                        min_new_tokens=new_tokens, **hf_kwargs)
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                **hf_kwargs,
+            )
             return time.perf_counter() - started
 
     for b in batches:
@@ -242,19 +296,30 @@ def decode(model, hf, batches: list[int], new_tokens: int, prompt: list[int], ba
         ours_med = statistics.median(ours_s)
         floor = min(gemm_floor(model, b), floors.get(b, float("inf")))
         bound = generate_bound(model, b, len(prompt), new_tokens, floor, kv_bytes_per_token, peak * 1e9, bandwidth)
-        row = {"batch": b, "new_tokens": new_tokens, "kv_dtype": kv_dtype, "rounds": n_rounds,
-               "tokens_per_s": b * new_tokens / ours_med,
-               "gemm_floor_tokens_per_s": b / floor, "bound_tokens_per_s": b * new_tokens / bound,
-               "of_bound": bound / ours_med, **timers.row(), "gemm_floor_ms": 1e3 * floor,
-               # the mean decode step's KV cache (prompt + half the new tokens) read once at the read bandwidth
-               "kv_read_ms": 1e3 * b * (len(prompt) + new_tokens / 2) * kv_bytes_per_token / bandwidth}
+        row = {
+            "batch": b,
+            "new_tokens": new_tokens,
+            "kv_dtype": kv_dtype,
+            "rounds": n_rounds,
+            "tokens_per_s": b * new_tokens / ours_med,
+            "gemm_floor_tokens_per_s": b / floor,
+            "bound_tokens_per_s": b * new_tokens / bound,
+            "of_bound": bound / ours_med,
+            **timers.row(),
+            "gemm_floor_ms": 1e3 * floor,
+            # the mean decode step's KV cache (prompt + half the new tokens) read once at the read bandwidth
+            "kv_read_ms": 1e3 * b * (len(prompt) + new_tokens / 2) * kv_bytes_per_token / bandwidth,
+        }
         if hf is not None:
             theirs_med = statistics.median(theirs_s)
             round_ratios = [t / o for t, o in zip(theirs_s, ours_s)]
-            row.update(transformers_tokens_per_s=b * new_tokens / theirs_med, ratio=statistics.median(round_ratios),
-                       round_ratios=round_ratios,
-                       ceiling_ratio=row["gemm_floor_tokens_per_s"] * theirs_med / (b * new_tokens),
-                       bound_ratio=theirs_med / bound)
+            row.update(
+                transformers_tokens_per_s=b * new_tokens / theirs_med,
+                ratio=statistics.median(round_ratios),
+                round_ratios=round_ratios,
+                ceiling_ratio=row["gemm_floor_tokens_per_s"] * theirs_med / (b * new_tokens),
+                bound_ratio=theirs_med / bound,
+            )
         rows.append(row)
     return rows
 
@@ -267,8 +332,16 @@ def _shown(row: dict) -> dict:
     return shown
 
 
-_STEP_COLUMNS = ["step_ms", "s_part_ms", "gemm_floor_ms", "attention_ms", "kv_read_ms", "sampling_ms", "other_ms",
-                 "prefill_ms"]
+_STEP_COLUMNS = [
+    "step_ms",
+    "s_part_ms",
+    "gemm_floor_ms",
+    "attention_ms",
+    "kv_read_ms",
+    "sampling_ms",
+    "other_ms",
+    "prefill_ms",
+]
 
 
 class StepTimers:
@@ -298,6 +371,7 @@ class StepTimers:
                 self.spent["s_part"] += seconds[0]
                 self.spent["attention"] += seconds[1]
             return h
+
         model.decode_layers = timed_decode_layers
         engine._append = self._timed(engine._append, "sampling")
         engine._prefill = self._timed(engine._prefill, "prefill", always=True)
@@ -308,6 +382,7 @@ class StepTimers:
             step = prepare(*args, **kwargs)
             step.attend = self._timed(step.attend, "attention")
             return step
+
         engine.pool.prepare_decode = prepare_decode
 
     def _timed(self, fn, key: str, always: bool = False, marks_step: bool = False):
@@ -323,32 +398,41 @@ class StepTimers:
                 self.calls[key] += 1
                 if marks_step:
                     self._in_step = False
+
         return run
 
     def remove(self) -> None:
         """Back to the class methods."""
-        for obj, names in ((self.engine.model, ("pre_attention", "post_attention", "logits", "decode_layers")),
-                           (self.engine, ("_append", "_prefill", "_decode_step")),
-                           (self.engine.pool, ("prepare_decode",))):
+        for obj, names in (
+            (self.engine.model, ("pre_attention", "post_attention", "logits", "decode_layers")),
+            (self.engine, ("_append", "_prefill", "_decode_step")),
+            (self.engine.pool, ("prepare_decode",)),
+        ):
             for name in names:
                 delattr(obj, name)
 
     def row(self) -> dict:
         n = max(self.calls["step"], 1)
         s = {k: 1e3 * v for k, v in self.spent.items()}
-        return {"step_ms": s["step"] / n, "s_part_ms": s["s_part"] / n, "attention_ms": s["attention"] / n,
-                "sampling_ms": s["sampling"] / n,
-                "other_ms": (s["step"] - s["s_part"] - s["attention"] - s["sampling"]) / n,
-                "prefill_ms": s["prefill"] / max(self.calls["prefill"], 1)}
+        return {
+            "step_ms": s["step"] / n,
+            "s_part_ms": s["s_part"] / n,
+            "attention_ms": s["attention"] / n,
+            "sampling_ms": s["sampling"] / n,
+            "other_ms": (s["step"] - s["s_part"] - s["attention"] - s["sampling"]) / n,
+            "prefill_ms": s["prefill"] / max(self.calls["prefill"], 1),
+        }
 
 
 def _load_transformers(dtype: torch.dtype, cache: dict):
     if "fp32" not in cache:
         os.environ["HF_HUB_OFFLINE"] = "1"
         from transformers import AutoModelForCausalLM
+
         path = bundled_path("smollm2")
-        cache["fp32"] = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                             dtype=torch.float32).eval()
+        cache["fp32"] = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        ).eval()
     if dtype == torch.float32:
         return cache["fp32"]
     return copy.deepcopy(cache["fp32"]).to(dtype)
@@ -357,14 +441,17 @@ def _load_transformers(dtype: torch.dtype, cache: dict):
 def run(args) -> dict:
     run_started = time.perf_counter()
     quick = args.quick
-    batches_t = [2 ** i for i in range(7 if quick else 11)]
+    batches_t = [2**i for i in range(7 if quick else 11)]
     lengths = [128] if quick else [128, 512, 2048]
     decode_batches = [1, 8] if quick else [1, 8, 32, 64]
     new_tokens = 32 if quick else 128
     # OMP_WAIT_POLICY decides whether torch's idle OpenMP threads spin; on shared cores spinning threads
     # slow every other process (and each other) by up to 10x, so the figures say which policy they ran under
-    figures: dict = {"torch_threads": torch.get_num_threads(), "quick": quick,
-                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
+    figures: dict = {
+        "torch_threads": torch.get_num_threads(),
+        "quick": quick,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+    }
     hf_cache: dict = {}
     ratios = []
     bandwidth = read_bandwidth()
@@ -375,15 +462,21 @@ def run(args) -> dict:
         gemms = gemm_rows(model, [1, 8, 32, 64])
         if gemms:
             figures[f"gemm_{name}"] = gemms
-            figures[f"ratio_gemm_vs_onednn_{name}"] = min(r["ratio"] for r in gemms if r["shape"] == "step"
-                                                          and r["batch"] >= 8)
-            print(f"\n-- {name}: a step's GEMMs, native kernel vs oneDNN (ratio: oneDNN's time over ours; "
-                  f"read bandwidth {bandwidth / 1e9:.1f} GB/s)\n{table(gemms)}")
+            figures[f"ratio_gemm_vs_onednn_{name}"] = min(
+                r["ratio"] for r in gemms if r["shape"] == "step" and r["batch"] >= 8
+            )
+            print(
+                f"\n-- {name}: a step's GEMMs, native kernel vs oneDNN (ratio: oneDNN's time over ours; "
+                f"read bandwidth {bandwidth / 1e9:.1f} GB/s)\n{table(gemms)}"
+            )
         if args.gemm_only:
             continue
         hf = None if args.no_transformers else _load_transformers(dtype, hf_cache)
-        prompt = model.tokenizer.encode(model.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Tell me a long story about a dragon who learns to cook."}]))
+        prompt = model.tokenizer.encode(
+            model.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "Tell me a long story about a dragon who learns to cook."}]
+            )
+        )
         curve = t_of_b(model, batches_t, 0.2 if quick else 0.5)
         pre = prefill(model, hf, lengths)
         peak = peak_gflops(model)
@@ -398,13 +491,17 @@ def run(args) -> dict:
         figures[f"decode_{name}"] = dec
         print(f"\n-- {name}: S-part step time T(B) (all layers + logits, no attention)\n{table(curve)}")
         print(f"\n-- {name}: prefill, one prompt\n{table(pre)}")
-        print(f"\n-- {name}: colocated decode, {new_tokens} new tokens, prompt {len(prompt)} tokens "
-              f"(weights {weight_bytes / 2 ** 20:.0f} MiB: {figures[f'weight_read_ms_{name}']:.1f} ms a step at "
-              f"{bandwidth / 1e9:.1f} GB/s; bound: prefill at {peak:.0f} GFLOPS, GEMM floor, KV at read "
-              f"bandwidth; ratio: median of the rounds' paired ratios)\n{table([_shown(r) for r in dec])}")
-        print(f"\n-- {name}: where our decode step goes (ms per step of the run above; s_part: norms, projections, "
-              f"RoPE, K/V store, MLP, logits, beside the step's GEMM floor; attention beside the mean step's KV read "
-              f"at {bandwidth / 1e9:.1f} GB/s)\n{table(dec, ['batch', *_STEP_COLUMNS])}")
+        print(
+            f"\n-- {name}: colocated decode, {new_tokens} new tokens, prompt {len(prompt)} tokens "
+            f"(weights {weight_bytes / 2**20:.0f} MiB: {figures[f'weight_read_ms_{name}']:.1f} ms a step at "
+            f"{bandwidth / 1e9:.1f} GB/s; bound: prefill at {peak:.0f} GFLOPS, GEMM floor, KV at read "
+            f"bandwidth; ratio: median of the rounds' paired ratios)\n{table([_shown(r) for r in dec])}"
+        )
+        print(
+            f"\n-- {name}: where our decode step goes (ms per step of the run above; s_part: norms, projections, "
+            f"RoPE, K/V store, MLP, logits, beside the step's GEMM floor; attention beside the mean step's KV read "
+            f"at {bandwidth / 1e9:.1f} GB/s)\n{table(dec, ['batch', *_STEP_COLUMNS])}"
+        )
         if hf is not None:
             ratio = min(r["ratio"] for r in dec if r["batch"] >= 8)
             figures[f"ratio_decode_vs_transformers_{name}"] = ratio

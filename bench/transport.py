@@ -14,6 +14,7 @@ over two CPUs: on these VMs a wake-up across vCPUs is a large part of a small ro
 the scheduler decides per process pair whether there is one (raw sockets: ~9 vs ~20 µs).
 Run it as `flock /tmp/aiollm-bench.lock python -m bench transport [--quick] [--json PATH]`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a few seconds per row)")
     parser.add_argument("--iterations", type=int, help="round trips per RTT measurement (default 5000, quick 1000)")
     parser.add_argument("--repeats", type=int, help="throughput runs per size, best kept (default 3, quick 2)")
-    parser.add_argument("--rounds", type=int,
-                        help="interleaved rounds of raw/floor/push/ask round trips (default 7, quick 3)")
+    parser.add_argument(
+        "--rounds", type=int, help="interleaved rounds of raw/floor/push/ask round trips (default 7, quick 3)"
+    )
 
 
 def _plan(rtt_iterations: int, repeats: int, quick: bool, fresh: bool, with_throughput: bool) -> list:
@@ -61,8 +63,12 @@ def _measure(kind: str, plan: list, pinned: bool) -> list:
 
 
 def _row(name: str, unpinned: list, pinned: list, plan: list) -> dict:
-    row = {"transport": name, "rtt_p50_us": unpinned[0]["p50_us"], "rtt_p99_us": unpinned[0]["p99_us"],
-           "rtt_pinned_p50_us": pinned[0]["p50_us"] if pinned else float("nan")}
+    row = {
+        "transport": name,
+        "rtt_p50_us": unpinned[0]["p50_us"],
+        "rtt_p99_us": unpinned[0]["p99_us"],
+        "rtt_pinned_p50_us": pinned[0]["p50_us"] if pinned else float("nan"),
+    }
     for label, size, _full, _short in SIZES:
         runs = [r for step, r in zip(plan, unpinned) if step[0] == "tput" and step[1] == size]
         if runs:
@@ -78,8 +84,12 @@ def run(args: argparse.Namespace) -> dict:
     rtt_only = _plan(iterations, repeats, quick, False, False)
     kinds = [("raw", "raw", False), ("tcp", "tcp", False), ("tcp_fresh", "tcp", True), ("zmq", "zmq", False)]
     if importlib.util.find_spec("ucxx") is not None:
-        kinds[3:3] = [("ucxx_raw_polling", "ucxx_raw", False), ("ucx", "ucx", False),
-                      ("ucx_nospin", "ucx[spin_us=0]", False), ("ucx_polling", "ucx[progress=polling]", False)]
+        kinds[3:3] = [
+            ("ucxx_raw_polling", "ucxx_raw", False),
+            ("ucx", "ucx", False),
+            ("ucx_nospin", "ucx[spin_us=0]", False),
+            ("ucx_polling", "ucx[progress=polling]", False),
+        ]
     else:
         print("ucx: not installed (pip install 'aiollm[ucx]')")
     rows = []
@@ -87,7 +97,11 @@ def run(args: argparse.Namespace) -> dict:
         plan = _plan(iterations, repeats, quick, fresh, True)
         unpinned = _measure(kind, plan, pinned=False)
         # A spinning peer on the same CPU costs a scheduler slice per round trip: keep that run short.
-        pinned_plan = _plan(min(iterations, 200), repeats, quick, False, False) if "polling" in name or "spin" in name else rtt_only
+        pinned_plan = (
+            _plan(min(iterations, 200), repeats, quick, False, False)
+            if "polling" in name or "spin" in name
+            else rtt_only
+        )
         pinned = [] if fresh else _measure(kind, pinned_plan, pinned=True)
         rows.append(_row(name, unpinned, pinned, plan))
         print(f"measured {name}", flush=True)
@@ -122,15 +136,28 @@ def _ucx_perftest(tls: str, quick: bool) -> dict:
     project binds 127.0.0.1 only; one process also has no cross-process wake-ups, so it is an upper bound.
     """
     root = Path(importlib.util.find_spec("libucx").submodule_search_locations[0])
-    env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TLS": tls,
-           "LD_LIBRARY_PATH": str(root / "lib")}
+    env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TLS": tls, "LD_LIBRARY_PATH": str(root / "lib")}
     row = {"transport": f"ucx_perftest_loopback_{tls}"}
     for label, size, full, short in SIZES:
         iterations = short if quick else full
         out = subprocess.run(
-            [str(root / "bin" / "ucx_perftest"), "-l", "-t", "tag_bw", "-s", str(size), "-n", str(iterations),
-             "-w", str(max(2, iterations // 10)), "-f"],
-            env=env, capture_output=True, text=True, timeout=120,
+            [
+                str(root / "bin" / "ucx_perftest"),
+                "-l",
+                "-t",
+                "tag_bw",
+                "-s",
+                str(size),
+                "-n",
+                str(iterations),
+                "-w",
+                str(max(2, iterations // 10)),
+                "-f",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         numbers = [line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
         if out.returncode or not numbers:
@@ -169,42 +196,61 @@ def _add_ask(figures: dict, quick: bool, rounds: int | None) -> list[dict]:
     rows = []
     for kind in KINDS:
         u, p, x = unpinned[kind], pinned[kind], split[kind]
-        rows.append({"round trip": kind, "p50_us": u["p50_us"], "p99_us": u["p99_us"], "x_raw": u["p50_us"] / raw,
-                     "cpu_us_client": u["client_cpu_us"], "cpu_us_server": u["server_cpu_us"],
-                     "pinned_p50_us": p["p50_us"], "pinned_x_raw": p["p50_us"] / raw_pinned,
-                     "pinned_cpu_us": p["client_cpu_us"] + p["server_cpu_us"],
-                     "split_p50_us": x["p50_us"], "split_x_raw": x["p50_us"] / raw_split})
+        rows.append(
+            {
+                "round trip": kind,
+                "p50_us": u["p50_us"],
+                "p99_us": u["p99_us"],
+                "x_raw": u["p50_us"] / raw,
+                "cpu_us_client": u["client_cpu_us"],
+                "cpu_us_server": u["server_cpu_us"],
+                "pinned_p50_us": p["p50_us"],
+                "pinned_x_raw": p["p50_us"] / raw_pinned,
+                "pinned_cpu_us": p["client_cpu_us"] + p["server_cpu_us"],
+                "split_p50_us": x["p50_us"],
+                "split_x_raw": x["p50_us"] / raw_split,
+            }
+        )
         figures[f"interleaved_{kind}_rtt_p50_us"] = u["p50_us"]
         figures[f"interleaved_{kind}_rtt_pinned_us"] = p["p50_us"]
         figures[f"interleaved_{kind}_rtt_split_us"] = x["p50_us"]
     ask, ask_pinned = unpinned["ask"], pinned["ask"]
-    figures.update({
-        "rtt_rounds": rounds, "rtt_round_iterations": iterations,
-        "ask_rtt_p50_us": ask["p50_us"], "ask_rtt_p99_us": ask["p99_us"], "ask_rtt_pinned_us": ask_pinned["p50_us"],
-        "ask_client_cpu_us": ask["client_cpu_us"], "ask_server_cpu_us": ask["server_cpu_us"],
-        "ask_pinned_client_cpu_us": ask_pinned["client_cpu_us"], "ask_pinned_server_cpu_us": ask_pinned["server_cpu_us"],
-        "uvloop_floor_rtt_p50_us": unpinned["uvloop_floor"]["p50_us"],
-        "uvloop_floor_rtt_pinned_us": pinned["uvloop_floor"]["p50_us"],
-        "ratio_ask_rtt_vs_raw": ask["p50_us"] / raw,
-        "ratio_ask_rtt_vs_raw_pinned": ask_pinned["p50_us"] / raw_pinned,
-        "ratio_ask_rtt_vs_raw_split": split["ask"]["p50_us"] / raw_split,
-        "ratio_uvloop_floor_vs_raw": unpinned["uvloop_floor"]["p50_us"] / raw,
-        "ratio_tcp_push_vs_raw": unpinned["tcp_push"]["p50_us"] / raw,
-        "ask_vs_raw_per_round": unpinned["ask_vs_raw_per_round"],
-        "ask_vs_raw_per_round_pinned": pinned["ask_vs_raw_per_round"],
-        "ask_vs_raw_per_round_split": split["ask_vs_raw_per_round"],
-    })
+    figures.update(
+        {
+            "rtt_rounds": rounds,
+            "rtt_round_iterations": iterations,
+            "ask_rtt_p50_us": ask["p50_us"],
+            "ask_rtt_p99_us": ask["p99_us"],
+            "ask_rtt_pinned_us": ask_pinned["p50_us"],
+            "ask_client_cpu_us": ask["client_cpu_us"],
+            "ask_server_cpu_us": ask["server_cpu_us"],
+            "ask_pinned_client_cpu_us": ask_pinned["client_cpu_us"],
+            "ask_pinned_server_cpu_us": ask_pinned["server_cpu_us"],
+            "uvloop_floor_rtt_p50_us": unpinned["uvloop_floor"]["p50_us"],
+            "uvloop_floor_rtt_pinned_us": pinned["uvloop_floor"]["p50_us"],
+            "ratio_ask_rtt_vs_raw": ask["p50_us"] / raw,
+            "ratio_ask_rtt_vs_raw_pinned": ask_pinned["p50_us"] / raw_pinned,
+            "ratio_ask_rtt_vs_raw_split": split["ask"]["p50_us"] / raw_split,
+            "ratio_uvloop_floor_vs_raw": unpinned["uvloop_floor"]["p50_us"] / raw,
+            "ratio_tcp_push_vs_raw": unpinned["tcp_push"]["p50_us"] / raw,
+            "ask_vs_raw_per_round": unpinned["ask_vs_raw_per_round"],
+            "ask_vs_raw_per_round_pinned": pinned["ask_vs_raw_per_round"],
+            "ask_vs_raw_per_round_split": split["ask_vs_raw_per_round"],
+        }
+    )
     breakdown = measure_ask_breakdown(iterations)
     figures.update({"ask_one_process_us": breakdown["one_process_us"], "ask_codec_us": breakdown["codec_us"]})
     floor, push = unpinned["uvloop_floor"]["p50_us"], unpinned["tcp_push"]["p50_us"]
-    print(f"ask round trip, unpinned, medians of {rounds} interleaved rounds: {ask['p50_us']:.1f} us = raw socket "
-          f"{raw:.1f} + event loop {floor - raw:+.1f} (uvloop floor: echo from the receive callback, one task "
-          f"wake-up) + framing {push - floor:+.1f} (tcp push echo) + actor runtime {ask['p50_us'] - push:+.1f}; "
-          f"{ask['p50_us'] / raw:.2f}x raw (per round: {unpinned['ask_vs_raw_per_round']}); the floor alone is "
-          f"{floor / raw:.2f}x raw; split over two CPUs {split['ask']['p50_us']:.1f} us vs raw {raw_split:.1f} "
-          f"({split['ask']['p50_us'] / raw_split:.2f}x), pinned {ask_pinned['p50_us']:.1f} vs {raw_pinned:.1f} "
-          f"({ask_pinned['p50_us'] / raw_pinned:.2f}x). CPU per ask {ask['client_cpu_us']:.1f} us asking + {ask['server_cpu_us']:.1f} us "
-          f"answering (floor {unpinned['uvloop_floor']['client_cpu_us']:.1f} + "
-          f"{unpinned['uvloop_floor']['server_cpu_us']:.1f}); the same ask in one process "
-          f"{breakdown['one_process_us']:.1f} us (codec {breakdown['codec_us']:.1f} us of it)")
+    print(
+        f"ask round trip, unpinned, medians of {rounds} interleaved rounds: {ask['p50_us']:.1f} us = raw socket "
+        f"{raw:.1f} + event loop {floor - raw:+.1f} (uvloop floor: echo from the receive callback, one task "
+        f"wake-up) + framing {push - floor:+.1f} (tcp push echo) + actor runtime {ask['p50_us'] - push:+.1f}; "
+        f"{ask['p50_us'] / raw:.2f}x raw (per round: {unpinned['ask_vs_raw_per_round']}); the floor alone is "
+        f"{floor / raw:.2f}x raw; split over two CPUs {split['ask']['p50_us']:.1f} us vs raw {raw_split:.1f} "
+        f"({split['ask']['p50_us'] / raw_split:.2f}x), pinned {ask_pinned['p50_us']:.1f} vs {raw_pinned:.1f} "
+        f"({ask_pinned['p50_us'] / raw_pinned:.2f}x). CPU per ask {ask['client_cpu_us']:.1f} us asking + {ask['server_cpu_us']:.1f} us "
+        f"answering (floor {unpinned['uvloop_floor']['client_cpu_us']:.1f} + "
+        f"{unpinned['uvloop_floor']['server_cpu_us']:.1f}); the same ask in one process "
+        f"{breakdown['one_process_us']:.1f} us (codec {breakdown['codec_us']:.1f} us of it)"
+    )
     return rows

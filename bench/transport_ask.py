@@ -9,6 +9,7 @@ transport's push echo, alternated round by round in one run, with the CPU time e
 per round trip; `measure_ask_breakdown` adds the same ask with both nodes in one process (its code's
 cost with warm caches and no sleeping) and the codec's share.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,10 @@ def measure_interleaved(placement: str, rounds: int, iterations: int) -> dict:
     plan = [["rtt", iterations]] * rounds
     try:
         with contextlib.ExitStack() as stack:
-            servers = {kind: stack.enter_context(transport_peers.peer_process(kind, plan))
-                       for kind in ("raw", "uvloop_floor", "tcp")}
+            servers = {
+                kind: stack.enter_context(transport_peers.peer_process(kind, plan))
+                for kind in ("raw", "uvloop_floor", "tcp")
+            }
             per_round = uvloop.run(_interleaved(servers, rounds, iterations, mine))
     finally:
         os.sched_setaffinity(0, original)
@@ -81,8 +84,9 @@ def measure_interleaved(placement: str, rounds: int, iterations: int) -> dict:
         runs = per_round[kind]
         figures[kind] = {key: float(np.median([run[key] for run in runs])) for key in runs[0]}
         figures[kind]["round_p50_us"] = [round(run["p50_us"], 2) for run in runs]
-    figures["ask_vs_raw_per_round"] = [round(a["p50_us"] / r["p50_us"], 2)
-                                       for a, r in zip(per_round["ask"], per_round["raw"])]
+    figures["ask_vs_raw_per_round"] = [
+        round(a["p50_us"] / r["p50_us"], 2) for a, r in zip(per_round["ask"], per_round["raw"])
+    ]
     return figures
 
 
@@ -108,17 +112,19 @@ async def _interleaved(servers: dict, rounds: int, iterations: int, mine: set[in
         results: dict[str, list[dict]] = {kind: [] for kind in KINDS}
         me = os.getpid()
         for r in range(rounds):
-            for kind in KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]:
+            for kind in KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]:
                 run, pid = runners[kind]
                 cpu = _cpu_ns(me), _cpu_ns(pid)
                 times_us = await run() / 1e3
                 trips = WARMUP + iterations  # every round starts with WARMUP untimed round trips
-                results[kind].append({
-                    "p50_us": float(np.percentile(times_us, 50)),
-                    "p99_us": float(np.percentile(times_us, 99)),
-                    "client_cpu_us": (_cpu_ns(me) - cpu[0]) / trips / 1e3,
-                    "server_cpu_us": (_cpu_ns(pid) - cpu[1]) / trips / 1e3,
-                })
+                results[kind].append(
+                    {
+                        "p50_us": float(np.percentile(times_us, 50)),
+                        "p99_us": float(np.percentile(times_us, 99)),
+                        "client_cpu_us": (_cpu_ns(me) - cpu[0]) / trips / 1e3,
+                        "server_cpu_us": (_cpu_ns(pid) - cpu[1]) / trips / 1e3,
+                    }
+                )
         sock.close()
         floor.transport.close()
         await push.conn.close()
@@ -204,8 +210,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.transport_ask", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=2000)
-    parser.add_argument("--placement", choices=PLACEMENTS, action="append",
-                        help="where the processes run (repeatable; default: all three)")
+    parser.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        action="append",
+        help="where the processes run (repeatable; default: all three)",
+    )
     args = parser.parse_args()
     for placement in args.placement or PLACEMENTS:
         print(json.dumps(measure_interleaved(placement, args.rounds, args.iterations)))

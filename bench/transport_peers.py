@@ -17,6 +17,7 @@ alternate them with asks in one run.
 
 Child entry point: `python -m bench.transport_peers KIND PLAN_JSON`; it prints its address.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,13 @@ def peer_process(kind: str, plan: list, env: dict | None = None) -> Iterator[tup
 
     Waits for the child to finish its plan on leaving; kills it if it is still there after that.
     """
-    proc = subprocess.Popen([sys.executable, "-m", "bench.transport_peers", kind, json.dumps(plan)],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.transport_peers", kind, json.dumps(plan)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     try:
         address = proc.stdout.readline().strip()
         if not address:
@@ -64,6 +70,7 @@ def _rtt_stats(times_ns: np.ndarray) -> dict:
 
 
 # -- raw blocking sockets: the practical limit ----------------------------------------------------
+
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     pos, n = 0, len(view)
@@ -135,6 +142,7 @@ def client_raw(plan: list, address: str) -> list:
 
 
 # -- aiollm transports (tcp, ucx): the same code path as nodes use --------------------------------
+
 
 def _config(options: dict):
     from aiollm.transports import TransportConfig
@@ -257,6 +265,7 @@ def _options(kind: str) -> dict:
 
 # -- the binding alone (ucxx, polling, no asyncio): what UCX reaches through Python here ------------
 
+
 def _ucxx_setup():
     import os
 
@@ -283,7 +292,8 @@ def _ucxx_endpoint(ucx_api, worker, sock: socket.socket):
     peer = bytearray(int.from_bytes(size, "little"))
     _recv_exact(sock, memoryview(peer))
     return ucx_api.UCXEndpoint.create_from_worker_address(
-        worker, ucx_api.UCXAddress.create_from_buffer(bytes(peer)), True)
+        worker, ucx_api.UCXAddress.create_from_buffer(bytes(peer)), True
+    )
 
 
 def serve_ucxx_raw(plan: list, ready) -> None:
@@ -338,6 +348,7 @@ def client_ucxx_raw(plan: list, address: str) -> list:
 
 # -- pyzmq: a widely used messaging library, zero-copy sends ---------------------------------------
 
+
 def serve_zmq(plan: list, ready) -> None:
     import zmq
 
@@ -391,6 +402,7 @@ def client_zmq(plan: list, address: str) -> list:
 
 
 # -- the floor of any awaited request on asyncio: uvloop protocols, no framing, no actors ------------
+
 
 class _Echo(asyncio.Protocol):
     """Server: writes back whatever arrives, from the receive callback (no task)."""

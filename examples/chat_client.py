@@ -7,6 +7,7 @@
 
 Streams the answer as it is generated, then prints the token counts and the time to first token.
 """
+
 import argparse
 import contextlib
 import signal
@@ -20,8 +21,24 @@ import openai
 @contextlib.contextmanager
 def local_cluster(model: str, prefill: int, decode: int):
     """`python -m aiollm serve` on a free port for the duration; yields its API base URL."""
-    proc = subprocess.Popen([sys.executable, "-m", "aiollm", "serve", "--model", model, "--port", "0",
-                             "--prefill", str(prefill), "--decode", str(decode)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "aiollm",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            "0",
+            "--prefill",
+            str(prefill),
+            "--decode",
+            str(decode),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = ""
         while "serving" not in line:
@@ -60,8 +77,13 @@ def chat(args: argparse.Namespace, base_url: str) -> None:
     start = time.perf_counter()
     first = None
     stream = client.chat.completions.create(
-        model=args.model, messages=[{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens,
-        temperature=args.temperature, stream=True, stream_options={"include_usage": True})
+        model=args.model,
+        messages=[{"role": "user", "content": args.prompt}],
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     print(f"user: {args.prompt}\nassistant: ", end="", flush=True)
     usage = None
     for chunk in stream:
@@ -71,8 +93,10 @@ def chat(args: argparse.Namespace, base_url: str) -> None:
         usage = chunk.usage or usage
     total = time.perf_counter() - start
     ttft = f"{(first - start) * 1e3:.0f} ms" if first else "n/a"
-    print(f"\n[{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens, "
-          f"first token after {ttft}, {total:.2f} s in all]")
+    print(
+        f"\n[{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens, "
+        f"first token after {ttft}, {total:.2f} s in all]"
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ attention; the S-worker holds the weights, prefills the prompts, streams their K
 it places them on, and decodes them as one batch. The script talks to the S-worker through
 `ClusterClient`, the same `Backend` the HTTP frontend uses, and prints each completion.
 """
+
 import argparse
 import asyncio
 import os
@@ -25,8 +26,12 @@ from aiollm.model.tokenizer import Tokenizer
 from aiollm.serving.backend import GenerateRequest
 from aiollm.serving.distserve.client import ClusterClient
 
-PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
-           "Three reasons to learn Python are"]
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "Three reasons to learn Python are",
+]
 
 
 def tokenizer(model: str) -> Tokenizer:
@@ -45,8 +50,16 @@ async def main(args: argparse.Namespace) -> None:
     async with Graph(startup_timeout=120.0) as graph:
         r_args = ("--model", args.model, "--kv-memory", "1GiB", "--kv-dtype", args.kv_dtype, "--threads", "1")
         r_nodes = await asyncio.gather(*(graph.start_node("r-worker", process=True, args=r_args) for _ in range(2)))
-        s_args = ["--model", args.model, "--threads", "1", "--max-batch", "16",
-                  "--r-workers", ",".join(node.url for node in r_nodes)]
+        s_args = [
+            "--model",
+            args.model,
+            "--threads",
+            "1",
+            "--max-batch",
+            "16",
+            "--r-workers",
+            ",".join(node.url for node in r_nodes),
+        ]
         if args.no_pipeline:
             s_args.append("--no-pipeline")
         if args.sls_interval:

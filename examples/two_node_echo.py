@@ -6,6 +6,7 @@ credit flow control, an ask between the two node processes, a remote exception, 
 reaching the remote handler, and a watch that reports the death of a SIGKILLed node. Every
 process is stopped at the end, whatever happens.
 """
+
 import asyncio
 import signal
 import time
@@ -14,9 +15,9 @@ import numpy as np
 
 from aiollm import log
 from aiollm.actors import Actor, NodeConfig, Terminated, handler
-from aiollm.actors.echo import Count, Echo, EchoActor, Fail, GetStats, PingPeer, Ping, Sleep
-from aiollm.errors import RemoteError
+from aiollm.actors.echo import Count, Echo, EchoActor, Fail, GetStats, Ping, PingPeer, Sleep
 from aiollm.deploy.graph import Graph
+from aiollm.errors import RemoteError
 
 
 class Watcher(Actor):
@@ -48,18 +49,24 @@ async def main() -> None:
         print("tell  Ping(2) -> sent, no reply")
         data = np.linspace(0, 1, 1 << 20, dtype=np.float16).reshape(1024, 1024)
         out = await echo_a.ask(Echo("tensor", data))
-        print(f"ask   Echo with a {data.dtype}{list(data.shape)} array ({data.nbytes >> 10} KiB out of band) "
-              f"-> equal: {bool(np.array_equal(out.data, data))}")
+        print(
+            f"ask   Echo with a {data.dtype}{list(data.shape)} array ({data.nbytes >> 10} KiB out of band) "
+            f"-> equal: {bool(np.array_equal(out.data, data))}"
+        )
         items = [item.i async for item in echo_a.stream(Count(8, delay=0.01), window=2)]
         print(f"stream Count(8), window 2 -> {items}")
         rtt = await echo_b.ask(PingPeer(echo_a, 200), timeout=30)
-        print(f"beta -> alpha: {rtt.n} asks between the two node processes, p50 {rtt.p50_us:.0f} us, "
-              f"max {rtt.max_us:.0f} us")
+        print(
+            f"beta -> alpha: {rtt.n} asks between the two node processes, p50 {rtt.p50_us:.0f} us, "
+            f"max {rtt.max_us:.0f} us"
+        )
         try:
             await echo_a.ask(Fail("raised on purpose"))
         except RemoteError as exc:
-            print(f"ask   Fail -> RemoteError {exc.type_name}: {exc.message} "
-                  f"(remote traceback of {len(exc.traceback_text.splitlines())} lines)")
+            print(
+                f"ask   Fail -> RemoteError {exc.type_name}: {exc.message} "
+                f"(remote traceback of {len(exc.traceback_text.splitlines())} lines)"
+            )
         try:
             await echo_a.ask(Sleep(30), timeout=0.2)
         except TimeoutError:
@@ -74,8 +81,10 @@ async def main() -> None:
         beta.process.send_signal(signal.SIGKILL)
         killed = time.perf_counter()
         notice = await asyncio.wait_for(watcher.gone.get(), 10)
-        print(f"SIGKILLed beta -> Terminated({notice.url}, {notice.reason!r}) "
-              f"after {(time.perf_counter() - killed) * 1e3:.0f} ms")
+        print(
+            f"SIGKILLed beta -> Terminated({notice.url}, {notice.reason!r}) "
+            f"after {(time.perf_counter() - killed) * 1e3:.0f} ms"
+        )
     print("all nodes stopped")
 
 

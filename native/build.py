@@ -3,6 +3,7 @@
 The header `aiollm_native.h` is the cdef: one declaration list shared by C and Python.
 Each source file may carry per-function `target` attributes; dispatch happens in C at run time.
 """
+
 import re
 from pathlib import Path
 
@@ -10,8 +11,20 @@ from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 HEADER = HERE / "aiollm_native.h"
-SOURCES = ["cpu.c", "dispatch.c", "threadpool.c", "kv_write.c", "attn_ref.c", "attn_avx2.c", "attn_avx512.c", "attn_avx512_vnni.c",
-           "gemm.c", "gemm_avx512.c", "gemm_amx.c", "gemm_team.c"]
+SOURCES = [
+    "cpu.c",
+    "dispatch.c",
+    "threadpool.c",
+    "kv_write.c",
+    "attn_ref.c",
+    "attn_avx2.c",
+    "attn_avx512.c",
+    "attn_avx512_vnni.c",
+    "gemm.c",
+    "gemm_avx512.c",
+    "gemm_amx.c",
+    "gemm_team.c",
+]
 SOURCES += ["fused_ops.c", "fma_peak.c"]  # the decode step's RMSNorm, RoPE, SiLU*up, argmax
 
 

@@ -4,13 +4,14 @@ Usage: python native/build_asan.py OUTDIR  ->  OUTDIR/aiollm/_native*.so
 The library in the source tree is left alone; the Makefile copies the package next to this build and runs
 the kernel tests there with libasan preloaded (Python itself is not instrumented).
 """
+
 import sys
 from pathlib import Path
 
 from cffi import FFI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build import HERE, SOURCES, _cdef_text  # noqa: E402
+from build import HERE, SOURCES, _cdef_text
 
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
 

@@ -3,6 +3,7 @@
 Installed as `aiollm.transports`. The implementation is chosen by the address scheme
 (`inproc://`, `tcp://`, `ucx://`) and imported lazily, so UCX is only loaded when used.
 """
+
 from aiollm.transports.base import (
     Connection,
     Frame,

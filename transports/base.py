@@ -4,6 +4,7 @@ A *frame* is a control header (bytes, encoded by the actor layer) and a list of 
 (tensor payloads) that travel beside it without serialisation. A transport only moves frames;
 it knows nothing about messages, actors or models.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -157,8 +158,9 @@ class Connection(ABC):
         """True once either side closed the connection."""
 
 
-async def _deliver_loop(conn: Connection, on_frame: FrameHandler, on_end: EndHandler,
-                        allocate: Allocator | None) -> None:
+async def _deliver_loop(
+    conn: Connection, on_frame: FrameHandler, on_end: EndHandler, allocate: Allocator | None
+) -> None:
     """The default push mode: receive, hand over, wait while the receiver holds the frame back."""
     try:
         while True:

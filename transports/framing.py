@@ -7,6 +7,7 @@ The wire prefix (used by `tcp` and `ucx`) is fixed-size and little-endian:
 followed by the header bytes and then each buffer's bytes. Sizes come first so the receiver can
 allocate every destination before a single payload byte arrives.
 """
+
 from __future__ import annotations
 
 import struct
@@ -117,7 +118,9 @@ def options_for(config: TransportConfig, scheme: str, defaults: dict[str, int | 
         if not key.startswith(prefix):
             continue
         if key not in defaults:
-            raise ValueError(f"TransportConfig.options: unknown {scheme} option {key!r}, expected one of {sorted(defaults)}")
+            raise ValueError(
+                f"TransportConfig.options: unknown {scheme} option {key!r}, expected one of {sorted(defaults)}"
+            )
         kind = type(defaults[key])
         try:
             merged[key] = kind(value)

@@ -13,6 +13,7 @@ frames and `inproc.queue_bytes` bytes wait in it (a frame larger than the byte b
 admitted into an empty queue), so a receiver that does not read makes the sender wait.
 All endpoints of one name must live on one event loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -114,8 +115,13 @@ class InprocConnection(Connection):
         """Queue a control-only frame if the peer's queue has room (see `Connection`)."""
         pipe = self._tx
         size = len(header)
-        if (pipe.writer_closed or pipe.reader_closed or size > self._config.max_header_bytes
-                or size > self._config.max_frame_bytes or not pipe.has_room(size)):
+        if (
+            pipe.writer_closed
+            or pipe.reader_closed
+            or size > self._config.max_header_bytes
+            or size > self._config.max_frame_bytes
+            or not pipe.has_room(size)
+        ):
             return False
         pipe.frames.append((bytes(header), [], size))
         pipe.queued_bytes += size

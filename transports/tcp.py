@@ -30,6 +30,7 @@ full, and TCP flow control stalls the sender, as with a receiver that does not c
 `send_nowait` writes a small control-only frame at once when nothing holds writing back (no
 coroutine: the fast path of asks and replies).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -151,12 +152,12 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             self.rpos = self.wpos = 0
             return self.scratch  # (the whole view: no slice to make)
         if self.direct is not None:
-            return self.direct[self.pos:]
+            return self.direct[self.pos :]
         if self.wpos == len(self.scratch):
             n = self.wpos - self.rpos
-            self.scratch[:n] = self.scratch[self.rpos:self.wpos]
+            self.scratch[:n] = self.scratch[self.rpos : self.wpos]
             self.rpos, self.wpos = 0, n
-        return self.scratch[self.wpos:]
+        return self.scratch[self.wpos :]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.direct is not None:
@@ -310,23 +311,31 @@ class _FrameProtocol(asyncio.BufferedProtocol):
                 return None
             rpos = self.rpos
             magic, version, _, header_len, count = PREFIX.unpack_from(self.scratch, rpos)
-            if (count == 0 and may_allocate and magic == MAGIC and version == VERSION
-                    and avail >= PREFIX.size + header_len and header_len <= self.header_max):
+            if (
+                count == 0
+                and may_allocate
+                and magic == MAGIC
+                and version == VERSION
+                and avail >= PREFIX.size + header_len
+                and header_len <= self.header_max
+            ):
                 # fast path: a whole control-only frame (only for a waiting receiver: a frame completed
                 # without one would be parked in `ready`, and a second such frame would overwrite it)
                 self.rpos = rpos + PREFIX.size + header_len
-                return bytes(self.scratch[rpos + PREFIX.size:self.rpos]), []
-            self.header_len, self.count = decode_prefix(self.scratch[self.rpos:self.rpos + PREFIX.size], self.config)
+                return bytes(self.scratch[rpos + PREFIX.size : self.rpos]), []
+            self.header_len, self.count = decode_prefix(self.scratch[self.rpos : self.rpos + PREFIX.size], self.config)
             self.rpos += PREFIX.size
             self.stage = _SIZES
         if self.stage == _SIZES:
             need = 8 * self.count
             if self.wpos - self.rpos < need:
                 return None
-            self.sizes = decode_sizes(self.scratch[self.rpos:self.rpos + need], self.count, self.header_len, self.config)
+            self.sizes = decode_sizes(
+                self.scratch[self.rpos : self.rpos + need], self.count, self.header_len, self.config
+            )
             self.rpos += need
             if self.wpos - self.rpos >= self.header_len:  # the usual case: the whole header is here
-                self.header = bytes(self.scratch[self.rpos:self.rpos + self.header_len])
+                self.header = bytes(self.scratch[self.rpos : self.rpos + self.header_len])
                 self.rpos += self.header_len
                 self.stage = _ALLOC
             else:
@@ -359,7 +368,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             dest = self.dests[self.idx]
             take = min(self.wpos - self.rpos, len(dest) - self.pos)
             if take:
-                dest[self.pos:self.pos + take] = self.scratch[self.rpos:self.rpos + take]
+                dest[self.pos : self.pos + take] = self.scratch[self.rpos : self.rpos + take]
                 self.pos += take
                 self.rpos += take
             if self.pos < len(dest):
@@ -383,8 +392,11 @@ class _FrameProtocol(asyncio.BufferedProtocol):
 
     def resume(self) -> None:
         """Read again, unless the scratch buffer is still full (the kernel would get an empty buffer)."""
-        if (self.reading_paused and self.ended is None
-                and (self.direct is not None or self.wpos - self.rpos < len(self.scratch))):
+        if (
+            self.reading_paused
+            and self.ended is None
+            and (self.direct is not None or self.wpos - self.rpos < len(self.scratch))
+        ):
             self.reading_paused = False
             self.transport.resume_reading()
 
@@ -493,7 +505,9 @@ class TcpConnection(Connection):
             p.allocate = allocate
             try:  # (nothing buffered at a frame boundary, the usual case when waiting: no parse)
                 parsable = p.rpos != p.wpos or p.stage != _PREFIX
-                frame = p.parse(True) if parsable and (p.ended is None or isinstance(p.ended, NodeUnreachable)) else None
+                frame = (
+                    p.parse(True) if parsable and (p.ended is None or isinstance(p.ended, NodeUnreachable)) else None
+                )
             except Exception as exc:
                 p.fail(exc)
                 raise

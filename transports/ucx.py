@@ -27,6 +27,7 @@ Design, and why:
 - Worker settings (`ucx.tls`, `ucx.progress`) come from the first UCX listener or connection of
   an event loop. `UCX_TLS` in the environment wins over the `ucx.tls` default.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -81,8 +82,17 @@ def _control(kind: int, value: int = 0) -> bytes:
 class UcxConnection(Connection):
     """One end of a UCX connection: an endpoint, two tags each way, and the TCP bootstrap as liveness."""
 
-    def __init__(self, engine: Engine, endpoint, bootstrap: Connection, config: TransportConfig,
-                 recv_id: int, send_id: int, local_address: str, peer_address: str) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        endpoint,
+        bootstrap: Connection,
+        config: TransportConfig,
+        recv_id: int,
+        send_id: int,
+        local_address: str,
+        peer_address: str,
+    ) -> None:
         self._engine = engine
         self._ep = endpoint
         self._bootstrap = bootstrap
@@ -180,20 +190,20 @@ class UcxConnection(Connection):
             raise ChannelBroken(f"control message of {len(buf)} bytes is shorter than the frame prefix")
         magic, version, kind, value, _count = PREFIX.unpack_from(buf)
         if magic != MAGIC or version != VERSION:
-            decode_prefix(buf[:PREFIX.size], self._config)  # raises ChannelBroken naming the problem
+            decode_prefix(buf[: PREFIX.size], self._config)  # raises ChannelBroken naming the problem
         if kind == _CREDIT:
             self._credits += value
         elif kind == _BYE:
             self._peer_gone = NodeUnreachable(f"{self.peer_address}: peer closed the connection")
         elif kind in (_FRAME, _INLINE):
-            header_len, count = decode_prefix(buf[:PREFIX.size], self._config)
+            header_len, count = decode_prefix(buf[: PREFIX.size], self._config)
             end = PREFIX.size + 8 * count
-            sizes = decode_sizes(buf[PREFIX.size:end], count, header_len, self._config)
+            sizes = decode_sizes(buf[PREFIX.size : end], count, header_len, self._config)
             expected = end + header_len + (sum(sizes) if kind == _INLINE else 0)
             if len(buf) != expected:
                 raise ChannelBroken(f"control message of {len(buf)} bytes, its prefix announces {expected}")
-            payload = memoryview(buf)[end + header_len:] if kind == _INLINE else None
-            self._frames.append((bytes(buf[end:end + header_len]), sizes, payload))
+            payload = memoryview(buf)[end + header_len :] if kind == _INLINE else None
+            self._frames.append((bytes(buf[end : end + header_len]), sizes, payload))
         else:
             raise ChannelBroken(f"unknown control message kind {kind}")
         self._wake()
@@ -241,8 +251,9 @@ class UcxConnection(Connection):
             self._break(ChannelBroken(f"receive failed: {exc}"))
             raise
 
-    def _unpack_inline(self, allocate: Allocator | None, header: bytes, sizes: list[int],
-                       payload: memoryview) -> list[memoryview]:
+    def _unpack_inline(
+        self, allocate: Allocator | None, header: bytes, sizes: list[int], payload: memoryview
+    ) -> list[memoryview]:
         """An inline frame's buffers: views of the received message, or copies into `allocate`'s memory."""
         offsets = [0]
         for size in sizes:

@@ -6,6 +6,7 @@ in "thread" mode). This engine progresses the worker from the event loop itself:
 event fd fires or an operation is posted, then it re-arms the worker and sleeps in epoll.
 Imports the binding; without it, fails with the install command.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -152,11 +153,15 @@ def engine_for(config: TransportConfig) -> Engine:
     """The engine of the running loop, created with `config`'s ucx options on first use."""
     opts = options_for(config, "ucx", DEFAULT_OPTIONS)
     if opts["ucx.progress"] not in _PROGRESS_MODES:
-        raise ValueError(f"TransportConfig.options['ucx.progress']: expected one of {_PROGRESS_MODES}, got {opts['ucx.progress']!r}")
+        raise ValueError(
+            f"TransportConfig.options['ucx.progress']: expected one of {_PROGRESS_MODES}, got {opts['ucx.progress']!r}"
+        )
     if int(opts["ucx.window_frames"]) < 2:
         raise ValueError("TransportConfig.options['ucx.window_frames'] must be >= 2")
     loop = asyncio.get_running_loop()
     engine = _ENGINES.get(loop)
     if engine is None:
-        engine = _ENGINES[loop] = Engine(loop, str(opts["ucx.progress"]), str(opts["ucx.tls"]), int(opts["ucx.spin_us"]))
+        engine = _ENGINES[loop] = Engine(
+            loop, str(opts["ucx.progress"]), str(opts["ucx.tls"]), int(opts["ucx.spin_us"])
+        )
     return engine

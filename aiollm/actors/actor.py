@@ -4,6 +4,7 @@ The runtime state (mailbox, loop task, streams) lives in a separate `ActorCell` 
 the only names an actor inherits are the documented ones below and a handler can be called
 anything (`start`, `cancel`, `shutdown`...) without shadowing the runtime.
 """
+
 from __future__ import annotations
 
 import asyncio

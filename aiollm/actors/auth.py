@@ -5,6 +5,7 @@ the other's nonce + its own nonce), where the label differs by direction so a pr
 reflected back. Each side checks the other's proof with `hmac.compare_digest`. The secret never
 crosses the wire; a peer without it is refused (a `Failure` frame, then close) and logged.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -10,6 +10,7 @@ other handlers, and a generator at zero credit is simply not resumed.
 A request from a peer that finds the actor idle does not even cost that wake-up: `run_now` runs
 the handler from the transport's receive callback as the loop task would (see `inline.py`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -94,8 +95,13 @@ class ActorCell:
         """
         task = self._task
         loop = self._loop
-        if (task is None or self._resume is not None or not self.mailbox.parked()
-                or (reply is not None and reply.kind == STREAM) or in_task(loop)):
+        if (
+            task is None
+            or self._resume is not None
+            or not self.mailbox.parked()
+            or (reply is not None and reply.kind == STREAM)
+            or in_task(loop)
+        ):
             return False
         entry = self.handlers.get(msg.__class__)
         if entry is None or entry[1] or (reply is not None and reply.cancelled):
@@ -146,7 +152,9 @@ class ActorCell:
                 self._continue(reply.fail(_remote_error(exc)))
         elif isinstance(exc, asyncio.CancelledError):  # not asked for (nothing could cancel it yet): the loop would end
             if reply is not None:
-                self._continue(reply.fail(ActorDied(f"actor {self.name!r} stopped while handling {type(msg).__name__}")))
+                self._continue(
+                    reply.fail(ActorDied(f"actor {self.name!r} stopped while handling {type(msg).__name__}"))
+                )
             self._crashed(exc)
         else:
             raise exc
@@ -344,8 +352,10 @@ class ActorCell:
     async def _reject(self, msg: Message, reply: Reply | Sink | None, entry: tuple | None) -> None:
         if entry is None:
             known = ", ".join(sorted(t.__name__ for t in self.handlers)) or "nothing"
-            text = (f"actor {self.name!r} ({type(self.actor).__qualname__}) has no handler for "
-                    f"{type(msg).__name__}; it handles {known}")
+            text = (
+                f"actor {self.name!r} ({type(self.actor).__qualname__}) has no handler for "
+                f"{type(msg).__name__}; it handles {known}"
+            )
         elif entry[1]:
             text = f"{type(msg).__name__} is handled by a stream handler on {self.name!r}; use ref.stream()"
         else:
@@ -356,8 +366,9 @@ class ActorCell:
 
 
 def _bad_result(msg: Message, result: object) -> RemoteError:
-    return RemoteError("TypeError", f"handler for {type(msg).__name__} returned {type(result).__name__}; "
-                       "return a Message or None")
+    return RemoteError(
+        "TypeError", f"handler for {type(msg).__name__} returned {type(result).__name__}; return a Message or None"
+    )
 
 
 def _remote_error(exc: BaseException) -> RemoteError:

@@ -11,6 +11,7 @@ bfloat16 (and the other torch dtypes numpy lacks) travels as raw bytes with the 
 and is rebuilt as a torch tensor on receipt; a numpy-annotated field refuses it. `ActorRef`
 fields travel as their URL and come back bound to the receiving node. Nothing is pickled.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,9 +46,7 @@ NUMPY_DTYPES = frozenset(
     "bool int8 uint8 int16 uint16 int32 uint32 int64 uint64 float16 float32 float64 complex64 complex128".split()
 )
 # torch dtypes without a numpy equivalent, carried as raw bytes under their torch name.
-TORCH_ONLY_DTYPES = frozenset(
-    "bfloat16 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz complex32".split()
-)
+TORCH_ONLY_DTYPES = frozenset("bfloat16 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz complex32".split())
 
 
 # The envelopes that carry a message in `body`.
@@ -170,8 +169,10 @@ class Codec:
             return self._tensor_ext("torch", name, shape, flat, flat.nbytes)
         if isinstance(obj, np.generic):
             return obj.item()
-        raise TypeError(f"cannot send a {type(obj).__name__}: message fields hold msgpack values, structs, "
-                        "numpy arrays, torch tensors and ActorRefs")
+        raise TypeError(
+            f"cannot send a {type(obj).__name__}: message fields hold msgpack values, structs, "
+            "numpy arrays, torch tensors and ActorRefs"
+        )
 
     def _tensor_ext(self, fw: str, dtype: str, shape: tuple[int, ...], flat: np.ndarray, nbytes: int) -> Any:
         if self._out is None:
@@ -208,7 +209,7 @@ class Codec:
             env = self._frame_decoder.decode(header)
             if env.v == PROTOCOL_VERSION:
                 return env
-        except Exception:  # noqa: BLE001, S110 (whatever failed, the two steps below say what it was)
+        except Exception:
             pass
         finally:
             self._rx = ()
@@ -242,17 +243,24 @@ class Codec:
             self._rx = ()
 
     def _rebuild_decoder(self) -> msgspec.msgpack.Decoder:
-        body = typing.Optional[typing.Union[tuple(message_types().values())]]
+        body = typing.Optional[typing.Union[tuple(message_types().values())]]  # noqa: UP007, UP045 (built at run time)
         self._registry_generation = registry_generation()
         self._body_decoder = msgspec.msgpack.Decoder(body, ext_hook=self._ext_hook, dec_hook=_dec_hook)
         typed = [
-            msgspec.defstruct(kind.__name__, [("body", body)], bases=(kind,), module=__name__,
-                              tag=kind.__struct_config__.tag, array_like=True)
+            msgspec.defstruct(
+                kind.__name__,
+                [("body", body)],
+                bases=(kind,),
+                module=__name__,
+                tag=kind.__struct_config__.tag,
+                array_like=True,
+            )
             for kind in _WITH_BODY
         ]
         rest = [kind for kind in typing.get_args(AnyEnvelope) if kind not in _WITH_BODY]
-        self._frame_decoder = msgspec.msgpack.Decoder(typing.Union[(*typed, *rest)], ext_hook=self._ext_hook,
-                                                      dec_hook=_dec_hook)
+        self._frame_decoder = msgspec.msgpack.Decoder(
+            typing.Union[(*typed, *rest)], ext_hook=self._ext_hook, dec_hook=_dec_hook
+        )
         return self._body_decoder
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:

@@ -5,6 +5,7 @@ asks (`Ping`, `Echo` with an optional tensor, `PingPeer` to ping another node), 
 (`Count`), a slow handler that can be cancelled (`Sleep`), a handler that raises (`Fail`), and
 counters to observe all of it (`Stats`).
 """
+
 from __future__ import annotations
 
 import argparse

@@ -11,6 +11,7 @@ task as `asyncio.current_task()` (so `asyncio.timeout`, task groups and cancella
 if it suspends, the rest of it is handed to the actor's loop task as a `Resume`, which that task
 awaits: the waiting, waking and cancelling from then on are plain asyncio.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,9 @@ leave_task = asyncio.tasks._leave_task
 in_task = asyncio.tasks._current_tasks.__contains__
 
 
-def first_step(loop: asyncio.AbstractEventLoop, task: asyncio.Task, context: contextvars.Context,
-               coro: Coroutine[Any, Any, Any]) -> tuple[bool, Any]:
+def first_step(
+    loop: asyncio.AbstractEventLoop, task: asyncio.Task, context: contextvars.Context, coro: Coroutine[Any, Any, Any]
+) -> tuple[bool, Any]:
     """Run `coro` up to its first suspension as `task` in `context`: (finished, what it waits on).
 
     Call only from a callback (no task running) while `task` is suspended. Exceptions of `coro`

@@ -5,6 +5,7 @@ Why not `asyncio.Queue`: the mailbox also needs a small *system lane* that bypas
 bound), and a close that wakes every waiter with `ActorDied`. The common path — room available,
 loop waiting — is one deque append and one future wake-up.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -7,6 +7,7 @@ or a wrong field is reported against the request it came with. Tensor fields nev
 the header: the codec (`codec.py`) replaces each one with a small descriptor and sends the raw
 bytes as one of the frame's buffers.
 """
+
 from __future__ import annotations
 
 from typing import Any

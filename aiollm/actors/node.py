@@ -6,6 +6,7 @@ whose node part is one of this node's addresses is local: the message object is 
 mailbox as-is. Otherwise the node opens one connection to that node on first use (connect, then
 the HMAC handshake) and reuses it; an accepted connection is also reused for the other direction.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,6 +41,8 @@ from aiollm.transports.base import listen as transport_listen
 def _log():
     """This module's logger, bound at call time so it follows `aiollm.log.configure`."""
     return get_logger("actors.node")
+
+
 _node_ids = itertools.count()
 
 
@@ -84,8 +87,9 @@ class NodeConfig:
             raise ValueError(f"NodeConfig.name must not contain '/' or ':', got {self.name!r}")
 
     def transport_config(self) -> TransportConfig:
-        return TransportConfig(max_frame_bytes=self.max_frame_bytes,
-                               max_header_bytes=min(self.max_frame_bytes, 16 * 1024 * 1024))
+        return TransportConfig(
+            max_frame_bytes=self.max_frame_bytes, max_header_bytes=min(self.max_frame_bytes, 16 * 1024 * 1024)
+        )
 
 
 class Node:
@@ -206,8 +210,9 @@ class Node:
         else:
             await (await self.peer(ref.node_url)).tell(ref.name, msg)
 
-    def ask(self, ref: ActorRef, msg: Message, timeout: float | None,
-            into: Sequence[Buffer] | None = None) -> Awaitable[Message | None]:
+    def ask(
+        self, ref: ActorRef, msg: Message, timeout: float | None, into: Sequence[Buffer] | None = None
+    ) -> Awaitable[Message | None]:
         if not isinstance(msg, Message):
             _check(msg)
         peer = self._peers.get(ref.node_url)
@@ -216,8 +221,9 @@ class Node:
             return peer.ask(ref.name, msg, timeout, into)
         return self._ask(ref, msg, timeout, into)
 
-    async def _ask(self, ref: ActorRef, msg: Message, timeout: float | None,
-                   into: Sequence[Buffer] | None) -> Message | None:
+    async def _ask(
+        self, ref: ActorRef, msg: Message, timeout: float | None, into: Sequence[Buffer] | None
+    ) -> Message | None:
         if ref.node_url in self._local_urls:
             return await self._local(ref).ask_local(msg, timeout)
         peer = await self.peer(ref.node_url)
@@ -275,8 +281,9 @@ class Node:
     async def _handshake(self, conn: Connection, initiator: bool) -> PeerInfo:
         config = self.config
         try:
-            return await handshake(conn, self.codec, config.secret, self.url, config.max_frame_bytes,
-                                   initiator, config.handshake_timeout)
+            return await handshake(
+                conn, self.codec, config.secret, self.url, config.max_frame_bytes, initiator, config.handshake_timeout
+            )
         except BaseException:
             await conn.close()
             raise

@@ -10,6 +10,7 @@ network. Time spent so blocked does not count against the peer's heartbeat. When
 ask and stream waiting on it fails with `NodeUnreachable` and the node fires `Terminated` for
 the actors watched over it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 from aiollm.actors.messages import (
     ASK,
-    PROTOCOL_VERSION as V,
     STREAM,
     TELL,
     Cancel,
@@ -34,6 +34,9 @@ from aiollm.actors.messages import (
     Stopped,
     Unwatch,
     Watch,
+)
+from aiollm.actors.messages import (
+    PROTOCOL_VERSION as V,
 )
 from aiollm.actors.reply import Reply as ReplySlot
 from aiollm.actors.reply import Sink, expire
@@ -138,8 +141,9 @@ class Peer:
     async def tell(self, name: str, msg: Message) -> None:
         await self.send(Request(V, 0, TELL, name, 0, msg))
 
-    async def ask(self, name: str, msg: Message, timeout: float | None,
-                  into: Sequence[Buffer] | None = None) -> Message | None:
+    async def ask(
+        self, name: str, msg: Message, timeout: float | None, into: Sequence[Buffer] | None = None
+    ) -> Message | None:
         # The hottest coroutine of the runtime: on success it costs an id, a future, one encode and
         # one write; the reply's receive callback removes the future from `_pending`.
         self._last_id = rid = self._last_id + 1
@@ -151,7 +155,9 @@ class Peer:
                 self._into[rid] = _destinations(into)
             if timeout is not None:
                 timer = self._loop.call_later(timeout, expire, fut, timeout)
-            header, buffers = self._codec.encode((_REQUEST, V, rid, ASK, name, 0, msg))  # = Request(V, rid, ASK, name, 0, msg)
+            header, buffers = self._codec.encode(
+                (_REQUEST, V, rid, ASK, name, 0, msg)
+            )  # = Request(V, rid, ASK, name, 0, msg)
             if buffers or self.closed or len(header) > self.max_frame or not self.conn.send_nowait(header):
                 await self.send_frame(header, buffers)
             return await fut
@@ -250,7 +256,11 @@ class Peer:
             return None
         msg = env.body
         if msg is None or msg.__class__ is ProtocolError or env.kind not in (TELL, ASK, STREAM):
-            error = msg if msg is not None and msg.__class__ is ProtocolError else f"request of kind {env.kind} without a message"
+            error = (
+                msg
+                if msg is not None and msg.__class__ is ProtocolError
+                else f"request of kind {env.kind} without a message"
+            )
             _log().warning("bad message refused", peer=self.url, actor=env.to, error=str(error))
             self.notify(Failure(V, env.id, "protocol", "ProtocolError", str(error), ""))
             return None

@@ -5,6 +5,7 @@ target is local (the message object goes straight into the mailbox, nothing is s
 on a peer (encoded, sent over the one connection to that node, opened lazily). Refs can be
 message fields: they travel as their URL and are re-bound to the receiving node.
 """
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -45,8 +46,9 @@ class ActorRef:
         """
         await self._router.tell(self, msg)
 
-    def ask(self, msg: Message, timeout: float | None = None,
-            into: Sequence[Buffer] | None = None) -> Awaitable[Message | None]:
+    def ask(
+        self, msg: Message, timeout: float | None = None, into: Sequence[Buffer] | None = None
+    ) -> Awaitable[Message | None]:
         """Send and wait for the handler's return value.
 
         `into`: writable, contiguous buffers (e.g. numpy arrays) for the reply's tensors, in the order

@@ -4,6 +4,7 @@ The actor loop only calls `ok`/`fail` (asks) and `item`/`end`/`fail` (streams); 
 future in this process or sends a frame to a peer is the subclass's business (`peer.py` has the
 remote ones). Both carry the cancellation flags the loop checks.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -5,6 +5,7 @@ costs one; each time the consumer has *taken* half a window of items it grants t
 So at most `window` items are ever queued here or in flight, however slow the consumer — the
 producer's generator simply is not resumed at zero credit.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -3,6 +3,7 @@
 Spawning by class path (`package.module:Class`) is safe to offer only because every connection is
 authenticated with the cluster secret first, and only `Actor` subclasses are accepted.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -5,6 +5,7 @@ Local watchers of a local actor are told directly; a peer watching one of our ac
 actors watch it, and fires `Terminated` for all of them when the `Stopped` frame arrives or the
 connection to that node is lost (closed, or silent past the heartbeat timeout).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

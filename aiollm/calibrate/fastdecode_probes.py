@@ -7,6 +7,7 @@ inputs, so the model can be tested with given numbers and `python -m aiollm.plan
 driver, R-workers wherever their URLs point) because every term they read, a wake-up, a KV write, the cores two
 processes share, is one a synthetic ping-pong misses (it measured 2-3x less here).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -82,10 +83,18 @@ def measure_r(model_name: str, seq_len: int, batch: int = 16, repeats: int = 3) 
     c = model.config
     block = 16
     per_seq = -(-(seq_len + 1) // block)
-    pool = KVPool(KVConfig(n_layers=c.n_layers, n_blocks=batch * per_seq, n_kv_heads=c.n_kv_heads,
-                           head_dim=c.head_dim, block_size=block, dtype="fp16"))
+    pool = KVPool(
+        KVConfig(
+            n_layers=c.n_layers,
+            n_blocks=batch * per_seq,
+            n_kv_heads=c.n_kv_heads,
+            head_dim=c.head_dim,
+            block_size=block,
+            dtype="fp16",
+        )
+    )
     for arr in (pool.k, pool.v, pool.k_scale, pool.v_scale):  # touch the memory: untouched pages all map the
-        if arr is not None:                                    # one shared zero page and read far too fast
+        if arr is not None:  # one shared zero page and read far too fast
             arr.fill(1)
     tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
     lens = np.full(batch, seq_len, dtype=np.int32)
@@ -99,9 +108,15 @@ def measure_r(model_name: str, seq_len: int, batch: int = 16, repeats: int = 3) 
     return best / (batch * seq_len)
 
 
-def measure_costs(model_name: str, rows: list[int], t_of_b: dict[int, float], r_per_token: float,
-                  workers: tuple[int, ...] = (1, 2), kv_dtype: str = "fp16", seq_len: int = 1024
-                  ) -> tuple[dict[int, dict[int, AskCost]], float, float, Overlap]:
+def measure_costs(
+    model_name: str,
+    rows: list[int],
+    t_of_b: dict[int, float],
+    r_per_token: float,
+    workers: tuple[int, ...] = (1, 2),
+    kv_dtype: str = "fp16",
+    seq_len: int = 1024,
+) -> tuple[dict[int, dict[int, AskCost]], float, float, Overlap]:
     """({P: ask costs} by `step_costs`, R in situ and the S-worker's CPU per streamed KV entry by `long_step_terms`
     with the most R-workers, and the overlap loss by `measure_overlap` with one R-worker) against R-worker processes started here for the purpose (`python -m aiollm.node
     --role r-worker`, loopback TCP, as the S-worker talks to its R-workers)."""
@@ -113,40 +128,77 @@ def measure_costs(model_name: str, rows: list[int], t_of_b: dict[int, float], r_
 
     async def run() -> tuple[dict[int, dict[int, AskCost]], float, float, Overlap]:
         async with Graph(startup_timeout=120.0) as graph:
-            nodes = [await graph.start_node("r-worker", process=True, args=(
-                "--model", model_name, "--kv-memory", "4GiB", "--kv-dtype", kv_dtype, "--threads", str(R_THREADS)))
-                for _ in range(max(workers))]
+            nodes = [
+                await graph.start_node(
+                    "r-worker",
+                    process=True,
+                    args=(
+                        "--model",
+                        model_name,
+                        "--kv-memory",
+                        "4GiB",
+                        "--kv-dtype",
+                        kv_dtype,
+                        "--threads",
+                        str(R_THREADS),
+                    ),
+                )
+                for _ in range(max(workers))
+            ]
             urls = [node.actors["r-worker"] for node in nodes]
             # the sizing prices pipelined steps; the long probe runs unpipelined, so it subtracts that mode's costs
-            costs = {p: await step_costs(graph.driver, model, urls[:p], rows, t_of_b, r_per_token, pipeline=True)
-                     for p in workers}
+            costs = {
+                p: await step_costs(graph.driver, model, urls[:p], rows, t_of_b, r_per_token, pipeline=True)
+                for p in workers
+            }
             p = max(workers)
             plain = await step_costs(graph.driver, model, urls[:p], [max(rows)], t_of_b, r_per_token)
-            terms = await long_step_terms(graph.driver, model, urls[:p], p * max(rows), seq_len // 2, t_of_b,
-                                          plain, r_per_token, repeats=3)
+            terms = await long_step_terms(
+                graph.driver, model, urls[:p], p * max(rows), seq_len // 2, t_of_b, plain, r_per_token, repeats=3
+            )
             p, cores = min(workers), len(os.sched_getaffinity(0))
             batch = 2 * p * max(rows)
-            context = balanced_context(lambda c: predict_step(t_of_b, terms[0], costs[p], model.config.n_layers,
-                                                              batch, batch * c, p, True, cores,
-                                                              s_per_token=terms[1]), seq_len - 8)
-            loss = await measure_overlap(graph.driver, model, urls[:p], batch, context, costs[p], cores,
-                                        longest=seq_len - 8)
+            context = balanced_context(
+                lambda c: predict_step(
+                    t_of_b,
+                    terms[0],
+                    costs[p],
+                    model.config.n_layers,
+                    batch,
+                    batch * c,
+                    p,
+                    True,
+                    cores,
+                    s_per_token=terms[1],
+                ),
+                seq_len - 8,
+            )
+            loss = await measure_overlap(
+                graph.driver, model, urls[:p], batch, context, costs[p], cores, longest=seq_len - 8
+            )
             return costs, *terms, loss
 
     with _s_part_threads(torch):  # the probes' S-worker runs in this process
         return asyncio.run(run())
 
 
-async def probe_step(driver, model, r_workers: list[str], context_lens: list[int], steps: int = 4,
-                     pipeline: bool = False, name: str = "step-probe") -> tuple[float, float, list[float], float]:
+async def probe_step(
+    driver,
+    model,
+    r_workers: list[str],
+    context_lens: list[int],
+    steps: int = 4,
+    pipeline: bool = False,
+    name: str = "step-probe",
+) -> tuple[float, float, list[float], float]:
     """(median step wall seconds, the S-worker's CPU per step, each R-worker's CPU per step, mean KV
     entries held) of `steps` decode steps (after one warm-up step) of synthetic sequences with `context_lens`,
     by an S-worker spawned on `driver` (this process) and the R-worker processes at `r_workers`, each side
     timed by its own process CPU clock."""
     import asyncio
 
-    from aiollm.serving.fastdecode.messages import GetRLoad, GetTrace, Synthetic
     from aiollm.serving.distserve.messages import GetLoad
+    from aiollm.serving.fastdecode.messages import GetRLoad, GetTrace, Synthetic
     from aiollm.serving.fastdecode.s_worker import SWorker, SWorkerConfig
 
     refs = [driver.ref(url) for url in r_workers]
@@ -173,12 +225,25 @@ async def probe_step(driver, model, r_workers: list[str], context_lens: list[int
     finally:
         await driver.stop_actor(name)
     r_cpu = [(b - a) / max(1, last - first) for a, b in zip(before, after)]
-    return (float(np.median(trace.step_s[1:])), float(np.median(trace.cpu_s[1:])), r_cpu,
-            float(np.mean(trace.tokens[1:])))
+    return (
+        float(np.median(trace.step_s[1:])),
+        float(np.median(trace.cpu_s[1:])),
+        r_cpu,
+        float(np.mean(trace.tokens[1:])),
+    )
 
 
-async def measure_overlap(driver, model, r_workers: list[str], batch: int, context: int,
-                          costs: dict[int, AskCost], cores: float, steps: int = 8, longest: int = 0) -> Overlap:
+async def measure_overlap(
+    driver,
+    model,
+    r_workers: list[str],
+    batch: int,
+    context: int,
+    costs: dict[int, AskCost],
+    cores: float,
+    steps: int = 8,
+    longest: int = 0,
+) -> Overlap:
     """The pipeline's overlap loss (`overlap_loss`) from a pipelined probe of `batch` sequences at `context`
     entries on the R-workers at `r_workers` (choose it with `balanced_context`), each side timed by its own CPU
     clock, the waits per ask taken from the pipelined `costs` (`step_costs`) as `predict_step` takes them. Median
@@ -196,10 +261,10 @@ async def measure_overlap(driver, model, r_workers: list[str], batch: int, conte
     waits = layers * 2 * p * ask.wait
 
     async def probe(at: int) -> Overlap:
-        step, s_cpu, r_cpus, _ = await probe_step(driver, model, r_workers, [at] * batch, steps, pipeline=True,
-                                                  name=f"overlap-probe-{p}")
-        return Overlap(overlap_loss(step, s_cpu, r_cpus, cores, waits), batch, at, p, step, s_cpu, max(r_cpus),
-                       waits)
+        step, s_cpu, r_cpus, _ = await probe_step(
+            driver, model, r_workers, [at] * batch, steps, pipeline=True, name=f"overlap-probe-{p}"
+        )
+        return Overlap(overlap_loss(step, s_cpu, r_cpus, cores, waits), batch, at, p, step, s_cpu, max(r_cpus), waits)
 
     def imbalance(o: Overlap) -> float:
         return abs(math.log((o.s_cpu + o.waits) / max(o.r_cpu, 1e-9)))
@@ -215,8 +280,9 @@ async def measure_overlap(driver, model, r_workers: list[str], batch: int, conte
     return min(probes, key=imbalance)
 
 
-async def step_curve(driver, model, r_workers: list[str], batch: int, contexts: list[int], steps: int = 6,
-                     passes: int = 2) -> list[tuple[float, float]]:
+async def step_curve(
+    driver, model, r_workers: list[str], batch: int, contexts: list[int], steps: int = 6, passes: int = 2
+) -> list[tuple[float, float]]:
     """(W, step seconds) of pipelined decode steps of `batch` synthetic sequences at each of `contexts`, for
     `fit_step_curve`: W is the mean KV entries the steps held, the step the median of `steps` (`probe_step`),
     the fastest of `passes` passes (a slow phase of this machine only ever adds time: one pass scattered 20 ms rms
@@ -228,9 +294,10 @@ async def step_curve(driver, model, r_workers: list[str], batch: int, contexts: 
     order = sorted(contexts, key=lambda c: abs(c - float(np.median(contexts))))
     best: dict[int, tuple[float, float]] = {}
     for i in range(passes):
-        for c in (order if i % 2 == 0 else order[::-1]):
-            step, _, _, held = await probe_step(driver, model, r_workers, [c] * batch, steps, pipeline=True,
-                                                name=f"curve-probe-{c}")
+        for c in order if i % 2 == 0 else order[::-1]:
+            step, _, _, held = await probe_step(
+                driver, model, r_workers, [c] * batch, steps, pipeline=True, name=f"curve-probe-{c}"
+            )
             if c not in best or step < best[c][1]:
                 best[c] = (held, step)
     return sorted(best.values())
@@ -244,9 +311,18 @@ async def _s_part_off_loop(s_part_now: Callable[[int], float], rows: int) -> flo
     return await asyncio.to_thread(s_part_now, rows)
 
 
-async def step_costs(driver, model, r_workers: list[str], rows: list[int], t_of_b: dict[int, float],
-                     r_per_token: float, context: int = 16, steps: int = 4, pipeline: bool = False,
-                     s_part_now: Callable[[int], float] | None = None) -> dict[int, AskCost]:
+async def step_costs(
+    driver,
+    model,
+    r_workers: list[str],
+    rows: list[int],
+    t_of_b: dict[int, float],
+    r_per_token: float,
+    context: int = 16,
+    steps: int = 4,
+    pipeline: bool = False,
+    s_part_now: Callable[[int], float] | None = None,
+) -> dict[int, AskCost]:
     """{b: AskCost}: what a real decode step spends per ask beyond its S-part and attention, with b rows per ask.
 
     Synthetic sequences of `context` entries, b per R-worker in each mini-batch (one, or two with `pipeline`),
@@ -268,8 +344,9 @@ async def step_costs(driver, model, r_workers: list[str], rows: list[int], t_of_
     asks = model.config.n_layers * groups
     for b in rows:
         before = await _s_part_off_loop(s_part_now, p * b) if s_part_now else 0.0
-        step, s_cpu, r_cpus, held = await probe_step(driver, model, r_workers, [context] * (groups * p * b), steps,
-                                                     pipeline, name=f"cost-probe-{p}-{b}-{groups}")
+        step, s_cpu, r_cpus, held = await probe_step(
+            driver, model, r_workers, [context] * (groups * p * b), steps, pipeline, name=f"cost-probe-{p}-{b}-{groups}"
+        )
         s_part = (before + await _s_part_off_loop(s_part_now, p * b)) / 2 if s_part_now else interpolate(t_of_b, p * b)
         r_cpu = max(r_cpus)
         r_over = max(0.0, r_cpu - r_per_token * held / p)
@@ -278,9 +355,19 @@ async def step_costs(driver, model, r_workers: list[str], rows: list[int], t_of_
     return out
 
 
-async def long_step_terms(driver, model, r_workers: list[str], batch: int, context: int, t_of_b: dict[int, float],
-                          costs: dict[int, AskCost], r_kernel: float, floor: bool = True,
-                          s_part_now: Callable[[int], float] | None = None, repeats: int = 1) -> tuple[float, float]:
+async def long_step_terms(
+    driver,
+    model,
+    r_workers: list[str],
+    batch: int,
+    context: int,
+    t_of_b: dict[int, float],
+    costs: dict[int, AskCost],
+    r_kernel: float,
+    floor: bool = True,
+    s_part_now: Callable[[int], float] | None = None,
+    repeats: int = 1,
+) -> tuple[float, float]:
     """(R in situ, the S-worker's CPU per KV entry streamed) from unpipelined probes of `batch` sequences at
     `context` entries on the R-workers at `r_workers`: the busiest R-worker's CPU beyond its asks per entry it
     holds (a real R-worker's blocks, its peers attending at the same time), and the S-worker's CPU beyond T(B) and
@@ -298,8 +385,9 @@ async def long_step_terms(driver, model, r_workers: list[str], batch: int, conte
     situs, s_tokens = [], []
     for i in range(repeats):
         before = await _s_part_off_loop(s_part_now, batch) if s_part_now else 0.0
-        _, s_cpu, r_cpus, held = await probe_step(driver, model, r_workers, [context] * batch,
-                                                  name=f"long-probe-{p}-{i}")
+        _, s_cpu, r_cpus, held = await probe_step(
+            driver, model, r_workers, [context] * batch, name=f"long-probe-{p}-{i}"
+        )
         s_part = (before + await _s_part_off_loop(s_part_now, batch)) / 2 if s_part_now else interpolate(t_of_b, batch)
         situs.append((max(r_cpus) - layers * ask.r) / (held / p))
         s_tokens.append(max(0.0, (s_cpu - s_part - layers * p * ask.s) / held))
@@ -332,8 +420,10 @@ def measure_effective_cores(cores: int, rounds: int = 3, iterations: int = 1000)
 
     def timed(n: int) -> list[float]:
         start = time.time() + 0.3 + 0.1 * n  # after every copy has imported numpy
-        procs = [subprocess.Popen([sys.executable, "-c", job, str(start)], env=env, stdout=subprocess.PIPE,
-                                  text=True) for _ in range(n)]
+        procs = [
+            subprocess.Popen([sys.executable, "-c", job, str(start)], env=env, stdout=subprocess.PIPE, text=True)
+            for _ in range(n)
+        ]
         return [float(proc.communicate()[0]) for proc in procs]
 
     alone, together = [], []
@@ -351,6 +441,7 @@ def _load_model(name: str):
 
         from aiollm import model as aiollm_model
         from aiollm.model.linear import fastest_cpu_dtype
+
         return torch, aiollm_model.load(name, dtype=fastest_cpu_dtype())
     except ImportError as exc:
         raise ImportError(f"measuring needs aiollm.model (not importable: {exc}); pass --t-of-b PATH instead") from None

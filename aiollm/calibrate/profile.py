@@ -6,6 +6,7 @@ prefill iterations and decode steps, so the profile is exactly those: `model.pre
 and a decode step of every layer's S-part plus paged attention over a KV pool (aiollm.kv) at a given
 batch and context. The fitted points are stored with the coefficients, so the fit can be checked.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,14 +25,31 @@ from aiollm.planner.profiles import LOCAL_FORMAT, LOCAL_PROFILE
 # profiles.load_local); multi-prompt batches check the sum-of-squares term.
 PREFILL_GRID = [(1, 32), (1, 64), (1, 128), (1, 256), (1, 512), (1, 1024), (4, 128), (4, 256), (2, 512), (8, 128)]
 # Small batches densely: on a CPU the step time is far from linear in the batch below ~8.
-DECODE_GRID = [(1, 128), (1, 1024), (2, 256), (4, 256), (8, 256), (8, 1024), (16, 256), (32, 256), (32, 1024),
-               (64, 512), (128, 256)]
+DECODE_GRID = [
+    (1, 128),
+    (1, 1024),
+    (2, 256),
+    (4, 256),
+    (8, 256),
+    (8, 1024),
+    (16, 256),
+    (32, 256),
+    (32, 1024),
+    (64, 512),
+    (128, 256),
+]
 QUICK_PREFILL = [(1, 32), (1, 256), (2, 256), (4, 64)]
 QUICK_DECODE = [(1, 128), (8, 256), (32, 128), (16, 512)]
 
 
-def measure_profile(model_name: str = "smollm2", out: Path | None = None, quick: bool = False,
-                    dtype: str = "fp32", kv_dtype: str = "fp32", threads: int = 1) -> Path:
+def measure_profile(
+    model_name: str = "smollm2",
+    out: Path | None = None,
+    quick: bool = False,
+    dtype: str = "fp32",
+    kv_dtype: str = "fp32",
+    threads: int = 1,
+) -> Path:
     """Measure, fit, and write the profile JSON; returns its path. The defaults match one serving
     instance (`python -m aiollm.node --role prefill|decode`: fp32 weights and KV, one thread)."""
     try:
@@ -47,15 +65,23 @@ def measure_profile(model_name: str = "smollm2", out: Path | None = None, quick:
     c = model.config
     prefill_pts, decode_pts = [], []
     with torch.inference_mode():
-        for batch, length in (QUICK_PREFILL if quick else PREFILL_GRID):
+        for batch, length in QUICK_PREFILL if quick else PREFILL_GRID:
             prompts = [list(np.random.default_rng(i).integers(0, c.vocab, length)) for i in range(batch)]
             seconds = _best_of(lambda: model.prefill(prompts))
             prefill_pts.append({"batch": batch, "length": length, "seconds": seconds})
-        for batch, ctx in (QUICK_DECODE if quick else DECODE_GRID):
+        for batch, ctx in QUICK_DECODE if quick else DECODE_GRID:
             block = 16
             per_seq = -(-(ctx + 1) // block)
-            pool = KVPool(KVConfig(n_layers=c.n_layers, n_blocks=batch * per_seq, n_kv_heads=c.n_kv_heads,
-                                   head_dim=c.head_dim, block_size=block, dtype=kv_dtype))
+            pool = KVPool(
+                KVConfig(
+                    n_layers=c.n_layers,
+                    n_blocks=batch * per_seq,
+                    n_kv_heads=c.n_kv_heads,
+                    head_dim=c.head_dim,
+                    block_size=block,
+                    dtype=kv_dtype,
+                )
+            )
             tables = torch.arange(batch * per_seq, dtype=torch.int32).reshape(batch, per_seq)
             lens = torch.full((batch,), ctx + 1, dtype=torch.int32)
             slots = tables[:, ctx // block].long() * block + ctx % block
@@ -70,22 +96,42 @@ def measure_profile(model_name: str = "smollm2", out: Path | None = None, quick:
                     o = paged_decode_attention(pool, layer, q, k, v, slots, tables, lens, n_threads=threads)
                     h = model.post_attention(layer, h, o)
                 model.logits(h)
+
             decode_pts.append({"batch": batch, "context": ctx, "seconds": _best_of(step)})
-    a, b, cc = fit_prefill([p["batch"] * p["length"] for p in prefill_pts],
-                           [p["batch"] * p["length"] ** 2 for p in prefill_pts], [p["seconds"] for p in prefill_pts])
-    d, e, f = fit_decode([p["batch"] for p in decode_pts], [p["batch"] * (p["context"] + 1) for p in decode_pts],
-                         [p["seconds"] for p in decode_pts])
-    prefill_err = max(abs(a + b * p["batch"] * p["length"] + cc * p["batch"] * p["length"] ** 2 - p["seconds"])
-                      / p["seconds"] for p in prefill_pts)
-    decode_err = max(abs(d + e * p["batch"] + f * p["batch"] * (p["context"] + 1) - p["seconds"]) / p["seconds"]
-                     for p in decode_pts)
+    a, b, cc = fit_prefill(
+        [p["batch"] * p["length"] for p in prefill_pts],
+        [p["batch"] * p["length"] ** 2 for p in prefill_pts],
+        [p["seconds"] for p in prefill_pts],
+    )
+    d, e, f = fit_decode(
+        [p["batch"] for p in decode_pts],
+        [p["batch"] * (p["context"] + 1) for p in decode_pts],
+        [p["seconds"] for p in decode_pts],
+    )
+    prefill_err = max(
+        abs(a + b * p["batch"] * p["length"] + cc * p["batch"] * p["length"] ** 2 - p["seconds"]) / p["seconds"]
+        for p in prefill_pts
+    )
+    decode_err = max(
+        abs(d + e * p["batch"] + f * p["batch"] * (p["context"] + 1) - p["seconds"]) / p["seconds"] for p in decode_pts
+    )
     hardware = f"{_cpu_name()} ({os.cpu_count()} cores, {threads} thread(s), {dtype} weights, {kv_dtype} KV)"
     path = Path(out) if out else LOCAL_PROFILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"format": LOCAL_FORMAT, "hardware": hardware, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "models": {_planner_name(model_name): {"prefill": [a, b, cc], "decode": [d, e, f],
-                                                   "prefill_points": prefill_pts, "decode_points": decode_pts,
-                                                   "max_relative_error": {"prefill": prefill_err, "decode": decode_err}}}}
+    data = {
+        "format": LOCAL_FORMAT,
+        "hardware": hardware,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "models": {
+            _planner_name(model_name): {
+                "prefill": [a, b, cc],
+                "decode": [d, e, f],
+                "prefill_points": prefill_pts,
+                "decode_points": decode_pts,
+                "max_relative_error": {"prefill": prefill_err, "decode": decode_err},
+            }
+        },
+    }
     path.write_text(json.dumps(data, indent=2))
     return path
 
@@ -102,6 +148,7 @@ def _best_of(fn, repeats: int = 3) -> float:
 
 def _planner_name(name: str) -> str:
     from aiollm.planner.models import get_model
+
     return get_model(name).name
 
 

@@ -8,6 +8,7 @@ it. The model is fitted to the pass's own step times; the request-level inputs (
 are measured per request, and the hops are dealt to the simulated requests in shuffled orders, so the
 simulator does not replay the real requests' own delays.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,8 +25,9 @@ from aiollm.planner.latency import (
 SLOWDOWN_PERIOD = 0.5
 
 
-def same_run_model(steps: dict, seed: int = 0, visible: list[int] | None = None,
-                   varying: bool = True) -> tuple[LatencyModel, dict]:
+def same_run_model(
+    steps: dict, seed: int = 0, visible: list[int] | None = None, varying: bool = True
+) -> tuple[LatencyModel, dict]:
     """The latency model and overheads of one pass from what its instances logged (aiollm.loadgen.step_logs):
     prefill a + b*t + c*t2 by least squares on the batches' times (absolute: the queue sees the sum of
     busy times); decode f*context from a fit, then the mean step (with its tokens' sending) per batch size
@@ -56,18 +58,27 @@ def same_run_model(steps: dict, seed: int = 0, visible: list[int] | None = None,
     if visible is not None:
         way_out = way_out[np.array([k == 0 for k in visible])[_used(steps)]]
     rng = np.random.default_rng(seed)  # fixed shuffled orders: not paired with the requests measured on
-    overheads = {"request_overhead_s": float(np.median(way_in)) if len(way_in) else 0.0,
-                 "request_overheads_s": [float(x) for x in rng.permutation(way_in)],
-                 "first_token_delays_s": [float(x) for x in rng.permutation(way_out)],
-                 "pull_overhead_s": float(setup), "pull_s_per_prompt_token": float(slope),
-                 "matched_requests": len(way_in), "clock_offset_s": offset}
+    overheads = {
+        "request_overhead_s": float(np.median(way_in)) if len(way_in) else 0.0,
+        "request_overheads_s": [float(x) for x in rng.permutation(way_in)],
+        "first_token_delays_s": [float(x) for x in rng.permutation(way_out)],
+        "pull_overhead_s": float(setup),
+        "pull_s_per_prompt_token": float(slope),
+        "matched_requests": len(way_in),
+        "clock_offset_s": offset,
+    }
     if visible is not None:
         overheads["first_visible_steps"] = [int(k) for k in visible]
     if varying and "decode_at" in steps and "prefill_at" in steps:
         prefill_s, decode_s = slowdowns(steps, stack)
         shift = int(rng.integers(len(decode_s)))  # the same point in both series: they are correlated
-        overheads.update({"prefill_slowdown": list(np.roll(prefill_s, -shift)),
-                          "decode_slowdown": list(np.roll(decode_s, -shift)), "slowdown_period": SLOWDOWN_PERIOD})
+        overheads.update(
+            {
+                "prefill_slowdown": list(np.roll(prefill_s, -shift)),
+                "decode_slowdown": list(np.roll(decode_s, -shift)),
+                "slowdown_period": SLOWDOWN_PERIOD,
+            }
+        )
     return latency, overheads
 
 
@@ -88,8 +99,10 @@ def slowdowns(steps: dict, stack: StackLatency, period: float = SLOWDOWN_PERIOD)
     bins = max(1, int(np.ceil(end / period)))
     decode_model = np.array([stack.decode_time(int(b), c) for b, c in decode[:, :2]])
     prefill_model = np.array([stack.prefill_time(t, t2) for t, t2 in prefill[:, :2]])
-    return (_binned(prefill_at[:, 0], prefill[:, 2] / prefill_model, period, bins),
-            _binned(decode_at[:, 0], decode[:, 2] / decode_model, period, bins))
+    return (
+        _binned(prefill_at[:, 0], prefill[:, 2] / prefill_model, period, bins),
+        _binned(decode_at[:, 0], decode[:, 2] / decode_model, period, bins),
+    )
 
 
 def _binned(times: np.ndarray, ratios: np.ndarray, period: float, bins: int) -> np.ndarray:
@@ -107,8 +120,10 @@ def _used(steps: dict) -> np.ndarray:
     """Which requests' hops count: matched to a prefill record and not held back by the controller (their
     way in includes its queueing, which the simulator models itself)."""
     held = steps.get("held", [False] * len(steps["hop_in"]))
-    return np.array([i is not None and o is not None and not h
-                     for i, o, h in zip(steps["hop_in"], steps["hop_out"], held)], dtype=bool)
+    return np.array(
+        [i is not None and o is not None and not h for i, o, h in zip(steps["hop_in"], steps["hop_out"], held)],
+        dtype=bool,
+    )
 
 
 def hops(steps: dict) -> tuple[np.ndarray, np.ndarray, float]:
@@ -120,8 +135,9 @@ def hops(steps: dict) -> tuple[np.ndarray, np.ndarray, float]:
     fastest hops >= 0 (a few ms wide on real runs: the fastest way in and way out are both ~1 ms); a run
     whose hops need no shift keeps offset 0."""
     used = _used(steps)
-    pairs = np.array([(i, o) for (i, o), u in zip(zip(steps["hop_in"], steps["hop_out"]), used) if u],
-                     dtype=np.float64).reshape(-1, 2)
+    pairs = np.array(
+        [(i, o) for (i, o), u in zip(zip(steps["hop_in"], steps["hop_out"]), used) if u], dtype=np.float64
+    ).reshape(-1, 2)
     if not len(pairs):
         return np.zeros(0), np.zeros(0), 0.0
     low, high = -pairs[:, 1].min(), pairs[:, 0].min()  # offsets keeping way out resp. way in >= 0

@@ -17,6 +17,7 @@ the real system's own run-to-run variation and the model's per-request errors. A
 passes of the same trace (`bench serve --request-rate R,R`) gives the floor directly: real pass minus real
 pass, over the same requests. Each difference is printed with its 95 % interval (aiollm.calibrate.sim_vs_real_stats).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,14 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
+from aiollm.calibrate.same_run import consensus, same_run_model, visible_steps
+from aiollm.calibrate.sim_vs_real_stats import difference, plot, request_errors
 from aiollm.planner.latency import LatencyModel
 from aiollm.planner.models import get_model
 from aiollm.planner.profiles import load_local
 from aiollm.planner.simulator import InstanceSpec, SimConfig, SimResult, simulate
 from aiollm.planner.workload import LengthSample, Workload
 from bench.report import table
-from aiollm.calibrate.same_run import consensus, same_run_model, visible_steps
-from aiollm.calibrate.sim_vs_real_stats import difference, plot, request_errors
 
 # shuffles of the measured request hops averaged by the same-run model
 _SHUFFLES = 16
@@ -60,7 +61,9 @@ def read_serve_results(path: Path) -> dict | None:
         return None
     data = json.loads(path.read_text())
     if "runs" not in data:
-        raise ValueError(f"{path}: no 'runs' list (expected the format in aiollm/calibrate/sim_vs_real.py:read_serve_results)")
+        raise ValueError(
+            f"{path}: no 'runs' list (expected the format in aiollm/calibrate/sim_vs_real.py:read_serve_results)"
+        )
     return data
 
 
@@ -107,29 +110,44 @@ def deployment_overheads(path: Path, latency: LatencyModel) -> dict:
     slope, setup = np.polyfit(prompts, pull_extra, 1)
     if slope < 0 or setup < 0:
         slope, setup = 0.0, float(np.median(pull_extra))
-    return {"request_overhead_s": max(0.0, float(np.median(ttft_extra))), "pull_overhead_s": max(0.0, float(setup)),
-            "pull_s_per_prompt_token": float(slope), "calibration_requests": len(pull_extra)}
+    return {
+        "request_overhead_s": max(0.0, float(np.median(ttft_extra))),
+        "pull_overhead_s": max(0.0, float(setup)),
+        "pull_s_per_prompt_token": float(slope),
+        "calibration_requests": len(pull_extra),
+    }
 
 
-def _simulate_run(data: dict, run_: dict, latency: LatencyModel, overheads: dict,
-                  queue_limit: int | None = None) -> tuple[float, SimResult]:
+def _simulate_run(
+    data: dict, run_: dict, latency: LatencyModel, overheads: dict, queue_limit: int | None = None
+) -> tuple[float, SimResult]:
     """Simulated attainment of one real run: its own requests at its own arrival times, one prefill and one
     decode instance with the run's KV, L_m, batch and controller limits."""
     lengths = LengthSample("served", np.array(run_["prompt_lens"]), np.array(run_["output_lens"]))
     workload = Workload(lengths, np.array(run_["arrivals"]) * run_["rate"])
     per_token = overheads.get("pull_s_per_prompt_token", 0.0)
     limit = data.get("prefill_queue_limit", _QUEUE_LIMIT) if queue_limit is None else queue_limit
-    cfg = SimConfig(latency, "disaggregated", InstanceSpec(1), InstanceSpec(1), data["kv_tokens"],
-                    data["kv_tokens"], 1, link_bandwidth=1.0 / per_token if per_token > 0 else math.inf,
-                    max_batch_tokens=data.get("max_batch_tokens", 0), max_running=data.get("max_running", 128),
-                    request_overhead=overheads.get("request_overhead_s", 0.0),
-                    request_overheads=tuple(overheads.get("request_overheads_s", ())),
-                    first_token_delays=tuple(overheads.get("first_token_delays_s", ())),
-                    first_visible_steps=tuple(overheads.get("first_visible_steps", ())),
-                    pull_overhead=overheads.get("pull_overhead_s", 0.0), prefill_queue_limit=limit,
-                    prefill_slowdown=tuple(overheads.get("prefill_slowdown", ())),
-                    decode_slowdown=tuple(overheads.get("decode_slowdown", ())),
-                    slowdown_period=overheads.get("slowdown_period", 0.5))
+    cfg = SimConfig(
+        latency,
+        "disaggregated",
+        InstanceSpec(1),
+        InstanceSpec(1),
+        data["kv_tokens"],
+        data["kv_tokens"],
+        1,
+        link_bandwidth=1.0 / per_token if per_token > 0 else math.inf,
+        max_batch_tokens=data.get("max_batch_tokens", 0),
+        max_running=data.get("max_running", 128),
+        request_overhead=overheads.get("request_overhead_s", 0.0),
+        request_overheads=tuple(overheads.get("request_overheads_s", ())),
+        first_token_delays=tuple(overheads.get("first_token_delays_s", ())),
+        first_visible_steps=tuple(overheads.get("first_visible_steps", ())),
+        pull_overhead=overheads.get("pull_overhead_s", 0.0),
+        prefill_queue_limit=limit,
+        prefill_slowdown=tuple(overheads.get("prefill_slowdown", ())),
+        decode_slowdown=tuple(overheads.get("decode_slowdown", ())),
+        slowdown_period=overheads.get("slowdown_period", 0.5),
+    )
     result = simulate(cfg, workload, run_["rate"])
     return result.attainment(data["ttft_slo"], data["tpot_slo"])["both"], result
 
@@ -158,9 +176,13 @@ def _variants(data: dict, calibration: Path) -> tuple[dict, str]:
     if all("steps" in r for r in data["runs"]):
         variants[HEADLINE] = lambda run_, seed: (*same_run_model(run_["steps"], seed, run_["_visible"]), None)
         variants["same-run, no controller hold"] = lambda run_, seed: (
-            *same_run_model(run_["steps"], seed, run_["_visible"]), 0)
+            *same_run_model(run_["steps"], seed, run_["_visible"]),
+            0,
+        )
         variants["same-run, steady speed"] = lambda run_, seed: (
-            *same_run_model(run_["steps"], seed, run_["_visible"], varying=False), None)
+            *same_run_model(run_["steps"], seed, run_["_visible"], varying=False),
+            None,
+        )
         variants["same-run, first token at prefill"] = lambda run_, seed: (*same_run_model(run_["steps"], seed), None)
         notes.append("same-run: each pass's own logged prefill/decode/pull times and request hops")
     try:
@@ -170,7 +192,9 @@ def _variants(data: dict, calibration: Path) -> tuple[dict, str]:
     else:
         try:
             fixed = deployment_overheads(calibration, offline)
-            notes.append(f"offline: {offline.source}, request {fixed['request_overhead_s']*1e3:.0f} ms from {calibration}")
+            notes.append(
+                f"offline: {offline.source}, request {fixed['request_overhead_s'] * 1e3:.0f} ms from {calibration}"
+            )
         except (FileNotFoundError, ValueError, KeyError) as exc:
             fixed = {}
             notes.append(f"offline: no fixed overheads modelled ({exc})")
@@ -201,22 +225,33 @@ def _evaluate_pass(data: dict, run_: dict, build, shuffles: int) -> dict:
     # requests whose first token came at the same simulated instant shared a prefill batch
     _, sizes = np.unique(results[0].prefilled[np.isfinite(results[0].prefilled)], return_counts=True)
     both = ok_ttft & ok_tpot
-    return {"ok": both.mean(axis=0), "ok_ttft": ok_ttft.mean(axis=0), "ok_tpot": ok_tpot.mean(axis=0),
-            # how much the attainment moves with where the dealt hops and slow spells fall: the model's own
-            # estimate of a pass-to-pass difference on the same trace (x sqrt(2))
-            "spread": float(np.std(both.mean(axis=1), ddof=1)) * 100 if shuffles > 1 else float("nan"),
-            "ttft": np.median(ttft, axis=0), "tpot": np.median(tpot, axis=0), "ttft_all": ttft, "tpot_all": tpot,
-            "batch": float(np.mean(sizes)) if len(sizes) else float("nan")}
+    return {
+        "ok": both.mean(axis=0),
+        "ok_ttft": ok_ttft.mean(axis=0),
+        "ok_tpot": ok_tpot.mean(axis=0),
+        # how much the attainment moves with where the dealt hops and slow spells fall: the model's own
+        # estimate of a pass-to-pass difference on the same trace (x sqrt(2))
+        "spread": float(np.std(both.mean(axis=1), ddof=1)) * 100 if shuffles > 1 else float("nan"),
+        "ttft": np.median(ttft, axis=0),
+        "tpot": np.median(tpot, axis=0),
+        "ttft_all": ttft,
+        "tpot_all": tpot,
+        "batch": float(np.mean(sizes)) if len(sizes) else float("nan"),
+    }
 
 
 def _real_pass(data: dict, run_: dict) -> dict:
     ttft = np.array([np.inf if x is None else x for x in run_["ttft"]], dtype=np.float64)
     tpot = np.array([np.inf if x is None else x for x in run_["tpot"]], dtype=np.float64)
     count = len(run_.get("steps", {}).get("prefill", []))  # batches logged while the pass was served
-    return {"ok": _meets(run_["ttft"], run_["tpot"], data["ttft_slo"], data["tpot_slo"]).astype(np.float64),
-            "ok_ttft": (ttft <= data["ttft_slo"]).astype(np.float64), "ok_tpot": (tpot <= data["tpot_slo"]).astype(np.float64),
-            "ttft": ttft, "tpot": tpot,
-            "batch": len(ttft) / count if count else float("nan")}
+    return {
+        "ok": _meets(run_["ttft"], run_["tpot"], data["ttft_slo"], data["tpot_slo"]).astype(np.float64),
+        "ok_ttft": (ttft <= data["ttft_slo"]).astype(np.float64),
+        "ok_tpot": (tpot <= data["tpot_slo"]).astype(np.float64),
+        "ttft": ttft,
+        "tpot": tpot,
+        "batch": len(ttft) / count if count else float("nan"),
+    }
 
 
 def sim_vs_real(paths: list[Path] | Path, calibration: Path, plot_path: Path | None = None) -> dict:
@@ -227,9 +262,11 @@ def sim_vs_real(paths: list[Path] | Path, calibration: Path, plot_path: Path | N
     data = merge_serve_results(paths)
     variants, note = ({}, f"no {', '.join(map(str, paths))}") if data is None else _variants(data, calibration)
     if not variants or not data["runs"] or any("ttft" not in r for r in data["runs"]):
-        return {"sim_vs_real_attainment_max_diff_points": None,
-                "sim_vs_real_status": f"not measured: bench serve results with per-request times or a latency model "
-                                      f"not available ({note})"}
+        return {
+            "sim_vs_real_attainment_max_diff_points": None,
+            "sim_vs_real_status": f"not measured: bench serve results with per-request times or a latency model "
+            f"not available ({note})",
+        }
     headline = HEADLINE if HEADLINE in variants else "offline profile + overheads"
     _first_visible(data["runs"])
     by_rate: dict[float, list[dict]] = {}
@@ -238,29 +275,62 @@ def sim_vs_real(paths: list[Path] | Path, calibration: Path, plot_path: Path | N
     pass_rows, rate_rows, model_rows, plotted = [], [], [], []
     for rate, runs in sorted(by_rate.items()):
         real = [_real_pass(data, r) for r in runs]
-        sims = {name: [_evaluate_pass(data, r, build, _SHUFFLES if name.startswith("same-run") else 1) for r in runs]
-                for name, build in variants.items()}
-        model_rows.append({"rate": rate, **{f"{name}": difference([s["ok"] for s in sim], [x["ok"] for x in real])["diff"]
-                                            for name, sim in sims.items()}})
+        sims = {
+            name: [_evaluate_pass(data, r, build, _SHUFFLES if name.startswith("same-run") else 1) for r in runs]
+            for name, build in variants.items()
+        }
+        model_rows.append(
+            {
+                "rate": rate,
+                **{
+                    f"{name}": difference([s["ok"] for s in sim], [x["ok"] for x in real])["diff"]
+                    for name, sim in sims.items()
+                },
+            }
+        )
         sim = sims[headline]
         pass_rows += [_pass_row(rate, k, s, x, r) for k, (s, x, r) in enumerate(zip(sim, real, runs))]
         d = difference([s["ok"] for s in sim], [x["ok"] for x in real])
-        row = {"rate": rate, "passes": len(runs), "requests": sum(len(x["ok"]) for x in real),
-               "real %": 100 * np.mean([x["ok"].mean() for x in real]), "sim %": 100 * np.mean([s["ok"].mean() for s in sim]),
-               "sim - real": d["diff"], "paired s.e.": d["paired_se"], "batch s.e.": d["batch_se"], "95% CI": _ci(d),
-               "within 2": _verdict(d)}
+        row = {
+            "rate": rate,
+            "passes": len(runs),
+            "requests": sum(len(x["ok"]) for x in real),
+            "real %": 100 * np.mean([x["ok"].mean() for x in real]),
+            "sim %": 100 * np.mean([s["ok"].mean() for s in sim]),
+            "sim - real": d["diff"],
+            "paired s.e.": d["paired_se"],
+            "batch s.e.": d["batch_se"],
+            "95% CI": _ci(d),
+            "within 2": _verdict(d),
+        }
         if len(runs) >= 2:  # the floor: the real system against itself on the same trace (its two most different
             # passes), and as the model sees it (spell placement alone)
             low, high = np.argmin([x["ok"].mean() for x in real]), np.argmax([x["ok"].mean() for x in real])
             floor = difference([real[high]["ok"]], [real[low]["ok"]])
-            row.update({"real max - min": floor["diff"], "real-real 95% CI": _ci(floor),
-                        "model's pass-pass s.d.": math.sqrt(2) * float(np.mean([s["spread"] for s in sim]))})
+            row.update(
+                {
+                    "real max - min": floor["diff"],
+                    "real-real 95% CI": _ci(floor),
+                    "model's pass-pass s.d.": math.sqrt(2) * float(np.mean([s["spread"] for s in sim])),
+                }
+            )
         rate_rows.append({**row, "_d": d})
-        plotted.append({"rate": rate, "real": row["real %"], "sim": row["sim %"], "ci95": d["ci95"],
-                        "pass_ci95": [difference([s["ok"]], [x["ok"]])["ci95"] for s, x in zip(sim, real)],
-                        "real_passes": [100 * x["ok"].mean() for x in real], "sim_passes": [100 * s["ok"].mean() for s in sim],
-                        **{f"{side}_{key}": 100 * np.mean([p[f"ok_{key}"].mean() for p in ps])
-                           for side, ps in (("real", real), ("sim", sim)) for key in ("ttft", "tpot")}})
+        plotted.append(
+            {
+                "rate": rate,
+                "real": row["real %"],
+                "sim": row["sim %"],
+                "ci95": d["ci95"],
+                "pass_ci95": [difference([s["ok"]], [x["ok"]])["ci95"] for s, x in zip(sim, real)],
+                "real_passes": [100 * x["ok"].mean() for x in real],
+                "sim_passes": [100 * s["ok"].mean() for s in sim],
+                **{
+                    f"{side}_{key}": 100 * np.mean([p[f"ok_{key}"].mean() for p in ps])
+                    for side, ps in (("real", real), ("sim", sim))
+                    for key in ("ttft", "tpot")
+                },
+            }
+        )
     return _report(data, headline, note, pass_rows, rate_rows, model_rows, plotted, plot_path)
 
 
@@ -269,14 +339,26 @@ def _pass_row(rate: float, k: int, s: dict, x: dict, run_: dict) -> dict:
     times (simulated minus measured, same request: median = bias, median and p90 of |error|); how many cores
     other processes kept busy meanwhile (bench serve's meter), which is what disturbs a pass."""
     d = difference([s["ok"]], [x["ok"]])
-    row = {"rate": rate, "pass": k + 1, "requests": len(x["ok"]), "others' cores": run_.get("cores_others", float("nan")),
-           "real %": 100 * x["ok"].mean(),
-           "sim %": 100 * s["ok"].mean(), "sim - real": d["diff"], "95% CI": _ci(d), "sim s.d. over shuffles": s["spread"]}
+    row = {
+        "rate": rate,
+        "pass": k + 1,
+        "requests": len(x["ok"]),
+        "others' cores": run_.get("cores_others", float("nan")),
+        "real %": 100 * x["ok"].mean(),
+        "sim %": 100 * s["ok"].mean(),
+        "sim - real": d["diff"],
+        "95% CI": _ci(d),
+        "sim s.d. over shuffles": s["spread"],
+    }
     for name in ("ttft", "tpot"):
         err = request_errors(s[name], x[name])
-        row.update({f"{name.upper()} bias ms": err["bias_ms"], f"{name.upper()} |err| p50/p90 ms":
-                    f"{err['mae_ms']:.1f}/{err['p90_abs_ms']:.1f}",
-                    f"{name.upper()} p90 sim/real ms": f"{_p90_ms(s[name + '_all'].ravel()):.0f}/{_p90_ms(x[name]):.0f}"})
+        row.update(
+            {
+                f"{name.upper()} bias ms": err["bias_ms"],
+                f"{name.upper()} |err| p50/p90 ms": f"{err['mae_ms']:.1f}/{err['p90_abs_ms']:.1f}",
+                f"{name.upper()} p90 sim/real ms": f"{_p90_ms(s[name + '_all'].ravel()):.0f}/{_p90_ms(x[name]):.0f}",
+            }
+        )
     row["prefill batch sim/real"] = f"{s['batch']:.2f}/{x['batch']:.2f}"
     return row
 
@@ -295,49 +377,66 @@ def _verdict(d: dict) -> str:
 
 
 def _fmt(rows: list[dict]) -> str:
-    return table([{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items() if not k.startswith("_")}
-                  for r in rows])
+    return table(
+        [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items() if not k.startswith("_")} for r in rows]
+    )
 
 
 def _report(data, headline, note, pass_rows, rate_rows, model_rows, plotted, plot_path) -> dict:
-    slo = f"TTFT {data['ttft_slo']*1e3:.0f} ms, TPOT {data['tpot_slo']*1e3:.0f} ms"
-    print(f"\nSimulator vs real bench serve runs ({', '.join(data['sources'])}; {slo}; headline model: {headline}; {note})")
+    slo = f"TTFT {data['ttft_slo'] * 1e3:.0f} ms, TPOT {data['tpot_slo'] * 1e3:.0f} ms"
+    print(
+        f"\nSimulator vs real bench serve runs ({', '.join(data['sources'])}; {slo}; headline model: {headline}; {note})"
+    )
     print("per pass (TTFT/TPOT errors: simulated minus measured time of the same request; bias = median):")
     print(_fmt(pass_rows))
     print("sim - real (points) by latency model, all passes of a rate together:")
     print(_fmt(model_rows))
-    print("per rate, headline model (real max - min: the real system against itself on the same trace, its most "
-          "different passes):")
+    print(
+        "per rate, headline model (real max - min: the real system against itself on the same trace, its most "
+        "different passes):"
+    )
     print(_fmt(rate_rows))
     worst = max(rate_rows, key=lambda r: abs(r["sim - real"]))
     names = [k for k in model_rows[0] if k != "rate"]
-    out = {"sim_vs_real_attainment_max_diff_points": abs(worst["sim - real"]),
-           "sim_vs_real_model": headline, "sim_vs_real_slo": slo,
-           "sim_vs_real_rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rate_rows],
-           "sim_vs_real_pass_rows": pass_rows, "sim_vs_real_diff_by_model": model_rows,
-           "sim_vs_real_max_diff_points_by_model": {n: max(abs(r[n]) for r in model_rows) for n in names},
-           "sim_vs_real_requests_per_rate": min(r["requests"] for r in rate_rows),
-           # one pass alone (a rate's passes together average their errors out)
-           "sim_vs_real_max_pass_diff_points": max(abs(r["sim - real"]) for r in pass_rows),
-           "sim_vs_real_ci95_max_abs_points": max(max(abs(x) for x in r["_d"]["ci95"]) for r in rate_rows),
-           "sim_vs_real_se_max_points": max(r["_d"]["se"] for r in rate_rows),
-           "sim_vs_real_status": f"measured against {len(data['sources'])} file(s), {len(rate_rows)} rates; {note}"}
+    out = {
+        "sim_vs_real_attainment_max_diff_points": abs(worst["sim - real"]),
+        "sim_vs_real_model": headline,
+        "sim_vs_real_slo": slo,
+        "sim_vs_real_rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rate_rows],
+        "sim_vs_real_pass_rows": pass_rows,
+        "sim_vs_real_diff_by_model": model_rows,
+        "sim_vs_real_max_diff_points_by_model": {n: max(abs(r[n]) for r in model_rows) for n in names},
+        "sim_vs_real_requests_per_rate": min(r["requests"] for r in rate_rows),
+        # one pass alone (a rate's passes together average their errors out)
+        "sim_vs_real_max_pass_diff_points": max(abs(r["sim - real"]) for r in pass_rows),
+        "sim_vs_real_ci95_max_abs_points": max(max(abs(x) for x in r["_d"]["ci95"]) for r in rate_rows),
+        "sim_vs_real_se_max_points": max(r["_d"]["se"] for r in rate_rows),
+        "sim_vs_real_status": f"measured against {len(data['sources'])} file(s), {len(rate_rows)} rates; {note}",
+    }
     floors = [r["real max - min"] for r in rate_rows if "real max - min" in r]
     if floors:
         out["sim_vs_real_real_vs_real_max_diff_points"] = max(floors)
     inside = all(r["within 2"] == "yes (CI inside)" for r in rate_rows)
     out["sim_vs_real_target"] = (
-        "within 2 points at every rate, 95 % intervals inside +-2" if inside else
-        "within 2 points at every rate (point estimates; an interval reaches past 2)"
-        if all(r["within 2"].startswith("yes") for r in rate_rows) else "not within 2 points at every rate")
-    print(f"sim_vs_real: max |sim - real| {out['sim_vs_real_attainment_max_diff_points']:.1f} points (rate {worst['rate']}, "
-          f"95 % CI {worst['95% CI']}); widest 95 % bound {out['sim_vs_real_ci95_max_abs_points']:.1f}; one pass alone "
-          f"up to {out['sim_vs_real_max_pass_diff_points']:.1f}; "
-          + (f"real vs real on the same trace up to {max(floors):.1f} points; " if floors else "")
-          + out["sim_vs_real_target"])
+        "within 2 points at every rate, 95 % intervals inside +-2"
+        if inside
+        else "within 2 points at every rate (point estimates; an interval reaches past 2)"
+        if all(r["within 2"].startswith("yes") for r in rate_rows)
+        else "not within 2 points at every rate"
+    )
+    print(
+        f"sim_vs_real: max |sim - real| {out['sim_vs_real_attainment_max_diff_points']:.1f} points (rate {worst['rate']}, "
+        f"95 % CI {worst['95% CI']}); widest 95 % bound {out['sim_vs_real_ci95_max_abs_points']:.1f}; one pass alone "
+        f"up to {out['sim_vs_real_max_pass_diff_points']:.1f}; "
+        + (f"real vs real on the same trace up to {max(floors):.1f} points; " if floors else "")
+        + out["sim_vs_real_target"]
+    )
     if plot_path is not None:
-        plot(plot_path, plotted, f"simulator vs real, {data['model']}, {slo}, "
-                                 f"{out['sim_vs_real_requests_per_rate']} requests per rate")
+        plot(
+            plot_path,
+            plotted,
+            f"simulator vs real, {data['model']}, {slo}, {out['sim_vs_real_requests_per_rate']} requests per rate",
+        )
         out["sim_vs_real_plot"] = str(plot_path)
         print(f"plot: {plot_path}")
     return out

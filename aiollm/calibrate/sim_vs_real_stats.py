@@ -6,6 +6,7 @@ requests close in time share a queue, so their outcomes are correlated; the batc
 differences averaged over consecutive blocks of requests, the s.d. of the block means over sqrt(blocks))
 keeps that correlation inside each block. The larger of the two is used for the interval.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,9 @@ Z95 = 1.96
 def batch_means_se(diffs: list[np.ndarray], blocks: int = BLOCKS) -> float:
     """S.e. (points) of the mean difference from block means: each array (one pass, arrival order) is cut into
     `blocks` consecutive blocks; the s.e. is the s.d. of all block means over sqrt(their count)."""
-    means = [float(np.mean(b)) for d in diffs for b in np.array_split(np.asarray(d, dtype=np.float64), blocks) if len(b)]
+    means = [
+        float(np.mean(b)) for d in diffs for b in np.array_split(np.asarray(d, dtype=np.float64), blocks) if len(b)
+    ]
     if len(means) < 2:
         return float("nan")
     return float(np.std(means, ddof=1) / math.sqrt(len(means))) * 100
@@ -37,8 +40,13 @@ def difference(a: list[np.ndarray], b: list[np.ndarray]) -> dict:
     blocked = batch_means_se(d)
     se = max(paired, blocked) if np.isfinite(blocked) else paired
     mean = float(flat.mean()) * 100
-    return {"diff": mean, "paired_se": paired, "batch_se": blocked, "se": se,
-            "ci95": (mean - Z95 * se, mean + Z95 * se)}
+    return {
+        "diff": mean,
+        "paired_se": paired,
+        "batch_se": blocked,
+        "se": se,
+        "ci95": (mean - Z95 * se, mean + Z95 * se),
+    }
 
 
 def request_errors(sim: np.ndarray, real: np.ndarray) -> dict:
@@ -48,8 +56,11 @@ def request_errors(sim: np.ndarray, real: np.ndarray) -> dict:
     err = (sim[keep] - real[keep]) * 1e3
     if not len(err):
         return {"bias_ms": float("nan"), "mae_ms": float("nan"), "p90_abs_ms": float("nan")}
-    return {"bias_ms": float(np.median(err)), "mae_ms": float(np.median(np.abs(err))),
-            "p90_abs_ms": float(np.percentile(np.abs(err), 90))}
+    return {
+        "bias_ms": float(np.median(err)),
+        "mae_ms": float(np.median(np.abs(err))),
+        "p90_abs_ms": float(np.percentile(np.abs(err), 90)),
+    }
 
 
 def plot(path: Path, rates: list[dict], title: str) -> None:
@@ -57,6 +68,7 @@ def plot(path: Path, rates: list[dict], title: str) -> None:
     interval of sim - real around the real mean, and the SLO-alone curves. Right: every pass as a point,
     simulated against real attainment, with its 95 % interval, beside the diagonal and the +-2 point band."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -67,12 +79,25 @@ def plot(path: Path, rates: list[dict], title: str) -> None:
         ax.scatter([r["rate"]] * len(r["real_passes"]), r["real_passes"], color="tab:blue", marker="x", s=20, zorder=3)
         ax.scatter([r["rate"]] * len(r["sim_passes"]), r["sim_passes"], color="tab:orange", marker="+", s=30, zorder=3)
     ax.plot(x, [r["real"] for r in rates], color="tab:blue", marker="o", label="real (x: each pass): both SLOs")
-    ax.errorbar(x, [r["sim"] for r in rates], yerr=[[r["sim"] - r["real"] - r["ci95"][0] for r in rates],
-                                                    [r["real"] + r["ci95"][1] - r["sim"] for r in rates]],
-                color="tab:orange", marker="s", capsize=4, label="simulated (+: each pass), 95 % CI of sim - real")
+    ax.errorbar(
+        x,
+        [r["sim"] for r in rates],
+        yerr=[
+            [r["sim"] - r["real"] - r["ci95"][0] for r in rates],
+            [r["real"] + r["ci95"][1] - r["sim"] for r in rates],
+        ],
+        color="tab:orange",
+        marker="s",
+        capsize=4,
+        label="simulated (+: each pass), 95 % CI of sim - real",
+    )
     for key, style in (("ttft", ":"), ("tpot", "--")):
-        ax.plot(x, [r[f"real_{key}"] for r in rates], linestyle=style, color="tab:blue", label=f"real: {key.upper()} only")
-        ax.plot(x, [r[f"sim_{key}"] for r in rates], linestyle=style, color="tab:orange", label=f"sim: {key.upper()} only")
+        ax.plot(
+            x, [r[f"real_{key}"] for r in rates], linestyle=style, color="tab:blue", label=f"real: {key.upper()} only"
+        )
+        ax.plot(
+            x, [r[f"sim_{key}"] for r in rates], linestyle=style, color="tab:orange", label=f"sim: {key.upper()} only"
+        )
     values = [v for r in rates for v in (*r["real_passes"], *r["sim_passes"])]
     ax.set_ylim(max(-5.0, min(values) - 15), 102)
     ax.set_xlabel("request rate (req/s)")
@@ -81,8 +106,11 @@ def plot(path: Path, rates: list[dict], title: str) -> None:
     ax.legend(fontsize=7, loc="lower left")
     reals = [v for r in rates for v in r["real_passes"]]
     sims = [v for r in rates for v in r["sim_passes"]]
-    errs = [(s - (re + lo_hi[0]), re + lo_hi[1] - s) for r in rates  # the sim value's interval: real + CI of sim - real
-            for re, s, lo_hi in zip(r["real_passes"], r["sim_passes"], r["pass_ci95"])]
+    errs = [
+        (s - (re + lo_hi[0]), re + lo_hi[1] - s)
+        for r in rates  # the sim value's interval: real + CI of sim - real
+        for re, s, lo_hi in zip(r["real_passes"], r["sim_passes"], r["pass_ci95"])
+    ]
     ax2.errorbar(reals, sims, yerr=np.array(errs).T.clip(min=0), fmt="o", color="tab:orange", capsize=3)
     for r in rates:
         for k, (re, s) in enumerate(zip(r["real_passes"], r["sim_passes"])):

@@ -6,6 +6,7 @@ phases of the host as much as two configurations. Here both S-workers live at on
 take turns of a few seconds: every configuration samples the same minutes. Each worker's steps are then read on its
 own clock, the wall clock with the other workers' turns cut out (`active_clock`).
 """
+
 import asyncio
 import itertools
 import time

@@ -9,6 +9,7 @@ Roles live in a registry: a name, the module that implements it (imported only w
 a line of help. A role module has `add_arguments(parser)` for its own options and
 `async start(node, args) -> {actor name: url}`; later issues add their roles here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,12 +26,21 @@ from typing import NoReturn
 ROLES: dict[str, tuple[str, str]] = {
     "echo": ("aiollm.actors.echo", "an `echo` actor answering Ping/Echo/Count/Sleep/Fail (demo, tests, bench)"),
     "empty": ("aiollm.actors.system", "no actor of its own; actors are spawned on it remotely (graph.py)"),
-    "prefill": ("aiollm.deploy.roles.prefill", "DistServe prefill instance: FCFS, batches to L_m, holds KV until pulled"),
+    "prefill": (
+        "aiollm.deploy.roles.prefill",
+        "DistServe prefill instance: FCFS, batches to L_m, holds KV until pulled",
+    ),
     "decode": ("aiollm.deploy.roles.decode", "DistServe decode instance: continuous batching, pulls KV"),
     "controller": ("aiollm.deploy.roles.controller", "DistServe controller: dispatch, failover, timings"),
     "frontend": ("aiollm.deploy.roles.frontend", "OpenAI-compatible HTTP API in front of a controller"),
-    "r-worker": ("aiollm.serving.fastdecode.r_worker", "FastDecode R-worker: sequences' KV in RAM under --kv-memory, attention"),
-    "s-worker": ("aiollm.serving.fastdecode.s_worker", "FastDecode S-worker: weights, batched S-part over --r-workers, generate"),
+    "r-worker": (
+        "aiollm.serving.fastdecode.r_worker",
+        "FastDecode R-worker: sequences' KV in RAM under --kv-memory, attention",
+    ),
+    "s-worker": (
+        "aiollm.serving.fastdecode.s_worker",
+        "FastDecode S-worker: weights, batched S-part over --r-workers, generate",
+    ),
 }
 
 
@@ -50,12 +60,27 @@ def _parser() -> _Parser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--role", required=True, help=f"what this node hosts: {', '.join(ROLES)}")
-    parser.add_argument("--listen", action="append", default=[], metavar="URL",
-                        help="address to listen on, repeatable (default tcp://127.0.0.1:0: a free port)")
-    parser.add_argument("--secret-file", required=True, type=Path, metavar="F",
-                        help="file holding the cluster secret (at least 16 bytes)")
-    parser.add_argument("--peer", action="append", default=[], metavar="URL",
-                        help="another node to connect to (and authenticate with) at start, repeatable")
+    parser.add_argument(
+        "--listen",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="address to listen on, repeatable (default tcp://127.0.0.1:0: a free port)",
+    )
+    parser.add_argument(
+        "--secret-file",
+        required=True,
+        type=Path,
+        metavar="F",
+        help="file holding the cluster secret (at least 16 bytes)",
+    )
+    parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="another node to connect to (and authenticate with) at start, repeatable",
+    )
     parser.add_argument("--name", default="", help="name of the node's inproc address")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="S")
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S")
@@ -92,8 +117,12 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, object, object]:
         parser.error(f"cannot read the secret file: {exc.strerror}: {args.secret_file}")
     try:
         config = NodeConfig(
-            secret=secret, heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout,
-            mailbox_size=args.mailbox_size, max_frame_bytes=args.max_frame_bytes, name=args.name,
+            secret=secret,
+            heartbeat_interval=args.heartbeat_interval,
+            heartbeat_timeout=args.heartbeat_timeout,
+            mailbox_size=args.mailbox_size,
+            max_frame_bytes=args.max_frame_bytes,
+            name=args.name,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -6,6 +6,7 @@ this machine's latency profile.
     python -m aiollm.plan fastdecode --model smollm2 --seq-len 1024 [--latency-target 0.05]
     python -m aiollm.plan profile [--out PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,18 @@ def build_placement(args: argparse.Namespace) -> tuple[PlacementConfig, Workload
     lengths = load_lengths(args.workload, model.name)
     workload = Workload.build(lengths, args.requests, args.seed, args.arrival, args.burstiness)
     slo = SLO(args.ttft, args.tpot, args.attainment, args.slo_mode)
-    config = PlacementConfig(model, cluster, latency, slo, args.affinity, args.rate, rel_tol=args.rel_tol,
-                             colocated_latency=colocated, max_pp=args.max_pp, workers=args.workers)
+    config = PlacementConfig(
+        model,
+        cluster,
+        latency,
+        slo,
+        args.affinity,
+        args.rate,
+        rel_tol=args.rel_tol,
+        colocated_latency=colocated,
+        max_pp=args.max_pp,
+        workers=args.workers,
+    )
     return config, workload
 
 
@@ -64,8 +75,8 @@ def cmd_fastdecode(args: argparse.Namespace) -> int:
     # OpenMP threads sleep instead of spinning through the waits for an R-worker; the R-workers started for the
     # probes inherit it
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-    from aiollm.planner.fastdecode import AskCost, Overlap, read_t_of_b, size
     from aiollm.calibrate.fastdecode_probes import measure_costs, measure_effective_cores, measure_r, measure_t_of_b
+    from aiollm.planner.fastdecode import AskCost, Overlap, read_t_of_b, size
     from aiollm.serving.fastdecode.r_worker import model_config
 
     get_model(args.model)
@@ -73,13 +84,15 @@ def cmd_fastdecode(args: argparse.Namespace) -> int:
     r = args.r_per_token if args.r_per_token else measure_r(args.model, args.seq_len)
     s_per_token = overlap = None
     if args.round_trip:
-        round_trip = {1: {int(b): AskCost.even(float(ms) / 1e3)
-                          for b, ms in (i.split(":") for i in args.round_trip.split(","))}}
+        round_trip = {
+            1: {int(b): AskCost.even(float(ms) / 1e3) for b, ms in (i.split(":") for i in args.round_trip.split(","))}
+        }
         if args.overlap_loss is not None:
             overlap = {1: Overlap(args.overlap_loss, 0, 0, 1, 0.0, 0.0, 0.0, 0.0)}
     else:
-        round_trip, r_situ, streamed, measured = measure_costs(args.model, [8, 32, 128], t_of_b, r,
-                                                               seq_len=args.seq_len)
+        round_trip, r_situ, streamed, measured = measure_costs(
+            args.model, [8, 32, 128], t_of_b, r, seq_len=args.seq_len
+        )
         s_per_token = {1: streamed}  # measured with the most R-workers, applied to every P
         overlap = {1: measured}  # measured with one R-worker (balanced there), applied to every P
         r = args.r_per_token or r_situ
@@ -87,9 +100,17 @@ def cmd_fastdecode(args: argparse.Namespace) -> int:
     if not args.cores and not args.round_trip:  # measuring: the cores this run really gets (others' load lowers it)
         cores = measure_effective_cores(cores)
         print(f"effective cores: {cores:.2f} of {len(os.sched_getaffinity(0))} (median of 3 paired rounds)")
-    result = size(t_of_b, r, args.seq_len, args.latency_target, round_trip=round_trip,
-                  n_layers=model_config(args.model).n_layers, cores=cores, s_per_token=s_per_token,
-                  overlap=overlap)
+    result = size(
+        t_of_b,
+        r,
+        args.seq_len,
+        args.latency_target,
+        round_trip=round_trip,
+        n_layers=model_config(args.model).n_layers,
+        cores=cores,
+        s_per_token=s_per_token,
+        overlap=overlap,
+    )
     print(result.explain())
     if args.json:
         args.json.write_text(json.dumps(result.to_json(), indent=2))
@@ -100,12 +121,15 @@ def cmd_fastdecode(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from aiollm.calibrate.profile import measure_profile
 
-    path = measure_profile(args.model, args.out, quick=args.quick, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                           threads=args.threads)
+    path = measure_profile(
+        args.model, args.out, quick=args.quick, dtype=args.dtype, kv_dtype=args.kv_dtype, threads=args.threads
+    )
     entry = next(iter(json.loads(path.read_text())["models"].values()))
-    print(f"prefill (a, b, c) = {entry['prefill']}, decode (d, e, f) = {entry['decode']} (seconds); largest fit "
-          f"error over the measured points: prefill {entry['max_relative_error']['prefill']*100:.0f} %, "
-          f"decode {entry['max_relative_error']['decode']*100:.0f} %")
+    print(
+        f"prefill (a, b, c) = {entry['prefill']}, decode (d, e, f) = {entry['decode']} (seconds); largest fit "
+        f"error over the measured points: prefill {entry['max_relative_error']['prefill'] * 100:.0f} %, "
+        f"decode {entry['max_relative_error']['decode'] * 100:.0f} %"
+    )
     print(f"wrote {path}")
     return 0
 
@@ -121,14 +145,25 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--ttft", type=float, required=True, help="TTFT SLO, seconds")
     d.add_argument("--tpot", type=float, required=True, help="TPOT SLO, seconds")
     d.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLOs")
-    d.add_argument("--slo-mode", choices=("joint", "separate"), default="joint",
-                   help="joint: a request must meet both SLOs; separate: P(attainment) of TTFT and TPOT each "
-                        "(DistServe's simulator script)")
+    d.add_argument(
+        "--slo-mode",
+        choices=("joint", "separate"),
+        default="joint",
+        help="joint: a request must meet both SLOs; separate: P(attainment) of TTFT and TPOT each "
+        "(DistServe's simulator script)",
+    )
     d.add_argument("--rate", type=float, help="target request rate to size replicas for (req/s)")
-    d.add_argument("--affinity", choices=AFFINITIES, default="low",
-                   help="high: Algorithm 1; low: Algorithm 2; colocated: the vLLM-like baseline")
-    d.add_argument("--profile", default="auto",
-                   help="auto|distserve|vllm|derived|local or a path (DistServe profile dir or aiollm profile JSON)")
+    d.add_argument(
+        "--affinity",
+        choices=AFFINITIES,
+        default="low",
+        help="high: Algorithm 1; low: Algorithm 2; colocated: the vLLM-like baseline",
+    )
+    d.add_argument(
+        "--profile",
+        default="auto",
+        help="auto|distserve|vllm|derived|local or a path (DistServe profile dir or aiollm profile JSON)",
+    )
     d.add_argument("--requests", type=int, default=300, help="requests in the simulated sample")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
@@ -143,18 +178,34 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--model", default="smollm2")
     f.add_argument("--seq-len", type=int, required=True, help="context length S per sequence")
     f.add_argument("--latency-target", type=float, help="largest acceptable S-part step time T(B), seconds")
-    f.add_argument("--t-of-b", type=Path, help="JSON from `python -m bench model --json` (key t_of_b) instead of measuring")
+    f.add_argument(
+        "--t-of-b", type=Path, help="JSON from `python -m bench model --json` (key t_of_b) instead of measuring"
+    )
     f.add_argument("--t-of-b-key", default="t_of_b", help="key in that JSON (t_of_b is fp32, t_of_b_bf16 bf16)")
-    f.add_argument("--r-per-token", type=float, help="R: seconds of attention per context token on one R-worker "
-                                                      "(instead of measuring with aiollm.kv)")
+    f.add_argument(
+        "--r-per-token",
+        type=float,
+        help="R: seconds of attention per context token on one R-worker (instead of measuring with aiollm.kv)",
+    )
     f.add_argument("--batches", default="1,4,16,64,256", help="batch sizes to measure T(B) at")
-    f.add_argument("--round-trip", help="C(b): a step's per-layer cost per Attend ask of b rows, ms, as ROWS:MS,... "
-                                        "(instead of measuring it in real steps with 1 and 2 R-worker processes)")
-    f.add_argument("--cores", type=float, help="cores the S-worker and R-workers share (default: measured, see "
-                                               "measure_effective_cores; with --round-trip this machine's count)")
-    f.add_argument("--overlap-loss", type=float, help="with --round-trip: the pipeline's overlap loss, the idle a "
-                                                       "pipelined step adds as a fraction of its lesser side (0..1; "
-                                                       "measured by a balanced probe otherwise)")
+    f.add_argument(
+        "--round-trip",
+        help="C(b): a step's per-layer cost per Attend ask of b rows, ms, as ROWS:MS,... "
+        "(instead of measuring it in real steps with 1 and 2 R-worker processes)",
+    )
+    f.add_argument(
+        "--cores",
+        type=float,
+        help="cores the S-worker and R-workers share (default: measured, see "
+        "measure_effective_cores; with --round-trip this machine's count)",
+    )
+    f.add_argument(
+        "--overlap-loss",
+        type=float,
+        help="with --round-trip: the pipeline's overlap loss, the idle a "
+        "pipelined step adds as a fraction of its lesser side (0..1; "
+        "measured by a balanced probe otherwise)",
+    )
     f.add_argument("--json", type=Path)
     f.set_defaults(func=cmd_fastdecode)
 

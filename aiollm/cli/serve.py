@@ -15,6 +15,7 @@ started again with `--controller`, so it re-registers under its name and gets wo
 controller failed its requests over meanwhile), up to `_MAX_RESTARTS` times per instance; if the
 controller, the frontend or an R-worker exits, or an instance keeps dying, every node is stopped.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,9 @@ from pathlib import Path
 
 from aiollm import log
 from aiollm.deploy.graph import Graph
+from aiollm.deploy.roles.common import served_name
 from aiollm.heap import keep_freed_memory
 from aiollm.kv.pool import KV_DTYPES
-from aiollm.deploy.roles.common import served_name
 
 _READY_TIMEOUT_S = 300.0
 # restarts of one prefill/decode instance before the cluster gives up
@@ -49,15 +50,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES, help="KV storage type")
     parser.add_argument("--prefill-kv-blocks", type=int, default=1024, help="KV buffer of each prefill instance")
     parser.add_argument("--decode-kv-blocks", type=int, default=2048, help="KV pool of each decode instance")
-    parser.add_argument("--max-batch-tokens", type=int, default=0,
-                        help="L_m: prompt tokens per prefill batch (default: from this machine's latency profile, else 512)")
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=0,
+        help="L_m: prompt tokens per prefill batch (default: from this machine's latency profile, else 512)",
+    )
     parser.add_argument("--max-running", type=int, default=128, help="most sequences per decode step")
-    parser.add_argument("--r-workers", type=int, default=0,
-                        help="R-worker processes per decode instance (offloaded attention, FastDecode); 0: colocated")
+    parser.add_argument(
+        "--r-workers",
+        type=int,
+        default=0,
+        help="R-worker processes per decode instance (offloaded attention, FastDecode); 0: colocated",
+    )
     parser.add_argument("--r-kv-memory", default="1GiB", help="KV budget of each R-worker, e.g. 1GiB")
     parser.add_argument("--log-level", default="WARNING", help="log level of the nodes")
-    parser.add_argument("--step-log", default="", metavar="DIR",
-                        help="each prefill/decode instance records its batch, step and KV pull timings in DIR/NAME.jsonl")
+    parser.add_argument(
+        "--step-log",
+        default="",
+        metavar="DIR",
+        help="each prefill/decode instance records its batch, step and KV pull timings in DIR/NAME.jsonl",
+    )
 
 
 def _free_port() -> int:
@@ -80,8 +93,18 @@ def _step_log(args: argparse.Namespace, name: str) -> tuple[str, ...]:
 
 async def _serve_cluster(args: argparse.Namespace) -> int:
     """Start the nodes (instances in parallel, then controller, then frontend) and supervise them."""
-    model = ("--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads),
-             "--block-size", str(args.block_size), "--kv-dtype", args.kv_dtype)
+    model = (
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--threads",
+        str(args.threads),
+        "--block-size",
+        str(args.block_size),
+        "--kv-dtype",
+        args.kv_dtype,
+    )
     port = args.port or _free_port()
     async with Graph(startup_timeout=_READY_TIMEOUT_S, log_level=args.log_level) as graph:
         # how each instance node was started, by its URL, to start it again
@@ -92,37 +115,101 @@ async def _serve_cluster(args: argparse.Namespace) -> int:
             instances[handle.url] = (role, name, role_args)
             return handle
 
-        prefill = [instance("prefill", f"prefill{i}", (
-            "--actor", f"prefill{i}", *model, "--kv-blocks", str(args.prefill_kv_blocks),
-            "--max-batch-tokens", str(args.max_batch_tokens), *_step_log(args, f"prefill{i}")))
-            for i in range(args.prefill)]
+        prefill = [
+            instance(
+                "prefill",
+                f"prefill{i}",
+                (
+                    "--actor",
+                    f"prefill{i}",
+                    *model,
+                    "--kv-blocks",
+                    str(args.prefill_kv_blocks),
+                    "--max-batch-tokens",
+                    str(args.max_batch_tokens),
+                    *_step_log(args, f"prefill{i}"),
+                ),
+            )
+            for i in range(args.prefill)
+        ]
 
         async def decode_node(i: int):
             offload: tuple[str, ...] = ()
             if args.r_workers:
-                r_workers = await asyncio.gather(*(graph.start_node("r-worker", process=True, args=(
-                    "--model", args.model, "--kv-dtype", args.kv_dtype, "--block-size", str(args.block_size),
-                    "--kv-memory", args.r_kv_memory, "--threads", str(args.threads))) for _ in range(args.r_workers)))
+                r_workers = await asyncio.gather(
+                    *(
+                        graph.start_node(
+                            "r-worker",
+                            process=True,
+                            args=(
+                                "--model",
+                                args.model,
+                                "--kv-dtype",
+                                args.kv_dtype,
+                                "--block-size",
+                                str(args.block_size),
+                                "--kv-memory",
+                                args.r_kv_memory,
+                                "--threads",
+                                str(args.threads),
+                            ),
+                        )
+                        for _ in range(args.r_workers)
+                    )
+                )
                 offload = ("--r-workers", ",".join(h.actors["r-worker"] for h in r_workers))
-            return await instance("decode", f"decode{i}", (
-                "--actor", f"decode{i}", *model, "--kv-blocks", str(args.decode_kv_blocks),
-                "--max-running", str(args.max_running), *offload, *_step_log(args, f"decode{i}")))
+            return await instance(
+                "decode",
+                f"decode{i}",
+                (
+                    "--actor",
+                    f"decode{i}",
+                    *model,
+                    "--kv-blocks",
+                    str(args.decode_kv_blocks),
+                    "--max-running",
+                    str(args.max_running),
+                    *offload,
+                    *_step_log(args, f"decode{i}"),
+                ),
+            )
 
         decode = [decode_node(i) for i in range(args.decode)]
         handles = await asyncio.gather(*prefill, *decode)
         urls = [url for handle in handles for url in handle.actors.items()]
-        controller = await graph.start_node("controller", process=True, args=(
-            "--prefill", ",".join(f"{n}={u}" for n, u in urls if n.startswith("prefill")),
-            "--decode", ",".join(f"{n}={u}" for n, u in urls if n.startswith("decode"))))
-        await graph.start_node("frontend", process=True, args=(
-            "--controller", next(iter(controller.actors.values())), "--model", args.model,
-            "--http-host", args.host, "--http-port", str(port)))
+        controller = await graph.start_node(
+            "controller",
+            process=True,
+            args=(
+                "--prefill",
+                ",".join(f"{n}={u}" for n, u in urls if n.startswith("prefill")),
+                "--decode",
+                ",".join(f"{n}={u}" for n, u in urls if n.startswith("decode")),
+            ),
+        )
+        await graph.start_node(
+            "frontend",
+            process=True,
+            args=(
+                "--controller",
+                next(iter(controller.actors.values())),
+                "--model",
+                args.model,
+                "--http-host",
+                args.host,
+                "--http-port",
+                str(port),
+            ),
+        )
         base = f"http://{args.host}:{port}"
         while not await asyncio.to_thread(_healthy, f"{base}/health"):
             await asyncio.sleep(0.2)
-        print(f"aiollm: serving {served_name(args.model)} at {base}/v1 "
-              f"({args.prefill} prefill + {args.decode} decode instances"
-              f"{f', {args.r_workers} R-workers each' if args.r_workers else ''})", flush=True)
+        print(
+            f"aiollm: serving {served_name(args.model)} at {base}/v1 "
+            f"({args.prefill} prefill + {args.decode} decode instances"
+            f"{f', {args.r_workers} R-workers each' if args.r_workers else ''})",
+            flush=True,
+        )
         return await _supervise(graph, instances, next(iter(controller.actors.values())))
 
 
@@ -151,8 +238,11 @@ async def _supervise(graph: Graph, instances: dict, controller_url: str) -> int:
                     return 1
                 role, name, role_args = spec
                 restarts[name] = restarts.get(name, 0) + 1
-                print(f"aiollm: {name} exited with status {status}; starting it again "
-                      f"({restarts[name]}/{_MAX_RESTARTS})", file=sys.stderr, flush=True)
+                print(
+                    f"aiollm: {name} exited with status {status}; starting it again ({restarts[name]}/{_MAX_RESTARTS})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 new = await graph.start_node(role, process=True, args=(*role_args, "--controller", controller_url))
                 instances[new.url] = spec
     finally:
@@ -162,23 +252,34 @@ async def _supervise(graph: Graph, instances: dict, controller_url: str) -> int:
 def _run_colocated(args: argparse.Namespace) -> int:
     import torch
 
+    from aiollm.deploy.roles.prefill import compute_bound_length
+    from aiollm.frontend.app import Frontend, FrontendConfig, start_server
     from aiollm.model.loader import load
     from aiollm.serving.backend import ModelInfo
     from aiollm.serving.colocated import ColocatedEngine, EngineConfig
-    from aiollm.frontend.app import Frontend, FrontendConfig, start_server
-    from aiollm.deploy.roles.prefill import compute_bound_length
 
     torch.set_num_threads(args.threads)
     model = load(args.model, dtype=args.dtype)
 
     async def main() -> None:
-        engine = ColocatedEngine(model, EngineConfig(
-            kv_blocks=args.decode_kv_blocks, block_size=args.block_size, kv_dtype=args.kv_dtype,
-            max_batch_tokens=args.max_batch_tokens or compute_bound_length(args.model), max_running=args.max_running,
-            attn_threads=args.threads))
+        engine = ColocatedEngine(
+            model,
+            EngineConfig(
+                kv_blocks=args.decode_kv_blocks,
+                block_size=args.block_size,
+                kv_dtype=args.kv_dtype,
+                max_batch_tokens=args.max_batch_tokens or compute_bound_length(args.model),
+                max_running=args.max_running,
+                attn_threads=args.threads,
+            ),
+        )
         await engine.start()
-        frontend = Frontend(engine, model.tokenizer, ModelInfo(served_name(args.model), model.config.max_context),
-                            FrontendConfig(host=args.host, port=args.port, vocab_size=model.config.vocab))
+        frontend = Frontend(
+            engine,
+            model.tokenizer,
+            ModelInfo(served_name(args.model), model.config.max_context),
+            FrontendConfig(host=args.host, port=args.port, vocab_size=model.config.vocab),
+        )
         server, task, port = await start_server(frontend.app, args.host, args.port)
         print(f"aiollm: serving {args.model} at http://{args.host}:{port}/v1 (colocated)", flush=True)
         stop = asyncio.Event()

@@ -12,6 +12,7 @@ temporary file. Subprocess nodes announce their bound port on a ready line, so p
 guessed. Actors spawned in a subprocess are named by import path, so their class must live in an
 importable module (not in the script's `__main__`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -53,8 +54,9 @@ class NodeHandle:
 class Graph:
     """Starts and owns a set of nodes; `close()` (or leaving `async with`) stops all of them."""
 
-    def __init__(self, config: NodeConfig | None = None, startup_timeout: float = 30.0,
-                 log_level: str = "WARNING") -> None:
+    def __init__(
+        self, config: NodeConfig | None = None, startup_timeout: float = 30.0, log_level: str = "WARNING"
+    ) -> None:
         self.config = config or NodeConfig(secret=secrets.token_hex(32).encode())
         self.startup_timeout = startup_timeout
         # Log level of subprocess nodes (their logs go to this process's stderr).
@@ -79,8 +81,15 @@ class Graph:
         self.driver = Node(replace(self.config, name=""))
         await self.driver.start(["tcp://127.0.0.1:0"])
 
-    async def start_node(self, role: str = "empty", *, process: bool = False, listen: str | None = None,
-                         args: tuple[str, ...] = (), prefix: tuple[str, ...] = ()) -> NodeHandle:
+    async def start_node(
+        self,
+        role: str = "empty",
+        *,
+        process: bool = False,
+        listen: str | None = None,
+        args: tuple[str, ...] = (),
+        prefix: tuple[str, ...] = (),
+    ) -> NodeHandle:
         """Start a node hosting `role`: a subprocess (`process=True`, default listen tcp://127.0.0.1:0)
         or a Node in this process (default listen: its inproc address only).
 
@@ -92,14 +101,33 @@ class Graph:
             return await self._start_process(role, listen or "tcp://127.0.0.1:0", args, prefix)
         return await self._start_in_process(role, listen, args)
 
-    async def _start_process(self, role: str, listen: str, args: tuple[str, ...],
-                             prefix: tuple[str, ...]) -> NodeHandle:
+    async def _start_process(
+        self, role: str, listen: str, args: tuple[str, ...], prefix: tuple[str, ...]
+    ) -> NodeHandle:
         c = self.config
-        cmd = [*prefix, sys.executable, "-m", "aiollm.node", "--role", role, "--listen", listen,
-               "--secret-file", str(Path(self._dir, "secret")),
-               "--heartbeat-interval", str(c.heartbeat_interval), "--heartbeat-timeout", str(c.heartbeat_timeout),
-               "--mailbox-size", str(c.mailbox_size), "--max-frame-bytes", str(c.max_frame_bytes),
-               "--log-level", self.log_level, *args]
+        cmd = [
+            *prefix,
+            sys.executable,
+            "-m",
+            "aiollm.node",
+            "--role",
+            role,
+            "--listen",
+            listen,
+            "--secret-file",
+            str(Path(self._dir, "secret")),
+            "--heartbeat-interval",
+            str(c.heartbeat_interval),
+            "--heartbeat-timeout",
+            str(c.heartbeat_timeout),
+            "--mailbox-size",
+            str(c.mailbox_size),
+            "--max-frame-bytes",
+            str(c.max_frame_bytes),
+            "--log-level",
+            self.log_level,
+            *args,
+        ]
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
         handle = NodeHandle(url="", process=proc)
         self.nodes.append(handle)  # so close() reaps it even if it never becomes ready
@@ -128,15 +156,18 @@ class Graph:
         handle.actors = await module.start(node, parser.parse_args(list(args)))
         return handle
 
-    async def spawn(self, node: NodeHandle, actor: type[Actor], name: str, timeout: float = 30.0,
-                    **kwargs: object) -> ActorRef:
+    async def spawn(
+        self, node: NodeHandle, actor: type[Actor], name: str, timeout: float = 30.0, **kwargs: object
+    ) -> ActorRef:
         """Create `actor(**kwargs)` named `name` on `node`; returns a ref usable from this script."""
         if node.node is not None:
             ref = await node.node.spawn(actor, name, **kwargs)
             return self.ref(ref.url)
         if actor.__module__ == "__main__":
-            raise ValueError(f"{actor.__qualname__} is defined in __main__; subprocess nodes import actors "
-                             "by module path, so define it in a module")
+            raise ValueError(
+                f"{actor.__qualname__} is defined in __main__; subprocess nodes import actors "
+                "by module path, so define it in a module"
+            )
         system = self.ref(f"{node.url}/{SYSTEM_ACTOR}")
         spawned = await system.ask(Spawn(f"{actor.__module__}:{actor.__qualname__}", name, dict(kwargs)), timeout)
         if not isinstance(spawned, Spawned):

@@ -7,6 +7,7 @@ client goes, the backend is told to cancel, which frees the request's KV whereve
 Errors use OpenAI's JSON shape: 400 naming the parameter, 404 for an unknown model, 429 when
 the frontend or the backend is at its admission limit, 503 when the backend cannot serve.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,12 +24,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from aiollm.log import get_logger
 from aiollm.frontend import protocol as oai
-from aiollm.model.sampling import SamplingParams
-from aiollm.serving.backend import FINISH_STOP, Backend, GenerateRequest, ModelInfo, Overloaded, Unavailable
 from aiollm.frontend.detokenize import IncrementalText
 from aiollm.frontend.metrics import CONTENT_TYPE, ServingMetrics
+from aiollm.log import get_logger
+from aiollm.model.sampling import SamplingParams
+from aiollm.serving.backend import FINISH_STOP, Backend, GenerateRequest, ModelInfo, Overloaded, Unavailable
 
 
 def _log():
@@ -100,8 +101,10 @@ class Frontend:
             first = exc.errors()[0]
             names = [str(p) for p in first.get("loc", ()) if p != "body" and not isinstance(p, int)]
             param = names[0] if names else None
-            return JSONResponse(oai.error_body(f"{param or 'body'}: {first.get('msg')}", "invalid_request_error", param),
-                                status_code=400)
+            return JSONResponse(
+                oai.error_body(f"{param or 'body'}: {first.get('msg')}", "invalid_request_error", param),
+                status_code=400,
+            )
 
         @app.exception_handler(HTTPError)
         async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
@@ -117,8 +120,18 @@ class Frontend:
 
         @app.get("/v1/models")
         async def models() -> dict:
-            return {"object": "list", "data": [{"id": self.info.name, "object": "model", "created": 0,
-                                                "owned_by": "aiollm", "max_model_len": self.info.max_context}]}
+            return {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.info.name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "aiollm",
+                        "max_model_len": self.info.max_context,
+                    }
+                ],
+            }
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -149,8 +162,13 @@ class Frontend:
 
     def _check_model(self, name: str) -> None:
         if name != self.info.name:
-            raise HTTPError(404, f"The model `{name}` does not exist; this server serves `{self.info.name}`.",
-                            "invalid_request_error", "model", "model_not_found")
+            raise HTTPError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.info.name}`.",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
 
     def _check_ids(self, ids: list[int]) -> list[int]:
         vocab = self.config.vocab_size
@@ -162,26 +180,42 @@ class Frontend:
         context = self.info.max_context
         prompt_param = "messages" if chat else "prompt"
         if prompt_len >= context:
-            raise _bad(f"This model's maximum context length is {context} tokens; the {prompt_param} has "
-                       f"{prompt_len} tokens.", prompt_param, "context_length_exceeded")
+            raise _bad(
+                f"This model's maximum context length is {context} tokens; the {prompt_param} has {prompt_len} tokens.",
+                prompt_param,
+                "context_length_exceeded",
+            )
         if body.max_tokens is not None:
             max_tokens = body.max_tokens
         else:
             max_tokens = min(context - prompt_len, self.config.default_max_tokens)
         if prompt_len + max_tokens > context:
             param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
-            raise _bad(f"This model's maximum context length is {context} tokens. However, you requested "
-                       f"{prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, {max_tokens} in the "
-                       f"completion). Please reduce the length of the {prompt_param} or {param}.",
-                       param, "context_length_exceeded")
-        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                              top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos)
+            raise _bad(
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {prompt_param} or {param}.",
+                param,
+                "context_length_exceeded",
+            )
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+            ignore_eos=body.ignore_eos,
+        )
 
     async def _respond(self, request: Request, body, ids: list[int], chat: bool) -> Response:
         sampling = self._sampling(body, len(ids), chat)
         if self._in_flight >= self.config.max_in_flight:
-            raise HTTPError(429, f"Too many requests in flight ({self.config.max_in_flight}); retry later.",
-                            "rate_limit_error", code="rate_limit_exceeded")
+            raise HTTPError(
+                429,
+                f"Too many requests in flight ({self.config.max_in_flight}); retry later.",
+                "rate_limit_error",
+                code="rate_limit_exceeded",
+            )
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         run = _Run(self, request, GenerateRequest(request_id, tuple(ids), sampling), body.stops)
         pieces = run.pieces()
@@ -195,7 +229,7 @@ class Frontend:
         if not body.stream:
             try:
                 texts, finish = [first[0]], first[1]
-                async for text, finish in pieces:
+                async for text, finish in pieces:  # noqa: B007 (the last finish is the answer)
                     texts.append(text)
             except Unavailable as exc:
                 raise HTTPError(503, str(exc), "service_unavailable") from exc
@@ -205,11 +239,13 @@ class Frontend:
             build = oai.chat_completion if chat else oai.completion
             return JSONResponse(build(request_id, model, "".join(texts), finish, use))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(self._sse(run, pieces, first, chat, include_usage, len(ids)),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            self._sse(run, pieces, first, chat, include_usage, len(ids)), media_type="text/event-stream"
+        )
 
-    async def _sse(self, run: "_Run", pieces: AsyncIterator, first, chat: bool, include_usage: bool,
-                   prompt_len: int) -> AsyncIterator[str]:
+    async def _sse(
+        self, run: _Run, pieces: AsyncIterator, first, chat: bool, include_usage: bool, prompt_len: int
+    ) -> AsyncIterator[str]:
         rid, model = run.request.request_id, self.info.name
         try:
             if chat:

@@ -6,6 +6,7 @@ whole completion each time and emit only the new, settled suffix: text ending in
 character (U+FFFD) is held back, and so is any tail that could still become a stop string, so a
 stream never shows a client part of a stop sequence.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

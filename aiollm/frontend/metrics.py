@@ -5,6 +5,7 @@ in one test process do not collide. Latencies are measured where the client sees
 request arrival to the first token delta, TPOT as the mean gap between later tokens of a request
 (DistServe's definition). Load gauges are refreshed from the backend on every scrape.
 """
+
 from __future__ import annotations
 
 import time
@@ -28,19 +29,32 @@ class ServingMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("aiollm_time_to_first_token_seconds", "Arrival to first token", buckets=_TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("aiollm_time_per_output_token_seconds", "Mean gap between tokens after the first, per request",
-                              buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("aiollm_e2e_request_latency_seconds", "Arrival to last token", buckets=_TTFT_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "aiollm_time_to_first_token_seconds", "Arrival to first token", buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "aiollm_time_per_output_token_seconds",
+            "Mean gap between tokens after the first, per request",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "aiollm_e2e_request_latency_seconds", "Arrival to last token", buckets=_TTFT_BUCKETS, registry=r
+        )
         self.requests = Counter("aiollm_requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("aiollm_prompt_tokens", "Prompt tokens accepted", registry=r)
         self.generation_tokens = Counter("aiollm_generation_tokens", "Tokens generated", registry=r)
-        self.tokens_per_second = Gauge("aiollm_generation_tokens_per_second",
-                                       f"Generated tokens/s over the last {_RATE_WINDOW_S:g} s", registry=r)
+        self.tokens_per_second = Gauge(
+            "aiollm_generation_tokens_per_second", f"Generated tokens/s over the last {_RATE_WINDOW_S:g} s", registry=r
+        )
         self.running = Gauge("aiollm_num_requests_running", "Requests producing tokens", registry=r)
         self.waiting = Gauge("aiollm_num_requests_waiting", "Requests accepted, no token yet", registry=r)
-        self.prefill_queue = Gauge("aiollm_prefill_queue_length", "Queue length per prefill instance", ["instance"], registry=r)
-        self.decode_queue = Gauge("aiollm_decode_queue_length", "Admission queue per decode instance", ["instance"], registry=r)
+        self.prefill_queue = Gauge(
+            "aiollm_prefill_queue_length", "Queue length per prefill instance", ["instance"], registry=r
+        )
+        self.decode_queue = Gauge(
+            "aiollm_decode_queue_length", "Admission queue per decode instance", ["instance"], registry=r
+        )
         self.kv_used = Gauge("aiollm_kv_blocks_used", "KV blocks in use, all instances", registry=r)
         self.kv_total = Gauge("aiollm_kv_blocks_total", "KV blocks in total, all instances", registry=r)
         self.in_flight = Gauge("aiollm_frontend_requests_in_flight", "HTTP requests being served", registry=r)
@@ -51,7 +65,9 @@ class ServingMetrics:
         self.generation_tokens.inc(count)
         self._recent.append((now, count))
 
-    def request_done(self, outcome: str, arrival: float, first: float | None, last: float | None, n_tokens: int) -> None:
+    def request_done(
+        self, outcome: str, arrival: float, first: float | None, last: float | None, n_tokens: int
+    ) -> None:
         """Record one finished request (times from `time.monotonic()`)."""
         self.requests.labels(outcome=outcome).inc()
         if first is not None:

@@ -6,6 +6,7 @@ validation error into OpenAI's 400 body naming the parameter). Parameters aiollm
 silently ignored. `top_k` and `ignore_eos` are accepted as vLLM-style extensions (`extra_body`).
 Responses are plain dicts built by the functions below, in the field order OpenAI uses.
 """
+
 from __future__ import annotations
 
 import time
@@ -188,9 +189,17 @@ def completion(request_id: str, model: str, text: str, finish_reason: str, use: 
     }
 
 
-def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None, use: dict | None = None) -> dict:
+def completion_chunk(
+    request_id: str, model: str, text: str, finish_reason: str | None, use: dict | None = None
+) -> dict:
     choices = [] if use is not None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
-    body = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices}
+    body = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
     if use is not None:
         body["usage"] = use
     return body
@@ -203,15 +212,28 @@ def chat_completion(request_id: str, model: str, text: str, finish_reason: str, 
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         ],
         "usage": use,
     }
 
 
 def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None, use: dict | None = None) -> dict:
-    choices = [] if use is not None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-    body = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model, "choices": choices}
+    choices = (
+        [] if use is not None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    )
+    body = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
     if use is not None:
         body["usage"] = use
     return body

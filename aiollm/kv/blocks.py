@@ -5,6 +5,7 @@ Pure Python, no I/O: the scheduler decides, these classes record. A sequence's t
 `BlockTable.block_tables` pads rows with -1 (PAD): the kernel reads only the first ceil(len / block_size)
 entries of a row, and -1 makes any misuse of the padding fail the bounds check instead of reading block 0.
 """
+
 import numpy as np
 
 from aiollm.errors import KVCacheFull
@@ -65,7 +66,7 @@ class BlockAllocator:
                     break
             runs.sort()
         for start, length in runs:
-            self._free_map[start:start + length] = 0
+            self._free_map[start : start + length] = 0
         self._n_free -= n
         return [b for start, length in runs for b in range(start, start + length)]
 
@@ -115,7 +116,7 @@ class BlockTable:
 
     def blocks(self, seq_id) -> list[int]:
         """The blocks holding seq_id's tokens, in order (its reservation left out)."""
-        return self._blocks[seq_id][:self._n_used(seq_id)]
+        return self._blocks[seq_id][: self._n_used(seq_id)]
 
     def reserved(self, seq_id) -> int:
         """Blocks seq_id holds past its length."""
@@ -170,8 +171,8 @@ class BlockTable:
         if sum(need) > alloc.n_free + sum(spare.values()):
             raise KVCacheFull(sum(need), alloc.n_free + sum(spare.values()), alloc.n_blocks)
         for s in spare:
-            alloc.free(self._blocks[s][keep[s]:])
-            del self._blocks[s][keep[s]:]
+            alloc.free(self._blocks[s][keep[s] :])
+            del self._blocks[s][keep[s] :]
         return [alloc.allocate(k) for k in need]
 
     def free(self, seq_id) -> None:
@@ -187,7 +188,7 @@ class BlockTable:
         for i, row in enumerate(rows):
             if len(row) > width:
                 raise ValueError(f"max_blocks: sequence {seq_ids[i]!r} has {len(row)} blocks, more than {width}")
-            table[i, :len(row)] = row
+            table[i, : len(row)] = row
         return table
 
     def seq_lens(self, seq_ids: list) -> np.ndarray:

@@ -24,6 +24,7 @@ plain FMAs, with no horizontal sums. Token t of a sequence lives in block `table
 
 Blocks can be exported and imported raw (`read`, `write_blocks`) to ship a sequence's KV between workers.
 """
+
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -58,8 +59,10 @@ class KVConfig:
         if self.dtype not in _STORAGE:
             raise ValueError(f"KVConfig.dtype: expected one of {sorted(_STORAGE)}, got {self.dtype!r}")
         if self.dtype == "int4" and (self.head_dim % 32 or self.block_size % 4):
-            raise ValueError(f"KVConfig.dtype: int4 needs head_dim % 32 == 0 and block_size % 4 == 0, got "
-                             f"head_dim {self.head_dim}, block_size {self.block_size}")
+            raise ValueError(
+                f"KVConfig.dtype: int4 needs head_dim % 32 == 0 and block_size % 4 == 0, got "
+                f"head_dim {self.head_dim}, block_size {self.block_size}"
+            )
 
     @property
     def bytes_per_block(self) -> int:
@@ -75,16 +78,31 @@ class KVConfig:
         return self.bytes_per_block * self.n_blocks
 
     @classmethod
-    def from_budget(cls, budget_bytes: int, *, n_layers: int, n_kv_heads: int, head_dim: int,
-                    block_size: int = 16, dtype: str = "fp16") -> "KVConfig":
+    def from_budget(
+        cls,
+        budget_bytes: int,
+        *,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        block_size: int = 16,
+        dtype: str = "fp16",
+    ) -> "KVConfig":
         """As many blocks as fit in `budget_bytes`; ValueError if not even one does."""
-        probe = cls(n_layers=n_layers, n_blocks=1, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                    block_size=block_size, dtype=dtype)
+        probe = cls(
+            n_layers=n_layers, n_blocks=1, n_kv_heads=n_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype
+        )
         n_blocks = int(budget_bytes) // probe.bytes_per_block
         if n_blocks < 1:
             raise ValueError(f"budget_bytes: {budget_bytes} is less than one block ({probe.bytes_per_block} bytes)")
-        return cls(n_layers=n_layers, n_blocks=n_blocks, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                   block_size=block_size, dtype=dtype)
+        return cls(
+            n_layers=n_layers,
+            n_blocks=n_blocks,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=dtype,
+        )
 
 
 def _int8_order(rows: int, cols: int) -> np.ndarray:
@@ -118,7 +136,7 @@ def int4_logical(k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     v_at, v_hi = (tv >> 2) * 2 * d + (dv >> 5) * 64 + (dv & 15) * 4 + (tv & 3), (dv >> 4) & 1
     flat_k = np.ascontiguousarray(k).reshape(*k.shape[:-2], d * half)
     flat_v = np.ascontiguousarray(v).reshape(*v.shape[:-2], d * half)
-    codes = (lambda b, hi: (np.where(hi, b >> 4, b & 15).astype(np.int8) - 8))
+    codes = lambda b, hi: np.where(hi, b >> 4, b & 15).astype(np.int8) - 8
     return codes(flat_k[..., k_at], k_hi), codes(flat_v[..., v_at], v_hi)
 
 
@@ -152,19 +170,41 @@ class KVPool:
         if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.config.n_layers:
             raise ValueError(f"layer: expected an int in [0, {self.config.n_layers}), got {layer!r}")
         scales = self.k_scale is not None
-        return {"k_cache": self.k[layer], "v_cache": self.v[layer],
-                "k_scale": self.k_scale[layer] if scales else None, "v_scale": self.v_scale[layer] if scales else None}
+        return {
+            "k_cache": self.k[layer],
+            "v_cache": self.v[layer],
+            "k_scale": self.k_scale[layer] if scales else None,
+            "v_scale": self.v_scale[layer] if scales else None,
+        }
 
     def write(self, layer: int, slot_mapping, k, v) -> None:
         """Store new tokens' k, v [n_tokens, n_kv_heads, head_dim] (fp32/fp16/bf16) at `slot_mapping`."""
         c = self._layer(layer)
         attention.kv_write(c["k_cache"], c["v_cache"], slot_mapping, k, v, k_scale=c["k_scale"], v_scale=c["v_scale"])
 
-    def attend(self, layer: int, q, block_tables, seq_lens, *, scale: float | None = None, out=None,
-               out_dtype: str | None = None, n_threads: int | None = None):
+    def attend(
+        self,
+        layer: int,
+        q,
+        block_tables,
+        seq_lens,
+        *,
+        scale: float | None = None,
+        out=None,
+        out_dtype: str | None = None,
+        n_threads: int | None = None,
+    ):
         """Decode attention of q [n_seqs, n_q_heads, head_dim] over this layer; see `attention.decode_attention`."""
-        return attention.decode_attention(**self._layer(layer), q=q, block_tables=block_tables, seq_lens=seq_lens,
-                                          scale=scale, out=out, out_dtype=out_dtype, n_threads=n_threads)
+        return attention.decode_attention(
+            **self._layer(layer),
+            q=q,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            scale=scale,
+            out=out,
+            out_dtype=out_dtype,
+            n_threads=n_threads,
+        )
 
     def prepare_decode(self, slot_mapping, block_tables, seq_lens) -> attention.DecodeStep:
         """Check one decode step's index arrays once; the returned step's `write`/`attend` serve every layer."""
@@ -186,7 +226,7 @@ class KVPool:
         A run of consecutive ids returns views into the pool; any other list returns copies."""
         at = self._block_index(block_ids)
         idx = (slice(None), at) if layer is None else (self._check_layer(layer), at)
-        pick = (lambda a: None if a is None else a[idx])
+        pick = lambda a: None if a is None else a[idx]
         return KVBlocks(pick(self.k), pick(self.v), pick(self.k_scale), pick(self.v_scale))
 
     def write_blocks(self, layer: int | None, block_ids, k_blocks, v_blocks, *, k_scale=None, v_scale=None) -> None:
@@ -202,7 +242,7 @@ class KVPool:
             if src is None or src.shape != view.shape or src.dtype != view.dtype:
                 got = None if src is None else (src.shape, str(src.dtype))
                 raise ValueError(f"{name}: expected shape {view.shape} dtype {view.dtype}, got {got}")
-        for name, dst, src in targets:
+        for _name, dst, src in targets:
             dst[idx] = np.asarray(src)
 
     def _check_layer(self, layer: int) -> int:
@@ -212,4 +252,3 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return self.config.nbytes
-

@@ -5,6 +5,7 @@ Why: on a 2-core machine the disaggregated-vs-colocated comparison is decided by
 bench reports, beside each rate's latencies, how many cores the servers used and how many other
 processes took; that is the measurement that says whether a missed target is the design or the box.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ def _stat_fields(pid: int) -> list[str] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return text[text.rindex(")") + 2:].split()  # fields after the command name (which may hold spaces)
+    return text[text.rindex(")") + 2 :].split()  # fields after the command name (which may hold spaces)
 
 
 def _tree(root: int) -> list[int]:

@@ -6,6 +6,7 @@ output lengths, so disaggregated and colocated runs do the same work (vLLM's ben
 TTFT is arrival to the first streamed text; TPOT is (last - first) / (tokens - 1), DistServe's
 definition; a request meets the SLO when both are under their limits.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,14 @@ async def _one(client: openai.AsyncOpenAI, model: str, request: BenchRequest) ->
     tokens = 0
     try:
         stream = await client.completions.create(
-            model=model, prompt=request.prompt_ids, max_tokens=request.output_len, temperature=0,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=model,
+            prompt=request.prompt_ids,
+            max_tokens=request.output_len,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
@@ -56,8 +63,9 @@ async def _one(client: openai.AsyncOpenAI, model: str, request: BenchRequest) ->
     return RequestResult(True, first - start, tpot, last - start, tokens)
 
 
-async def run_rate(base_url: str, model: str, requests: list[BenchRequest], arrivals: np.ndarray,
-                   timeout: float = 600.0) -> tuple[list[RequestResult], float]:
+async def run_rate(
+    base_url: str, model: str, requests: list[BenchRequest], arrivals: np.ndarray, timeout: float = 600.0
+) -> tuple[list[RequestResult], float]:
     """Send request i at arrivals[i] seconds after the start; returns the results and the wall time."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=timeout)
     start = time.perf_counter()
@@ -116,8 +124,9 @@ def attainment(results: list[RequestResult], ttft_slo: float, tpot_slo: float) -
     return sum(1 for r in results if r.ok and r.ttft <= ttft_slo and r.tpot <= tpot_slo) / max(1, len(results))
 
 
-def goodput_ratio(runs: dict[str, dict[float, list[RequestResult]]], ttft_slo: float,
-                  tpot_slo: float | None, target: float = 0.9) -> tuple[float | None, float, dict[str, float]]:
+def goodput_ratio(
+    runs: dict[str, dict[float, list[RequestResult]]], ttft_slo: float, tpot_slo: float | None, target: float = 0.9
+) -> tuple[float | None, float, dict[str, float]]:
     """(disaggregated / colocated goodput, the TPOT SLO used, each setup's goodput) over the same rates.
 
     `tpot_slo` None applies the rule: the colocated setup's p90 TPOT at the lowest rate, i.e. the TPOT
@@ -125,22 +134,34 @@ def goodput_ratio(runs: dict[str, dict[float, list[RequestResult]]], ttft_slo: f
     if tpot_slo is None:
         colocated = runs["colocated"]
         tpot_slo = p90_tpot(colocated[min(colocated)])
-    goodput = {setup: max_rate_at(list(by_rate), [attainment(r, ttft_slo, tpot_slo) for r in by_rate.values()], target)
-               for setup, by_rate in runs.items()}
+    goodput = {
+        setup: max_rate_at(list(by_rate), [attainment(r, ttft_slo, tpot_slo) for r in by_rate.values()], target)
+        for setup, by_rate in runs.items()
+    }
     ratio = goodput["disaggregated"] / goodput["colocated"] if goodput["colocated"] > 0 else None
     return ratio, tpot_slo, goodput
 
 
-def bootstrap_ratio(runs: dict[str, dict[float, list[RequestResult]]], ttft_slo: float, tpot_slo: float | None,
-                    samples: int = 400, seed: int = 0) -> tuple[float, float]:
+def bootstrap_ratio(
+    runs: dict[str, dict[float, list[RequestResult]]],
+    ttft_slo: float,
+    tpot_slo: float | None,
+    samples: int = 400,
+    seed: int = 0,
+) -> tuple[float, float]:
     """10th and 90th percentile of the ratio over resampled requests (each run's requests drawn with
     replacement, the SLO rule applied again to each draw): the sampling noise of the ratio. A draw
     with no finite ratio counts as 0."""
     rng = np.random.default_rng(seed)
     ratios = []
     for _ in range(samples):
-        drawn = {setup: {rate: [results[i] for i in rng.integers(0, len(results), len(results))]
-                         for rate, results in by_rate.items()} for setup, by_rate in runs.items()}
+        drawn = {
+            setup: {
+                rate: [results[i] for i in rng.integers(0, len(results), len(results))]
+                for rate, results in by_rate.items()
+            }
+            for setup, by_rate in runs.items()
+        }
         ratio, _, _ = goodput_ratio(drawn, ttft_slo, tpot_slo)
         ratios.append(ratio or 0.0)
     return float(np.percentile(ratios, 10)), float(np.percentile(ratios, 90))

@@ -9,6 +9,7 @@ matched to prefill records by prompt length and time, and a request the controll
 instance had its queue limit of requests not yet prefilled, the controller's `prefill_queue_limit`) is
 marked, since its way in includes queueing.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,26 +21,42 @@ def read_logs(directory: Path) -> list[dict]:
     return [record for path in sorted(directory.glob("*.jsonl")) for record in read_step_log(path)]
 
 
-def steps_between(records: list[dict], start: float, end: float, prompt_lens: list[int], sends: list[float],
-                  ttfts: list[float | None], queue_limit: int = 4) -> dict:
+def steps_between(
+    records: list[dict],
+    start: float,
+    end: float,
+    prompt_lens: list[int],
+    sends: list[float],
+    ttfts: list[float | None],
+    queue_limit: int = 4,
+) -> dict:
     """The records that started in [start, end) as compact lists, and each request's hop delays."""
     mine = [r for r in records if start <= r["start"] < end]
     prefill = [r for r in mine if r["kind"] == "prefill"]
     decode = [r for r in mine if r["kind"] == "decode"]
-    out = {"prefill": [[sum(r["lengths"]), sum(x * x for x in r["lengths"]), r["end"] - r["start"]] for r in prefill],
-           "decode": [[r["batch"], r["context"], r["end"] - r["start"]] for r in decode],
-           "pull": [[r["tokens"], r["end"] - r["start"]] for r in mine if r["kind"] == "pull"],
-           # when each decode step, prefill batch and pull ran, seconds after `start` (the clock the sends are
-           # on): which decode step's token a client saw first, and how the machine's speed varied
-           "decode_at": [[r["start"] - start, r["end"] - start] for r in decode],
-           "prefill_at": [[r["start"] - start, r["end"] - start] for r in prefill],
-           "pull_at": [[r["start"] - start, r["end"] - start, r["tokens"]] for r in mine if r["kind"] == "pull"]}
+    out = {
+        "prefill": [[sum(r["lengths"]), sum(x * x for x in r["lengths"]), r["end"] - r["start"]] for r in prefill],
+        "decode": [[r["batch"], r["context"], r["end"] - r["start"]] for r in decode],
+        "pull": [[r["tokens"], r["end"] - r["start"]] for r in mine if r["kind"] == "pull"],
+        # when each decode step, prefill batch and pull ran, seconds after `start` (the clock the sends are
+        # on): which decode step's token a client saw first, and how the machine's speed varied
+        "decode_at": [[r["start"] - start, r["end"] - start] for r in decode],
+        "prefill_at": [[r["start"] - start, r["end"] - start] for r in prefill],
+        "pull_at": [[r["start"] - start, r["end"] - start, r["tokens"]] for r in mine if r["kind"] == "pull"],
+    }
     # (length, receipt time, batch end) of every prefilled request, to match the client's requests against
     received = [(length, recv, r["end"]) for r in prefill for length, recv in zip(r["lengths"], r["recv"])]
     hop_in, hop_out, held = [], [], []
     for length, send, ttft in zip(prompt_lens, sends, ttfts):
-        match = None if ttft is None else min(
-            (x for x in received if x[0] == length and send <= x[1] <= send + ttft), key=lambda x: x[1], default=None)
+        match = (
+            None
+            if ttft is None
+            else min(
+                (x for x in received if x[0] == length and send <= x[1] <= send + ttft),
+                key=lambda x: x[1],
+                default=None,
+            )
+        )
         hop_in.append(None if match is None else match[1] - send)
         hop_out.append(None if match is None else send + ttft - match[2])
         # the controller holds a request while the instance has `queue_limit` not yet prefilled: then the

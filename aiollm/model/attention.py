@@ -5,14 +5,16 @@ Decode writes the new token's K/V into the paged pool and attends over the pool 
 kernel; the pool is anything with aiollm.kv.pool.KVPool's `write`/`attend`, so an R-worker that
 holds its pool in another process calls the same function on its side.
 """
+
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int],
-                      scale: float | None = None) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int], scale: float | None = None
+) -> torch.Tensor:
     """Causal attention within each sequence of a packed batch.
 
     q [n, n_heads, d], k/v [n, n_kv_heads, d] with n = sum(seq_lens), sequences back to back.
@@ -27,8 +29,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
         # a run of `count` prompts of n tokens: [count * n, heads, d] -> [count, heads, n, d], views (SDPA takes
         # the strides as they are); one call per run instead of per prompt (a batch of 64 equal prompts made
         # 64 calls per layer)
-        o = F.scaled_dot_product_attention(*(x[start:end].unflatten(0, (count, n)).transpose(1, 2) for x in (q, k, v)),
-                                           is_causal=True, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            *(x[start:end].unflatten(0, (count, n)).transpose(1, 2) for x in (q, k, v)),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
         out[start:end] = o.transpose(1, 2).flatten(0, 1)
         start = end
     return out
@@ -45,9 +51,17 @@ def _runs(seq_lens: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def paged_decode_attention(pool, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           slot_mapping, block_tables, seq_lens,
-                           n_threads: int | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    pool,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping,
+    block_tables,
+    seq_lens,
+    n_threads: int | None = None,
+) -> torch.Tensor:
     """One decode step's attention for a batch: store the new K/V, then attend over each sequence's cache.
 
     q [b, n_heads, d], k/v [b, n_kv_heads, d] (one new token per sequence); slot_mapping int [b] (where the
@@ -60,8 +74,15 @@ def paged_decode_attention(pool, layer: int, q: torch.Tensor, k: torch.Tensor, v
     return step_decode_attention(step, layer, q, k, v, n_threads=n_threads)
 
 
-def step_decode_attention(step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          out: torch.Tensor | None = None, n_threads: int | None = None) -> torch.Tensor:
+def step_decode_attention(
+    step,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor | None = None,
+    n_threads: int | None = None,
+) -> torch.Tensor:
     """`paged_decode_attention` with the step's index arrays checked once (`KVPool.prepare_decode`).
 
     `out` (optional) is reused across layers: a step allocates it once; its dtype is q's when that is fp32

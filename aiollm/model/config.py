@@ -3,6 +3,7 @@
 Everything downstream (the forward, the KV cache sizing, the planners) reads these numbers from
 one frozen object instead of from a dict, so a typo is an error at load time, not at step 10,000.
 """
+
 from dataclasses import dataclass, field
 
 

@@ -10,17 +10,26 @@ index arrays are checked once (`KVPool.prepare_decode`), the positions once (`mo
 serve all layers: RoPE writes each layer's q straight into the fp32 buffer the attention kernel reads (no
 `q.float()` copy in bf16), and the kernel writes its output into the other, in the model dtype.
 """
+
 from collections.abc import Sequence
 
 import torch
 
-from aiollm.native.attention import on_gemm_team
 from aiollm.kv.pool import KVPool
 from aiollm.model.llama import LlamaModel
+from aiollm.native.attention import on_gemm_team
 
 
-def decode_logits(model: LlamaModel, pool: KVPool, token_ids: Sequence[int], positions: Sequence[int],
-                  slot_mapping, block_tables, seq_lens, n_threads: int | None = None) -> torch.Tensor:
+def decode_logits(
+    model: LlamaModel,
+    pool: KVPool,
+    token_ids: Sequence[int],
+    positions: Sequence[int],
+    slot_mapping,
+    block_tables,
+    seq_lens,
+    n_threads: int | None = None,
+) -> torch.Tensor:
     """fp32 logits [n_seqs, vocab] of one decode step.
 
     token_ids: the token each sequence feeds; positions: its position (= tokens already cached);

@@ -5,6 +5,7 @@ A batch of prompts of different lengths is prefilled as one packed batch (their 
 a paged KV pool), then decoded together one token per step; a sequence leaves the batch as soon
 as it stops and its blocks go back to the allocator.
 """
+
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,27 +54,46 @@ class _Sequence:
 class ColocatedEngine:
     """A model plus its own paged KV pool; `generate` runs batches of prompts to completion."""
 
-    def __init__(self, model: LlamaModel, kv_dtype: str = "fp32", n_blocks: int = 4096, block_size: int = 16,
-                 n_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_dtype: str = "fp32",
+        n_blocks: int = 4096,
+        block_size: int = 16,
+        n_threads: int | None = None,
+    ) -> None:
         c = model.config
         self.model = model
         self.block_size = block_size
         self.n_threads = n_threads
-        self.pool = KVPool(KVConfig(n_layers=c.n_layers, n_blocks=n_blocks, block_size=block_size,
-                                    n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, dtype=kv_dtype))
+        self.pool = KVPool(
+            KVConfig(
+                n_layers=c.n_layers,
+                n_blocks=n_blocks,
+                block_size=block_size,
+                n_kv_heads=c.n_kv_heads,
+                head_dim=c.head_dim,
+                dtype=kv_dtype,
+            )
+        )
         _fault_in(self.pool)
         self.allocator = BlockAllocator(n_blocks)
 
-    def generate(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[Completion]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams()
+    ) -> list[Completion]:
         """Complete every prompt (token ids); params is one SamplingParams for all or one per prompt."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
         eos = frozenset(self.model.tokenizer.stop_ids if self.model.tokenizer else self.model.config.eos_ids)
-        seqs = [_Sequence(list(p), sp, frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos),
-                          new_generator(sp)) for p, sp in zip(prompts, params)]
+        seqs = [
+            _Sequence(
+                list(p), sp, frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos), new_generator(sp)
+            )
+            for p, sp in zip(prompts, params)
+        ]
         table = BlockTable(self.allocator, self.block_size)  # sequence index -> its blocks and cached length
         try:
             with torch.inference_mode():
@@ -91,8 +111,9 @@ class ColocatedEngine:
     def _prefill(self, seqs: list[_Sequence], table: BlockTable) -> None:
         ids = list(range(len(seqs)))
         slots = torch.from_numpy(table.append_batch(ids, [len(s.prompt) for s in seqs]))
-        logits = self.model.prefill([s.prompt for s in seqs],
-                                    kv_sink=lambda layer, k, v: self.pool.write(layer, slots, k, v))
+        logits = self.model.prefill(
+            [s.prompt for s in seqs], kv_sink=lambda layer, k, v: self.pool.write(layer, slots, k, v)
+        )
         self._append(seqs, logits)
 
     def _decode_step(self, all_seqs: list[_Sequence], active: list[int], table: BlockTable) -> None:
@@ -100,8 +121,16 @@ class ColocatedEngine:
         seqs = [all_seqs[i] for i in active]
         positions = [table.length(i) for i in active]  # the fed token's position = tokens already cached
         slots = table.append_batch(active, [1] * len(active))  # numpy: the kernel wrapper's native kind
-        logits = decode_logits(self.model, self.pool, [s.output[-1] for s in seqs], positions, slots,
-                               table.block_tables(active), table.seq_lens(active), self.n_threads)
+        logits = decode_logits(
+            self.model,
+            self.pool,
+            [s.output[-1] for s in seqs],
+            positions,
+            slots,
+            table.block_tables(active),
+            table.seq_lens(active),
+            self.n_threads,
+        )
         self._append(seqs, logits)
 
     def _append(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
@@ -132,11 +161,16 @@ def _fault_in(pool: KVPool) -> None:
 def _cut_at_stop_string(text: str, stops: tuple[str, ...]) -> str | None:
     """The text before the first stop string in it, or None when it holds none."""
     found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
-    return text[:min(found)] if found else None
+    return text[: min(found)] if found else None
 
-def generate(model: LlamaModel, prompts: Sequence[Sequence[int]],
-             params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), kv_dtype: str = "fp32",
-             block_size: int = 16) -> list[Completion]:
+
+def generate(
+    model: LlamaModel,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    kv_dtype: str = "fp32",
+    block_size: int = 16,
+) -> list[Completion]:
     """Complete a batch of token-id prompts with a KV pool sized for exactly this batch."""
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)

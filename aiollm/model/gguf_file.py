@@ -5,6 +5,7 @@ adjacent pairs; Hugging Face Llama rotates the two halves of each head instead. 
 permutation here (as transformers does when it loads a GGUF), so the rest of aiollm sees HF
 weights and HF RoPE, and q/k equal transformers' bit for bit.
 """
+
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,6 @@ from gguf.quants import dequantize
 
 from aiollm.errors import ModelFormatError
 from aiollm.model.config import ModelConfig, RopeScaling
-
 
 # architectures whose tensors and forward are exactly Llama's
 LLAMA_ARCHITECTURES = ("llama",)
@@ -95,9 +95,11 @@ class GGUFFile:
         scaling = None
         kind = self.field(f"{arch}.rope.scaling.type", "none")
         if kind not in ("none", None):
-            scaling = RopeScaling(kind=kind, factor=float(self._require(f"{arch}.rope.scaling.factor")),
-                                  original_max_position=int(self.field(f"{arch}.rope.scaling.original_context_length",
-                                                                       8192)))
+            scaling = RopeScaling(
+                kind=kind,
+                factor=float(self._require(f"{arch}.rope.scaling.factor")),
+                original_max_position=int(self.field(f"{arch}.rope.scaling.original_context_length", 8192)),
+            )
         eos = self.field("tokenizer.ggml.eos_token_id")
         try:
             return ModelConfig(
@@ -132,8 +134,9 @@ class GGUFFile:
                 f"{self.path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which cannot be dequantised"
             ) from exc
         except (ValueError, IndexError) as exc:
-            raise ModelFormatError(f"{self.path}: tensor {tensor.name!r} ({tensor.tensor_type.name}) is corrupt: "
-                                   f"{exc}") from exc
+            raise ModelFormatError(
+                f"{self.path}: tensor {tensor.name!r} ({tensor.tensor_type.name}) is corrupt: {exc}"
+            ) from exc
         weight = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: never a view of the mapped file
         if name.endswith("q_proj.weight"):
             weight = unpermute_qk(weight, self.config.n_heads)

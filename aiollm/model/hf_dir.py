@@ -3,6 +3,7 @@
 This is how most users hold models. Tensors already have the HF names and layout the forward
 expects, so the only work is checking the config and opening every shard lazily.
 """
+
 import json
 from pathlib import Path
 
@@ -47,10 +48,12 @@ def config_from_hf(raw: dict, path: Path, generation: dict | None = None) -> Mod
     if scaling_raw:
         kind = scaling_raw.get("rope_type", scaling_raw.get("type"))
         scaling = RopeScaling(
-            kind=kind, factor=float(scaling_raw["factor"]),
+            kind=kind,
+            factor=float(scaling_raw["factor"]),
             low_freq_factor=float(scaling_raw.get("low_freq_factor", 1.0)),
             high_freq_factor=float(scaling_raw.get("high_freq_factor", 4.0)),
-            original_max_position=int(scaling_raw.get("original_max_position_embeddings", 8192)))
+            original_max_position=int(scaling_raw.get("original_max_position_embeddings", 8192)),
+        )
     n_heads = raw["num_attention_heads"]
     generation = generation or {}
     try:

@@ -7,6 +7,7 @@ bandwidth at small batch and reuses them from L2 across the rows of larger ones.
 140-200 GFLOPS at batch 32-64 here; `F.linear` (MKL sgemm) re-packs the weight on every call and is
 slower still. Elsewhere (CUDA, no oneDNN) weights stay dense and `F.linear` is used.
 """
+
 import functools
 
 import torch
@@ -23,8 +24,11 @@ def pack(weight: torch.Tensor) -> Weight:
     `.to_dense()` (a plain tensor's is itself)."""
     if weight.device.type == "cpu" and gemm.supported(weight.dtype):
         return gemm.PackedWeight(weight)
-    if weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and \
-            (weight.dtype == torch.float32 or weight.dtype == torch.bfloat16 and _onednn_bf16()):
+    if (
+        weight.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and (weight.dtype == torch.float32 or weight.dtype == torch.bfloat16 and _onednn_bf16())
+    ):
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     return weight
 

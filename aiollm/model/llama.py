@@ -15,19 +15,20 @@ ATen ops each, every one with its OpenMP fork/join; when every matrix is on the 
 (pre_attention, post_attention) is one native call (fused_ops.layer_pre / layer_post, same bits). RoPE is then bit-identical to transformers' formula;
 RMSNorm sums the squares in another order (a few fp32 ulps).
 """
+
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from aiollm.native import fused_ops
 from aiollm.model.attention import prefill_attention
 from aiollm.model.config import ModelConfig
-from aiollm.native.gemm import PackedWeight
 from aiollm.model.linear import linear, linear_add
 from aiollm.model.rope import RotaryTable, Rotation
 from aiollm.model.tokenizer import Tokenizer
 from aiollm.model.weights import LlamaWeights
+from aiollm.native import fused_ops
+from aiollm.native.gemm import PackedWeight
 
 # called once per layer during prefill with (layer, k, v), k/v [n_tokens, n_kv_heads, head_dim]
 KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -52,8 +53,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 class LlamaModel:
     """A loaded Llama-family model: `config`, `tokenizer`, `weights`, and the split forward."""
 
-    def __init__(self, config: ModelConfig, weights: LlamaWeights, tokenizer: Tokenizer | None,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: LlamaWeights,
+        tokenizer: Tokenizer | None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
@@ -62,9 +69,15 @@ class LlamaModel:
         self.rotary = RotaryTable(config, dtype, device)
         # every layer's S-part halves as one native call each (fused_ops.layer_pre / layer_post) when all the
         # layers' matrices are on the native GEMM in the model dtype and the RoPE table is in that dtype
-        self._fused_layers = self.device.type == "cpu" and self.rotary.cos.dtype == dtype and all(
-            isinstance(m, PackedWeight) and m.dtype == dtype and w.attn_norm.dtype == w.mlp_norm.dtype == dtype
-            for w in weights.layers for m in (w.qkv, w.o, w.gate_up, w.down))
+        self._fused_layers = (
+            self.device.type == "cpu"
+            and self.rotary.cos.dtype == dtype
+            and all(
+                isinstance(m, PackedWeight) and m.dtype == dtype and w.attn_norm.dtype == w.mlp_norm.dtype == dtype
+                for w in weights.layers
+                for m in (w.qkv, w.o, w.gate_up, w.down)
+            )
+        )
         self._qkv_heads = (config.n_heads, config.n_kv_heads, config.n_kv_heads)
         self._decode_layer_weights: list | None = None  # decode_layers' per-layer weights, gathered on first use
 
@@ -81,8 +94,15 @@ class LlamaModel:
         """These positions' RoPE, checked once; compute once per step and pass to every pre_attention."""
         return Rotation(self.rotary, torch.as_tensor(positions, dtype=torch.long, device=self.device))
 
-    def pre_attention(self, layer: int, h: torch.Tensor, positions, rope: Rotation | None = None,
-                      q_out: torch.Tensor | None = None, kv_step=None):
+    def pre_attention(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        positions,
+        rope: Rotation | None = None,
+        q_out: torch.Tensor | None = None,
+        kv_step=None,
+    ):
         """RMSNorm, QKV projection and RoPE of layer `layer` for packed hidden states h [n, hidden].
 
         `positions` are the tokens' positions in their own sequences (1-D, length n); pass `rope` from
@@ -99,15 +119,26 @@ class LlamaModel:
         n = h.shape[0]
         if self._fused_layers and h.dtype == self.dtype and (q_out is None or q_out.is_contiguous()):
             flat_q = None if q_out is None else q_out.view(n, c.q_size)
-            qkv, _ = fused_ops.layer_pre(h.contiguous(), w.attn_norm, c.rms_eps, w.qkv, c.n_heads, c.n_kv_heads,
-                                         c.head_dim, rope.positions, rope.table.cos, rope.table.sin, flat_q,
-                                         kv_target=None if kv_step is None else kv_step.native_write_target(layer))
+            qkv, _ = fused_ops.layer_pre(
+                h.contiguous(),
+                w.attn_norm,
+                c.rms_eps,
+                w.qkv,
+                c.n_heads,
+                c.n_kv_heads,
+                c.head_dim,
+                rope.positions,
+                rope.table.cos,
+                rope.table.sin,
+                flat_q,
+                kv_target=None if kv_step is None else kv_step.native_write_target(layer),
+            )
             # one split_with_sizes makes the three views in one ATen call (three slices cost ~8 us a layer)
             q, k, v = qkv.view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim).split_with_sizes(self._qkv_heads, 1)
             return (q if q_out is None else q_out), k, v
         qkv = linear(rms_norm(h, w.attn_norm, c.rms_eps), w.qkv).view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
         q = rope.rotate_qk(qkv, c.n_heads, c.n_kv_heads, q_out)  # k rotated in place
-        k, v = qkv[:, c.n_heads:c.n_heads + c.n_kv_heads], qkv[:, c.n_heads + c.n_kv_heads:]
+        k, v = qkv[:, c.n_heads : c.n_heads + c.n_kv_heads], qkv[:, c.n_heads + c.n_kv_heads :]
         if kv_step is not None:
             kv_step.write(layer, k, v)
         return q, k, v
@@ -119,30 +150,58 @@ class LlamaModel:
         if attn.dtype != self.dtype:
             attn = attn.to(self.dtype)
         if self._fused_layers and h.dtype == self.dtype:
-            return fused_ops.layer_post(h.contiguous(), attn.contiguous(), w.o, w.mlp_norm, self.config.rms_eps,
-                                        w.gate_up, w.down)
+            return fused_ops.layer_post(
+                h.contiguous(), attn.contiguous(), w.o, w.mlp_norm, self.config.rms_eps, w.gate_up, w.down
+            )
         h = linear_add(attn, w.o, h)
         gate_up = linear(rms_norm(h, w.mlp_norm, self.config.rms_eps), w.gate_up)
         return linear_add(silu_mul(gate_up), w.down, h)
 
-    def decode_layers(self, h: torch.Tensor, rope: Rotation, kv_step, q_out: torch.Tensor,
-                      attn_out: torch.Tensor, n_threads: int | None = None, seconds=None) -> torch.Tensor | None:
+    def decode_layers(
+        self,
+        h: torch.Tensor,
+        rope: Rotation,
+        kv_step,
+        q_out: torch.Tensor,
+        attn_out: torch.Tensor,
+        n_threads: int | None = None,
+        seconds=None,
+    ) -> torch.Tensor | None:
         """Every layer of a decode step (pre_attention, decode attention over kv_step, post_attention) in one
         native call (`fused_ops.decode_layers`, same bits as the per-layer calls); h is updated in place and
         returned. None (nothing done) where the layers are not on the fused path or the buffers do not fit it:
         the caller then runs the layers one by one. q_out fp32 and attn_out of the model dtype, both
         [n, n_heads, head_dim]; n_threads: attention threads; seconds as for `fused_ops.decode_layers`."""
-        if not (self._fused_layers and h.dtype == self.dtype and attn_out.dtype == self.dtype
-                and q_out.dtype == torch.float32 and h.is_contiguous()):
+        if not (
+            self._fused_layers
+            and h.dtype == self.dtype
+            and attn_out.dtype == self.dtype
+            and q_out.dtype == torch.float32
+            and h.is_contiguous()
+        ):
             return None
         c = self.config
         layers = self._decode_layer_weights
         if layers is None:
-            layers = self._decode_layer_weights = [(w.attn_norm, w.qkv, w.o, w.mlp_norm, w.gate_up, w.down)
-                                                   for w in self.weights.layers]
-        return fused_ops.decode_layers(h, layers, c.rms_eps, c.n_heads, c.n_kv_heads, c.head_dim, rope.positions,
-                                       rope.table.cos, rope.table.sin, kv_step, q_out,
-                                       attn_out, attn_threads=n_threads, seconds=seconds)
+            layers = self._decode_layer_weights = [
+                (w.attn_norm, w.qkv, w.o, w.mlp_norm, w.gate_up, w.down) for w in self.weights.layers
+            ]
+        return fused_ops.decode_layers(
+            h,
+            layers,
+            c.rms_eps,
+            c.n_heads,
+            c.n_kv_heads,
+            c.head_dim,
+            rope.positions,
+            rope.table.cos,
+            rope.table.sin,
+            kv_step,
+            q_out,
+            attn_out,
+            attn_threads=n_threads,
+            seconds=seconds,
+        )
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm and output projection: fp32 logits [n, vocab]."""
@@ -150,8 +209,12 @@ class LlamaModel:
 
     # ---- whole prompts ------------------------------------------------------------------------------
 
-    def prefill(self, token_ids: Sequence[Sequence[int]], kv_sink: KVSink | None = None,
-                start_positions: Sequence[int] | None = None) -> torch.Tensor:
+    def prefill(
+        self,
+        token_ids: Sequence[Sequence[int]],
+        kv_sink: KVSink | None = None,
+        start_positions: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Run prompts (packed into one batch) through every layer; fp32 logits [n_seqs, vocab] of each last token.
 
         Attention is causal within each prompt (torch SDPA); each layer's K/V of all tokens (packed, in

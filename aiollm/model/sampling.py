@@ -4,6 +4,7 @@
 batch of fp32 logits into token ids, each row with its own parameters and its own generator, so a
 seeded request gives the same tokens whatever else shares its batch.
 """
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -78,8 +79,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> list[int]:
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> list[int]:
     """Next token of each row of fp32 logits [b, vocab]; row i uses params[i] and generators[i]."""
     if logits.shape[0] != len(params):
         raise ValueError(f"params: {len(params)} given for {logits.shape[0]} rows of logits")

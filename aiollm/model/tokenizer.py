@@ -4,12 +4,14 @@ A GGUF carries no tokenizer.json: it stores the vocabulary, merges, token kinds 
 as metadata. We rebuild the byte-level BPE from them the way transformers does for a GGUF, so
 the ids are the same as transformers' for any text. An HF directory carries its tokenizer.json.
 """
+
 import json
 from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as Backend
 
 from aiollm.errors import ModelFormatError
 
@@ -17,16 +19,24 @@ from aiollm.errors import ModelFormatError
 _CONTROL, _USER_DEFINED = 3, 4
 
 # llama.cpp pre-tokenizer names whose split regex differs from GPT-2's; others use GPT-2's
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-               "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT}
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (the byte-level BPE alphabet)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = keep[:]
     extra = 0
     for b in range(256):
@@ -40,8 +50,14 @@ def _bytes_to_unicode() -> dict[int, str]:
 class Tokenizer:
     """encode/decode, special ids and the chat template of one model."""
 
-    def __init__(self, backend: Backend, chat_template: str | None, bos_token: str | None,
-                 eos_token: str | None, stop_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+        stop_ids: tuple[int, ...],
+    ) -> None:
         self.backend = backend
         self.chat_template = chat_template
         self.bos_token = bos_token
@@ -69,13 +85,19 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("apply_chat_template: this model has no chat template")
         if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
             env.filters["tojson"] = lambda value, **kw: json.dumps(value, ensure_ascii=False, **kw)
             env.globals["raise_exception"] = _raise_template_error
             self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **extra,
+        )
 
     @classmethod
     def from_gguf_fields(cls, field, path: str, eos_ids: tuple[int, ...]) -> "Tokenizer":
@@ -89,25 +111,47 @@ class Tokenizer:
         spelling = _bytes_to_unicode()
         alphabet = set(spelling.values())
         vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i for i, t in enumerate(tokens)}
-        backend = Backend(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                                     end_of_word_suffix="", fuse_unk=False))
+        backend = Backend(
+            models.BPE(
+                vocab=vocab,
+                merges=merges,
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+            )
+        )
         split = _PRE_SPLITS.get(field("tokenizer.ggml.pre"))
         if split is None:
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
         backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                    for t, k in zip(tokens, kinds) if k == _CONTROL and set(t) <= alphabet])
-        backend.add_tokens([AddedToken(t, normalized=False, special=False)
-                            for t, k in zip(tokens, kinds) if k == _USER_DEFINED and t in vocab])
+        backend.add_special_tokens(
+            [
+                AddedToken(t, normalized=False, special=True)
+                for t, k in zip(tokens, kinds)
+                if k == _CONTROL and set(t) <= alphabet
+            ]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(t, normalized=False, special=False)
+                for t, k in zip(tokens, kinds)
+                if k == _USER_DEFINED and t in vocab
+            ]
+        )
         bos_id = field("tokenizer.ggml.bos_token_id")
         bos = tokens[bos_id] if bos_id is not None else None
         if bos is not None and field("tokenizer.ggml.add_bos_token", False):
-            backend.post_processor = processors.TemplateProcessing(single=f"{bos}:0 $A:0",
-                                                                   special_tokens=[(bos, bos_id)])
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0", special_tokens=[(bos, bos_id)]
+            )
         eos = tokens[eos_ids[0]] if eos_ids else None
         return cls(backend, field("tokenizer.chat_template"), bos, eos, _stop_ids(backend, eos_ids))
 

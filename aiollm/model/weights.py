@@ -5,6 +5,7 @@ checks every shape against the config and fuses Q/K/V into one matrix and gate/u
 so a decode step does 4 GEMMs per layer instead of 7 (fewer, larger GEMMs: less per-call
 overhead, better use of AMX/AVX-512 tiles at small batch).
 """
+
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,7 +16,6 @@ from aiollm.errors import ModelFormatError
 from aiollm.log import get_logger
 from aiollm.model.config import ModelConfig
 from aiollm.model.linear import pack
-
 
 
 class TensorSource(Protocol):
@@ -77,12 +77,19 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (c.vocab, c.hidden)
     for i in range(c.n_layers):
         n = _layer_names(i)
-        shapes.update({
-            n["attn_norm"]: (c.hidden,), n["mlp_norm"]: (c.hidden,),
-            n["q"]: (c.q_size, c.hidden), n["k"]: (c.kv_size, c.hidden), n["v"]: (c.kv_size, c.hidden),
-            n["o"]: (c.hidden, c.q_size),
-            n["gate"]: (c.ffn, c.hidden), n["up"]: (c.ffn, c.hidden), n["down"]: (c.hidden, c.ffn),
-        })
+        shapes.update(
+            {
+                n["attn_norm"]: (c.hidden,),
+                n["mlp_norm"]: (c.hidden,),
+                n["q"]: (c.q_size, c.hidden),
+                n["k"]: (c.kv_size, c.hidden),
+                n["v"]: (c.kv_size, c.hidden),
+                n["o"]: (c.hidden, c.q_size),
+                n["gate"]: (c.ffn, c.hidden),
+                n["up"]: (c.ffn, c.hidden),
+                n["down"]: (c.hidden, c.ffn),
+            }
+        )
     return shapes
 
 
@@ -99,7 +106,8 @@ def assemble(config: ModelConfig, source: TensorSource, dtype: torch.dtype, devi
         tensor = source.get(name)
         if tuple(tensor.shape) != shapes[name]:
             raise ModelFormatError(
-                f"{source.path}: tensor {name!r} has shape {tuple(tensor.shape)}, the config needs {shapes[name]}")
+                f"{source.path}: tensor {name!r} has shape {tuple(tensor.shape)}, the config needs {shapes[name]}"
+            )
         progress.update(1)
         return tensor.to(device=device, dtype=dtype)
 
@@ -108,14 +116,16 @@ def assemble(config: ModelConfig, source: TensorSource, dtype: torch.dtype, devi
         layers = []
         for i in range(config.n_layers):
             n = _layer_names(i)
-            layers.append(LayerWeights(
-                attn_norm=take(n["attn_norm"]),
-                qkv=pack(torch.cat([take(n["q"]), take(n["k"]), take(n["v"])])),
-                o=pack(take(n["o"])),
-                mlp_norm=take(n["mlp_norm"]),
-                gate_up=pack(torch.cat([take(n["gate"]), take(n["up"])])),
-                down=pack(take(n["down"])),
-            ))
+            layers.append(
+                LayerWeights(
+                    attn_norm=take(n["attn_norm"]),
+                    qkv=pack(torch.cat([take(n["q"]), take(n["k"]), take(n["v"])])),
+                    o=pack(take(n["o"])),
+                    mlp_norm=take(n["mlp_norm"]),
+                    gate_up=pack(torch.cat([take(n["gate"]), take(n["up"])])),
+                    down=pack(take(n["down"])),
+                )
+            )
             if (i + 1) % 10 == 0 or i + 1 == config.n_layers:
                 log.info("loaded layers", done=i + 1, total=config.n_layers, path=source.path)
         norm = take("model.norm.weight")

@@ -6,6 +6,7 @@ The kernels take raw pointers, so everything they could misread is checked here:
 object) naming the argument and the expected vs actual value. torch is never imported here: a tensor can
 only arrive if the caller already imported it.
 """
+
 import sys
 from typing import NamedTuple
 
@@ -43,7 +44,7 @@ def aligned_full(shape: tuple[int, ...], fill, dtype) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.zeros(nbytes + CACHE_LINE, np.uint8)
     start = -raw.ctypes.data % CACHE_LINE
-    out = raw[start:start + nbytes].view(dtype).reshape(shape)
+    out = raw[start : start + nbytes].view(dtype).reshape(shape)
     if fill != 0:
         out.fill(fill)
     return out

@@ -31,6 +31,7 @@ whose AVX-512 a hypervisor hides, and for int8 / int4 on Intel and on that Zen 4
 many heads, where the kernels read faster without it; AIOLLM_ATTN_FAR_PREFETCH=0-7, the AIOLLM_FAR_* mask of
 native/aiollm_native.h, or `force_far_prefetch`).
 """
+
 import contextlib
 import math
 import os
@@ -43,8 +44,13 @@ from aiollm.native.arrays import NUMPY_OF, check_contiguous, check_dtype, check_
 
 ISAS = {"ref": lib.AIOLLM_ISA_REF, "avx2": lib.AIOLLM_ISA_AVX2, "avx512": lib.AIOLLM_ISA_AVX512}
 _ISA_NAMES = {code: name for name, code in ISAS.items()}
-_DT = {"fp32": lib.AIOLLM_DT_F32, "fp16": lib.AIOLLM_DT_F16, "bf16": lib.AIOLLM_DT_BF16, "int8": lib.AIOLLM_DT_I8,
-       "uint8": lib.AIOLLM_DT_I4}  # a uint8 cache holds int4 codes, two a byte
+_DT = {
+    "fp32": lib.AIOLLM_DT_F32,
+    "fp16": lib.AIOLLM_DT_F16,
+    "bf16": lib.AIOLLM_DT_BF16,
+    "int8": lib.AIOLLM_DT_I8,
+    "uint8": lib.AIOLLM_DT_I4,
+}  # a uint8 cache holds int4 codes, two a byte
 _STATUS = {
     lib.AIOLLM_ERR_ARG: "an argument is out of range",
     lib.AIOLLM_ERR_BLOCK: "block_tables: an entry in use lies outside the pool",
@@ -129,7 +135,12 @@ def force_int8_path(name: str | None) -> None:
 
 
 _QUANTISED_FAR = lib.AIOLLM_FAR_QUANTISED | lib.AIOLLM_FAR_QUANTISED_LINES
-_FAR_CLASS = {"fp32": lib.AIOLLM_FAR_FLOAT, "fp16": lib.AIOLLM_FAR_FLOAT, "int8": _QUANTISED_FAR, "int4": _QUANTISED_FAR}
+_FAR_CLASS = {
+    "fp32": lib.AIOLLM_FAR_FLOAT,
+    "fp16": lib.AIOLLM_FAR_FLOAT,
+    "int8": _QUANTISED_FAR,
+    "int4": _QUANTISED_FAR,
+}
 
 
 def _far_class(storage: str | None) -> int:
@@ -195,8 +206,10 @@ def _layer(k_cache, v_cache, k_scale, v_scale):
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"k_cache: head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
     if int4 and (head_dim % 32 or block_size % 4):
-        raise ValueError(f"k_cache: int4 (uint8) storage needs head_dim % 32 == 0 and block_size % 4 == 0, got "
-                         f"head_dim {head_dim}, block_size {block_size}")
+        raise ValueError(
+            f"k_cache: int4 (uint8) storage needs head_dim % 32 == 0 and block_size % 4 == 0, got "
+            f"head_dim {head_dim}, block_size {block_size}"
+        )
     v = describe(v_cache, "v_cache")
     check_dtype(v, "v_cache", (k.dtype,))
     check_shape(v, "v_cache", (n_blocks, n_kv_heads, block_size, head_dim // 2 if int4 else head_dim))
@@ -234,7 +247,9 @@ def kv_write(k_cache, v_cache, slot_mapping, k, v, *, k_scale=None, v_scale=None
     if n_tokens:
         bad = np.flatnonzero((slots_np < 0) | (slots_np >= n_slots))
         if bad.size:
-            raise ValueError(f"slot_mapping: expected entries in [0, {n_slots}), got {int(slots_np[bad[0]])} at index {int(bad[0])}")
+            raise ValueError(
+                f"slot_mapping: expected entries in [0, {n_slots}), got {int(slots_np[bad[0]])} at index {int(bad[0])}"
+            )
     kv_in = []
     for x, name in ((k, "k"), (v, "v")):
         a = describe(x, name)
@@ -248,8 +263,18 @@ def kv_write(k_cache, v_cache, slot_mapping, k, v, *, k_scale=None, v_scale=None
     row = desc.n_kv_heads * desc.head_dim
     k_stride = ka.strides[0] if n_tokens > 1 else row
     v_stride = va.strides[0] if n_tokens > 1 else row
-    _ensure(lib.aiollm_kv_write(desc, ffi.cast("int64_t *", slots_np.ctypes.data), n_tokens,
-                                ffi.cast("void *", ka.ptr), k_stride, ffi.cast("void *", va.ptr), v_stride, _DT[ka.dtype]))
+    _ensure(
+        lib.aiollm_kv_write(
+            desc,
+            ffi.cast("int64_t *", slots_np.ctypes.data),
+            n_tokens,
+            ffi.cast("void *", ka.ptr),
+            k_stride,
+            ffi.cast("void *", va.ptr),
+            v_stride,
+            _DT[ka.dtype],
+        )
+    )
 
 
 def _check_tables(bt: np.ndarray, lens: np.ndarray, block_size: int, n_blocks: int) -> None:
@@ -263,18 +288,34 @@ def _check_tables(bt: np.ndarray, lens: np.ndarray, block_size: int, n_blocks: i
     max_blocks = bt.shape[1]
     if need.max() > max_blocks:
         i = int(np.argmax(need))
-        raise ValueError(f"seq_lens: sequence {i} has length {int(lens[i])}, needing {int(need[i])} blocks of "
-                         f"{block_size}, but block_tables has {max_blocks} columns")
+        raise ValueError(
+            f"seq_lens: sequence {i} has length {int(lens[i])}, needing {int(need[i])} blocks of "
+            f"{block_size}, but block_tables has {max_blocks} columns"
+        )
     in_use = np.arange(max_blocks) < need[:, None]
     bad = in_use & ((bt < 0) | (bt >= n_blocks))
     if bad.any():
         s, j = (int(x) for x in np.argwhere(bad)[0])
-        raise ValueError(f"block_tables: expected entries in use in [0, {n_blocks}), got {int(bt[s, j])} "
-                         f"at [{s}, {j}] (sequence length {int(lens[s])})")
+        raise ValueError(
+            f"block_tables: expected entries in use in [0, {n_blocks}), got {int(bt[s, j])} "
+            f"at [{s}, {j}] (sequence length {int(lens[s])})"
+        )
 
 
-def decode_attention(k_cache, v_cache, q, block_tables, seq_lens, *, k_scale=None, v_scale=None,
-                     scale: float | None = None, out=None, out_dtype: str | None = None, n_threads: int | None = None):
+def decode_attention(
+    k_cache,
+    v_cache,
+    q,
+    block_tables,
+    seq_lens,
+    *,
+    k_scale=None,
+    v_scale=None,
+    scale: float | None = None,
+    out=None,
+    out_dtype: str | None = None,
+    n_threads: int | None = None,
+):
     """Attention of one query token per sequence over its cached tokens, grouped-query.
 
     q fp32 [n_seqs, n_q_heads, head_dim] (heads and dims contiguous); block_tables int32 [n_seqs, max_blocks]
@@ -290,8 +331,10 @@ def decode_attention(k_cache, v_cache, q, block_tables, seq_lens, *, k_scale=Non
         raise ValueError(f"q: expected shape (n_seqs, n_q_heads, {desc.head_dim}), got {qa.shape}")
     n_seqs, n_q_heads, head_dim = qa.shape
     if n_q_heads % desc.n_kv_heads or n_q_heads // desc.n_kv_heads > MAX_GROUP:
-        raise ValueError(f"q: expected n_q_heads a multiple of n_kv_heads={desc.n_kv_heads} with at most "
-                         f"{MAX_GROUP} per group, got {n_q_heads}")
+        raise ValueError(
+            f"q: expected n_q_heads a multiple of n_kv_heads={desc.n_kv_heads} with at most "
+            f"{MAX_GROUP} per group, got {n_q_heads}"
+        )
     check_contiguous(qa, "q", from_dim=1)
     bt = describe(block_tables, "block_tables")
     check_dtype(bt, "block_tables", ("int32",))
@@ -310,9 +353,19 @@ def decode_attention(k_cache, v_cache, q, block_tables, seq_lens, *, k_scale=Non
     # _check_tables); only a refused call pays for the numpy pass that names the offending entry. Checked here
     # first, they cost ~20 us a call, ~2 % of a SmolLM2 64 x 1024 int8 call.
     status = lib.aiollm_decode_attention(
-        desc, ffi.cast("float *", qa.ptr), q_stride, n_seqs, n_q_heads, ffi.cast("int32_t *", bt.ptr),
-        bt.shape[1], ffi.cast("int32_t *", sl.ptr), scale, ffi.cast("void *", oa.ptr), _DT[oa.dtype],
-        _threads(n_threads))
+        desc,
+        ffi.cast("float *", qa.ptr),
+        q_stride,
+        n_seqs,
+        n_q_heads,
+        ffi.cast("int32_t *", bt.ptr),
+        bt.shape[1],
+        ffi.cast("int32_t *", sl.ptr),
+        scale,
+        ffi.cast("void *", oa.ptr),
+        _DT[oa.dtype],
+        _threads(n_threads),
+    )
     if status in (lib.AIOLLM_ERR_LEN, lib.AIOLLM_ERR_BLOCK):
         _check_tables(bt.numpy(), sl.numpy(), desc.block_size, desc.n_blocks)
     _ensure(status)
@@ -341,8 +394,10 @@ class DecodeStep:
         n_slots = g.n_blocks * g.block_size
         bad = np.flatnonzero((self._slots < 0) | (self._slots >= n_slots))
         if bad.size:
-            raise ValueError(f"slot_mapping: expected entries in [0, {n_slots}), got {int(self._slots[bad[0]])} "
-                             f"at index {int(bad[0])}")
+            raise ValueError(
+                f"slot_mapping: expected entries in [0, {n_slots}), got {int(self._slots[bad[0]])} "
+                f"at index {int(bad[0])}"
+            )
         n_seqs = self._slots.shape[0]
         bt = describe(block_tables, "block_tables")
         check_dtype(bt, "block_tables", ("int32",))
@@ -378,9 +433,18 @@ class DecodeStep:
         if va.dtype != ka.dtype:
             raise ValueError(f"v: expected the dtype of k ({ka.dtype}), got {va.dtype}")
         row = desc.n_kv_heads * desc.head_dim
-        _ensure(lib.aiollm_kv_write(desc, self._slots_ptr, n, ffi.cast("void *", ka.ptr),
-                                    ka.strides[0] if n > 1 else row, ffi.cast("void *", va.ptr),
-                                    va.strides[0] if n > 1 else row, _DT[ka.dtype]))
+        _ensure(
+            lib.aiollm_kv_write(
+                desc,
+                self._slots_ptr,
+                n,
+                ffi.cast("void *", ka.ptr),
+                ka.strides[0] if n > 1 else row,
+                ffi.cast("void *", va.ptr),
+                va.strides[0] if n > 1 else row,
+                _DT[ka.dtype],
+            )
+        )
 
     def native_write_target(self, layer: int):
         """(layer `layer`'s C descriptor `aiollm_kv_layer *`, this step's slots `int64_t *`, n_seqs): for a native
@@ -413,8 +477,18 @@ class DecodeStep:
         oa, scale = self._checked_out(desc, hq, out, scale)
         row = a.shape[1] * d if n == 1 else a.strides[0]
         size = 4 if a.dtype == "fp32" else 2
-        _ensure(lib.aiollm_kv_write(desc, self._slots_ptr, n, ffi.cast("void *", a.ptr + hq * d * size), row,
-                                    ffi.cast("void *", a.ptr + (hq + hk) * d * size), row, _DT[a.dtype]))
+        _ensure(
+            lib.aiollm_kv_write(
+                desc,
+                self._slots_ptr,
+                n,
+                ffi.cast("void *", a.ptr + hq * d * size),
+                row,
+                ffi.cast("void *", a.ptr + (hq + hk) * d * size),
+                row,
+                _DT[a.dtype],
+            )
+        )
         if a.dtype == "fp32":
             return self._run(desc, a.ptr, row, hq, oa, scale, n_threads, out)
         q = qkv[:, :hq]
@@ -438,8 +512,10 @@ class DecodeStep:
     def _checked_out(self, desc, n_q_heads: int, out, scale: float | None):
         """(out described, the softmax scale) once the head count and `out` are checked."""
         if n_q_heads % desc.n_kv_heads or n_q_heads // desc.n_kv_heads > MAX_GROUP:
-            raise ValueError(f"q: expected n_q_heads a multiple of n_kv_heads={desc.n_kv_heads} with at most "
-                             f"{MAX_GROUP} per group, got {n_q_heads}")
+            raise ValueError(
+                f"q: expected n_q_heads a multiple of n_kv_heads={desc.n_kv_heads} with at most "
+                f"{MAX_GROUP} per group, got {n_q_heads}"
+            )
         oa = describe(out, "out")
         check_dtype(oa, "out", ("fp32", "fp16", "bf16"))
         check_shape(oa, "out", (self.n_seqs, n_q_heads, desc.head_dim))
@@ -448,10 +524,22 @@ class DecodeStep:
 
     def _run(self, desc, q_ptr: int, q_stride: int, n_q_heads: int, oa, scale: float, n_threads: int | None, out):
         """The kernel over checked fp32 q rows (at q_ptr, q_stride elements apart) into the checked `oa`."""
-        _ensure(lib.aiollm_decode_attention(
-            desc, ffi.cast("float *", q_ptr), q_stride, self.n_seqs, n_q_heads, self._tables_ptr,
-            self._tables.shape[1], self._lens_ptr, scale, ffi.cast("void *", oa.ptr), _DT[oa.dtype],
-            _threads(n_threads)))
+        _ensure(
+            lib.aiollm_decode_attention(
+                desc,
+                ffi.cast("float *", q_ptr),
+                q_stride,
+                self.n_seqs,
+                n_q_heads,
+                self._tables_ptr,
+                self._tables.shape[1],
+                self._lens_ptr,
+                scale,
+                ffi.cast("void *", oa.ptr),
+                _DT[oa.dtype],
+                _threads(n_threads),
+            )
+        )
         return out
 
 
@@ -503,6 +591,22 @@ def pool_size() -> int:
     return lib.aiollm_pool_size()
 
 
-__all__ = ["DecodeStep", "decode_attention", "on_gemm_team", "kv_write", "read_sum", "set_num_threads",
-           "get_num_threads", "isa", "supported_isas", "force_isa", "int8_path", "supported_int8_paths",
-           "force_int8_path", "far_prefetch", "force_far_prefetch", "fma_peak", "pool_size"]
+__all__ = [
+    "DecodeStep",
+    "decode_attention",
+    "on_gemm_team",
+    "kv_write",
+    "read_sum",
+    "set_num_threads",
+    "get_num_threads",
+    "isa",
+    "supported_isas",
+    "force_isa",
+    "int8_path",
+    "supported_int8_paths",
+    "force_int8_path",
+    "far_prefetch",
+    "force_far_prefetch",
+    "fma_peak",
+    "pool_size",
+]

@@ -8,6 +8,7 @@ math on AVX-512; bf16 runs bf16 products with fp32 accumulation (AVX512_BF16), y
 Every argument is checked here (TypeError for a wrong dtype or type, ValueError for a wrong shape or
 layout) before the C call; the C side checks again and returns a status code.
 """
+
 import ctypes
 import sys
 import threading
@@ -32,7 +33,7 @@ def _aligned_bytes(nbytes: int) -> torch.Tensor:
         return _SLABS.take(nbytes)
     raw = torch.empty(nbytes + 64, dtype=torch.uint8)
     skip = -raw.data_ptr() % 64
-    return raw[skip:skip + nbytes]
+    return raw[skip : skip + nbytes]
 
 
 def _find_madvise():
@@ -75,10 +76,10 @@ class _Slabs:
                 size = max(self.SLAB_BYTES, -(-nbytes // self.HUGE) * self.HUGE)
                 raw = torch.empty(size + self.HUGE, dtype=torch.uint8)  # not touched yet: no page mapped
                 skip = -raw.data_ptr() % self.HUGE
-                self._slab, start = raw[skip:skip + size], 0
+                self._slab, start = raw[skip : skip + size], 0
                 _madvise(self._slab.data_ptr(), size, _MADV_HUGEPAGE)  # a refusal only costs the speed-up
             self._used = start + nbytes
-            return self._slab[start:start + nbytes]
+            return self._slab[start : start + nbytes]
 
 
 _SLABS = _Slabs()
@@ -150,12 +151,20 @@ def _fits(t, dtype: torch.dtype, rows: int | None, cols: int) -> bool:
     """The common case of `_rows`, checked with as few tensor attribute reads as possible (this runs 121
     times per decode step)."""
     shape, stride = t.shape, t.stride()
-    return (t.dtype is dtype and len(shape) == 2 and shape[1] == cols and (rows is None or shape[0] == rows)
-            and (stride[1] == 1 or cols == 1) and (stride[0] >= cols or shape[0] <= 1) and not t.is_cuda)
+    return (
+        t.dtype is dtype
+        and len(shape) == 2
+        and shape[1] == cols
+        and (rows is None or shape[0] == rows)
+        and (stride[1] == 1 or cols == 1)
+        and (stride[0] >= cols or shape[0] <= 1)
+        and not t.is_cuda
+    )
 
 
-def gemm(x: torch.Tensor, weight: PackedWeight, residual: torch.Tensor | None = None,
-         n_threads: int | None = None) -> torch.Tensor:
+def gemm(
+    x: torch.Tensor, weight: PackedWeight, residual: torch.Tensor | None = None, n_threads: int | None = None
+) -> torch.Tensor:
     """x [m, k] @ weight.T (+ residual [m, n]) as a new [m, n] tensor of the weight's dtype.
 
     x and residual must have the weight's dtype and unit-stride rows (a row stride is fine).
@@ -173,7 +182,20 @@ def gemm(x: torch.Tensor, weight: PackedWeight, residual: torch.Tensor | None = 
     if m == 0:
         return y
     r_ptr, ldr = (_NULL, 0) if residual is None else (_cast("void *", residual.data_ptr()), residual.stride(0))
-    _ensure(lib.aiollm_gemm(_cast("void *", x.data_ptr()), x.stride(0) if m > 1 else k, m, weight._ptr, n, k,
-                            weight._code, r_ptr, ldr if m > 1 else n, _cast("void *", y.data_ptr()), n,
-                            torch.get_num_threads() if n_threads is None else n_threads))
+    _ensure(
+        lib.aiollm_gemm(
+            _cast("void *", x.data_ptr()),
+            x.stride(0) if m > 1 else k,
+            m,
+            weight._ptr,
+            n,
+            k,
+            weight._code,
+            r_ptr,
+            ldr if m > 1 else n,
+            _cast("void *", y.data_ptr()),
+            n,
+            torch.get_num_threads() if n_threads is None else n_threads,
+        )
+    )
     return y

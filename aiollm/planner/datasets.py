@@ -15,6 +15,7 @@ Tokenizers: OPT uses GPT-2's byte-level BPE, whose encoder.json/vocab.bpe ship i
 (read with the `tokenizers` library); SmolLM2 uses its own tokenizer when aiollm.model provides one,
 else GPT-2's as an approximation (stated in the provenance).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -102,6 +103,7 @@ def _smollm2_tokenizer():
         from aiollm.model.gguf_file import GGUFFile
         from aiollm.model.loader import resolve
         from aiollm.model.tokenizer import Tokenizer
+
         source = GGUFFile(resolve("smollm2"))
         tokenizer = Tokenizer.from_gguf_fields(source.field, source.path, source.config.eos_ids)
     except (ImportError, FileNotFoundError):
@@ -124,8 +126,10 @@ def load_lengths(dataset: str, model: str = "opt-13b", refresh: bool = False) ->
     if dataset == "sharegpt":
         conversations, parsed = read_sharegpt()
         pairs = sharegpt_pairs(conversations)
-        where = (f"ShareGPT V3 ({parsed} complete conversations parsed before the file's cut at 125,509,632 bytes, "
-                 f"{len(pairs)} with >= 3 turns)")
+        where = (
+            f"ShareGPT V3 ({parsed} complete conversations parsed before the file's cut at 125,509,632 bytes, "
+            f"{len(pairs)} with >= 3 turns)"
+        )
     else:
         pairs = read_humaneval()
         where = "HumanEval (164 prompts, canonical solutions as outputs)"

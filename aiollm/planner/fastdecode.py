@@ -30,6 +30,7 @@ The step is the largest of four bounds: the S-worker's own work, the busiest R-w
 dependency chain through the layers, and all the work over the cores, with the overlap loss on the first, second
 and fourth when pipelined.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,10 +66,15 @@ class Sizing:
         return asdict(self)
 
     def explain(self) -> str:
-        step = f", predicted step {self.predicted_step*1e3:.1f} ms" if self.predicted_step else ""
-        return "\n".join(self.reasoning + [f"=> B = {self.batch}, P = {self.workers} R-workers, {self.mode} "
-                                           f"(formula alone {self.workers_exact:.3g}){step}, "
-                                           f"~{self.tokens_per_s:.0f} tokens/s"])
+        step = f", predicted step {self.predicted_step * 1e3:.1f} ms" if self.predicted_step else ""
+        return "\n".join(
+            self.reasoning
+            + [
+                f"=> B = {self.batch}, P = {self.workers} R-workers, {self.mode} "
+                f"(formula alone {self.workers_exact:.3g}){step}, "
+                f"~{self.tokens_per_s:.0f} tokens/s"
+            ]
+        )
 
 
 @dataclass(frozen=True)
@@ -121,20 +127,37 @@ class StepPrediction:
     idle: float = 0.0
 
     def explain(self) -> str:
-        bounds = {"S-worker work": self.s_worker, "busiest R-worker": self.r_worker,
-                  "one mini-batch's chain": self.chain, "all work / cores": self.all_over_cores}
+        bounds = {
+            "S-worker work": self.s_worker,
+            "busiest R-worker": self.r_worker,
+            "one mini-batch's chain": self.chain,
+            "all work / cores": self.all_over_cores,
+        }
         binding = max(bounds, key=bounds.get)
-        idle = (f" + overlap loss {self.idle*1e3:.1f} ms" if self.idle else "")
-        return (", ".join(f"{k} {v*1e3:.1f} ms" for k, v in bounds.items()) + idle
-                + f" -> {self.step*1e3:.1f} ms ({binding} binds; communication {self.communication*1e3:.1f} ms at "
-                  f"{self.ask.total*1e3:.2f} ms per ask: S {self.ask.s*1e3:.2f}, R {self.ask.r*1e3:.2f}, "
-                  f"wait {self.ask.wait*1e3:.2f})")
+        idle = f" + overlap loss {self.idle * 1e3:.1f} ms" if self.idle else ""
+        return (
+            ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in bounds.items())
+            + idle
+            + f" -> {self.step * 1e3:.1f} ms ({binding} binds; communication {self.communication * 1e3:.1f} ms at "
+            f"{self.ask.total * 1e3:.2f} ms per ask: S {self.ask.s * 1e3:.2f}, R {self.ask.r * 1e3:.2f}, "
+            f"wait {self.ask.wait * 1e3:.2f})"
+        )
 
 
-def predict_step(t_of_b: dict[int, float], r_per_token: float | dict[int, float], round_trip: dict[int, AskCost],
-                 n_layers: int,
-                 batch: int, kv_tokens: float, workers: int, pipelined: bool, cores: float,
-                 r_cores: float = 0.0, s_per_token: float = 0.0, overlap: float = 0.0) -> StepPrediction:
+def predict_step(
+    t_of_b: dict[int, float],
+    r_per_token: float | dict[int, float],
+    round_trip: dict[int, AskCost],
+    n_layers: int,
+    batch: int,
+    kv_tokens: float,
+    workers: int,
+    pipelined: bool,
+    cores: float,
+    r_cores: float = 0.0,
+    s_per_token: float = 0.0,
+    overlap: float = 0.0,
+) -> StepPrediction:
     """Predicted decode step of `batch` sequences holding `kv_tokens` KV entries in all, on `workers` R-workers.
 
     t_of_b: S-part seconds per batch size; r_per_token: attention seconds per KV entry (all layers, one
@@ -147,8 +170,10 @@ def predict_step(t_of_b: dict[int, float], r_per_token: float | dict[int, float]
     overlap: the pipeline's overlap loss (`overlap_loss`, 0..1): a pipelined step is the larger of the chain and
     its largest other bound plus `overlap` times the lesser of the S-worker's CPU and the busiest R-worker's."""
     if batch <= 0 or workers <= 0 or n_layers <= 0 or cores <= 0 or kv_tokens < 0:
-        raise ValueError(f"need batch, workers, n_layers, cores > 0 and kv_tokens >= 0, got {batch}, {workers}, "
-                         f"{n_layers}, {cores}, {kv_tokens}")
+        raise ValueError(
+            f"need batch, workers, n_layers, cores > 0 and kv_tokens >= 0, got {batch}, {workers}, "
+            f"{n_layers}, {cores}, {kv_tokens}"
+        )
     if r_cores < 0 or (r_cores and r_cores >= cores):
         raise ValueError(f"r_cores must be 0 (all shared) or in (0, cores={cores}), got {r_cores}")
     if not round_trip:
@@ -175,8 +200,13 @@ def predict_step(t_of_b: dict[int, float], r_per_token: float | dict[int, float]
     r_worker = r_each * workers / min(workers, r_cores) if r_cores else r_each
     # a mini-batch waits for its own S-side work, then per layer for its R-workers (side by side as far as there
     # are cores for them) and the wait of the ask
-    chain = (interpolate(t_of_b, half) + n_layers * workers * ask.s + s_per_token * kv_tokens / groups
-             + n_layers * (ask.wait + workers * ask.r / side_by_side) + attention / (groups * side_by_side))
+    chain = (
+        interpolate(t_of_b, half)
+        + n_layers * workers * ask.s
+        + s_per_token * kv_tokens / groups
+        + n_layers * (ask.wait + workers * ask.r / side_by_side)
+        + attention / (groups * side_by_side)
+    )
     all_over_cores = (s_worker + workers * r_each) / min(cores, workers + 1)
     idle = overlap * min(s_cpu, r_worker) if pipelined else 0.0
     step = max(max(s_worker, r_worker, all_over_cores) + idle, chain)
@@ -191,8 +221,10 @@ def overlap_loss(step: float, s_cpu: float, r_cpus: list[float], cores: float, w
     `predict_step` with this loss and these CPUs gives back `step` exactly, so the probe's configuration is
     reproduced and others are priced by how balanced their sides are."""
     if step <= 0 or s_cpu <= 0 or not r_cpus or min(r_cpus) < 0 or cores <= 0 or waits < 0:
-        raise ValueError(f"need step, s_cpu, cores > 0, R-worker CPUs and waits >= 0, got {step}, {s_cpu}, "
-                         f"{r_cpus}, {cores}, {waits}")
+        raise ValueError(
+            f"need step, s_cpu, cores > 0, R-worker CPUs and waits >= 0, got {step}, {s_cpu}, "
+            f"{r_cpus}, {cores}, {waits}"
+        )
     r_cpu = max(r_cpus)
     if r_cpu <= 0:
         return 0.0
@@ -224,10 +256,12 @@ class Overlap:
     waits: float
 
     def explain(self) -> str:
-        return (f"overlap loss {self.loss:.3f} of the lesser side, from a balanced pipelined probe (B={self.batch} at "
-                f"context {self.context}, {self.workers} R-worker(s)): step {self.step*1e3:.1f} ms vs S-worker CPU "
-                f"{self.s_cpu*1e3:.1f} ms (+ {self.waits*1e3:.1f} ms measured waits), busiest R-worker CPU "
-                f"{self.r_cpu*1e3:.1f} ms")
+        return (
+            f"overlap loss {self.loss:.3f} of the lesser side, from a balanced pipelined probe (B={self.batch} at "
+            f"context {self.context}, {self.workers} R-worker(s)): step {self.step * 1e3:.1f} ms vs S-worker CPU "
+            f"{self.s_cpu * 1e3:.1f} ms (+ {self.waits * 1e3:.1f} ms measured waits), busiest R-worker CPU "
+            f"{self.r_cpu * 1e3:.1f} ms"
+        )
 
 
 def per_entry(r_per_token: float | dict[int, float], entries: float) -> float:
@@ -291,13 +325,18 @@ class StepCurve:
     residual: float = 0.0
 
     def __call__(self, w: float) -> float:
-        return self.base + self.slope_before * w + (self.slope_after - self.slope_before) * _bend(w - self.knee,
-                                                                                                  self.width)
+        return (
+            self.base
+            + self.slope_before * w
+            + (self.slope_after - self.slope_before) * _bend(w - self.knee, self.width)
+        )
 
     def explain(self) -> str:
-        return (f"{self.base * 1e3:.1f} ms + {self.slope_before * 1e9:.0f} ns per entry, bending at W = "
-                f"{self.knee:.0f} (rounded over {self.width:.0f} entries) into {self.slope_after * 1e9:.0f} ns per "
-                f"entry (rms residual {self.residual * 1e3:.1f} ms)")
+        return (
+            f"{self.base * 1e3:.1f} ms + {self.slope_before * 1e9:.0f} ns per entry, bending at W = "
+            f"{self.knee:.0f} (rounded over {self.width:.0f} entries) into {self.slope_after * 1e9:.0f} ns per "
+            f"entry (rms residual {self.residual * 1e3:.1f} ms)"
+        )
 
 
 def _bend(x: np.ndarray | float, width: float) -> np.ndarray | float:
@@ -335,7 +374,8 @@ def fit_step_curve(points: list[tuple[float, float]], grid: int = 64) -> StepCur
     dk, dw = (high - low) / (grid - 1), widest / (grid - 1)
     error, knee, width, (base, before, bend) = best_of(
         np.linspace(max(low, knee - dk), min(high, knee + dk), grid),
-        np.linspace(max(0.0, width - dw), min(widest, width + dw), grid))
+        np.linspace(max(0.0, width - dw), min(widest, width + dw), grid),
+    )
     return StepCurve(float(base), float(before), float(before + bend), knee, width, math.sqrt(error / len(w)))
 
 
@@ -351,10 +391,18 @@ def interpolate(curve: dict[int, float], batch: float) -> float:
     return float(np.interp(batch, bs, ts))
 
 
-def size(t_of_b: dict[int, float], r_per_token: float | dict[int, float], seq_len: int, latency_target: float | None = None,
-         round_trip: dict[int, dict[int, AskCost]] | None = None, n_layers: int = 0, cores: float = 0.0,
-         s_per_token: dict[int, float] | None = None, time_shared: TimeShared | None = None,
-         overlap: dict[int, Overlap] | None = None) -> Sizing:
+def size(
+    t_of_b: dict[int, float],
+    r_per_token: float | dict[int, float],
+    seq_len: int,
+    latency_target: float | None = None,
+    round_trip: dict[int, dict[int, AskCost]] | None = None,
+    n_layers: int = 0,
+    cores: float = 0.0,
+    s_per_token: dict[int, float] | None = None,
+    time_shared: TimeShared | None = None,
+    overlap: dict[int, Overlap] | None = None,
+) -> Sizing:
     """Pick B from the measured T(B) curve, then P = B*S*R / (2*T(B)); with the ask costs measured per R-worker
     count ({P: {rows per ask: AskCost}}, see `step_costs`; a P not measured uses the largest measured one below
     it), the model's layer count and the cores the roles share, P is instead the fewest R-workers whose
@@ -375,32 +423,42 @@ def size(t_of_b: dict[int, float], r_per_token: float | dict[int, float], seq_le
     if r_per_token <= 0 or seq_len <= 0:
         raise ValueError(f"r_per_token and seq_len must be > 0, got {r_per_token}, {seq_len}")
     batches = sorted(t_of_b)
-    lines = ["T(B), the S-part step time measured per batch size: " +
-             ", ".join(f"T({b})={t_of_b[b]*1e3:.2f} ms" for b in batches),
-             f"R, attention time per context token on one R-worker: {r_per_token*1e9:.2f} ns; S = {seq_len} tokens"]
+    lines = [
+        "T(B), the S-part step time measured per batch size: "
+        + ", ".join(f"T({b})={t_of_b[b] * 1e3:.2f} ms" for b in batches),
+        f"R, attention time per context token on one R-worker: {r_per_token * 1e9:.2f} ns; S = {seq_len} tokens",
+    ]
     if latency_target is not None:
         if latency_target <= 0:
             raise ValueError(f"latency_target must be > 0, got {latency_target}")
         fitting = [b for b in range(1, 2 * batches[-1] + 1) if interpolate(t_of_b, b) <= latency_target]
         if not fitting:
-            raise ValueError(f"latency target {latency_target*1e3:.1f} ms is below T(1) = "
-                             f"{interpolate(t_of_b, 1)*1e3:.2f} ms: no batch meets it")
+            raise ValueError(
+                f"latency target {latency_target * 1e3:.1f} ms is below T(1) = "
+                f"{interpolate(t_of_b, 1) * 1e3:.2f} ms: no batch meets it"
+            )
         batch = fitting[-1]
-        lines.append(f"B = {batch}: the largest batch whose S-part step T(B) stays within the "
-                     f"{latency_target*1e3:.1f} ms target (the two-minibatch pipeline keeps the step at ~T(B))")
+        lines.append(
+            f"B = {batch}: the largest batch whose S-part step T(B) stays within the "
+            f"{latency_target * 1e3:.1f} ms target (the two-minibatch pipeline keeps the step at ~T(B))"
+        )
     else:
         throughput = {b: b / t_of_b[b] for b in batches}
         best = max(throughput.values())
         batch = min(b for b in batches if throughput[b] >= THROUGHPUT_KNEE * best)
-        lines.append(f"B = {batch}: the smallest measured batch reaching {THROUGHPUT_KNEE*100:.0f} % of the best "
-                     f"S-part throughput ({best:.0f} sequences/s); larger batches add latency, not throughput")
+        lines.append(
+            f"B = {batch}: the smallest measured batch reaching {THROUGHPUT_KNEE * 100:.0f} % of the best "
+            f"S-part throughput ({best:.0f} sequences/s); larger batches add latency, not throughput"
+        )
     t = interpolate(t_of_b, batch)
     if isinstance(r_curve, dict):
         r_per_token = per_entry(r_curve, batch * seq_len / 2)
     exact = batch * seq_len * r_per_token / (2 * t)
     workers = max(1, math.ceil(exact - 1e-9))
-    lines.append(f"P = B*S*R / (2*T(B)) = {batch}*{seq_len}*{r_per_token:.3e} / (2*{t:.4f}) = {exact:.3g}: "
-                 f"a step's attention covers ~B*S/2 tokens (lengths spread over 0..S), which P R-workers finish in T(B)")
+    lines.append(
+        f"P = B*S*R / (2*T(B)) = {batch}*{seq_len}*{r_per_token:.3e} / (2*{t:.4f}) = {exact:.3g}: "
+        f"a step's attention covers ~B*S/2 tokens (lengths spread over 0..S), which P R-workers finish in T(B)"
+    )
     if round_trip is None:
         return Sizing(batch, t, r_per_token, seq_len, exact, workers, batch / t, lines)
     if n_layers <= 0 or cores <= 0:
@@ -408,12 +466,19 @@ def size(t_of_b: dict[int, float], r_per_token: float | dict[int, float], seq_le
     if not round_trip or min(round_trip) < 1:
         raise ValueError("round_trip: need {R-workers: {rows: AskCost}} for at least one R-worker count >= 1")
     for p in sorted(round_trip):
-        lines.append(f"C(b), a step's cost per ask beyond S-part and attention (S-worker CPU + R-worker CPU + "
-                     f"wait), measured in real steps with {p} R-worker(s): " +
-                     ", ".join(f"C({b})={t.total*1e3:.2f} ms ({t.s*1e3:.2f} + {t.r*1e3:.2f} + {t.wait*1e3:.2f})"
-                               for b, t in sorted(round_trip[p].items())))
-    lines.append(f"{n_layers} layers x 2 mini-batches x P asks per step; {cores:.3g} cores shared by the S-worker "
-                 f"and the P R-workers (one thread each)")
+        lines.append(
+            f"C(b), a step's cost per ask beyond S-part and attention (S-worker CPU + R-worker CPU + "
+            f"wait), measured in real steps with {p} R-worker(s): "
+            + ", ".join(
+                f"C({b})={t.total * 1e3:.2f} ms ({t.s * 1e3:.2f} + {t.r * 1e3:.2f} + {t.wait * 1e3:.2f})"
+                for b, t in sorted(round_trip[p].items())
+            )
+        )
+    lines.append(
+        f"{n_layers} layers x 2 mini-batches x P asks per step; {cores:.3g} cores shared by the S-worker "
+        f"and the P R-workers (one thread each)"
+    )
+
     def measured(p: int, by_workers: dict):
         return by_workers[max(m for m in by_workers if m <= p)]
 
@@ -425,13 +490,40 @@ def size(t_of_b: dict[int, float], r_per_token: float | dict[int, float], seq_le
 
     def priced(b: int) -> dict[str, dict[int, StepPrediction]]:
         """{mode: {P: predicted step}} at batch b, W = b*S/2."""
-        modes = {"pipelined": {p: predict_step(t_of_b, r_curve, measured(p, round_trip), n_layers, b, b * seq_len / 2,
-                                               p, b >= 2, cores, s_per_token=measured(p, streamed),
-                                               overlap=measured(p, losses)) for p in counts}}
+        modes = {
+            "pipelined": {
+                p: predict_step(
+                    t_of_b,
+                    r_curve,
+                    measured(p, round_trip),
+                    n_layers,
+                    b,
+                    b * seq_len / 2,
+                    p,
+                    b >= 2,
+                    cores,
+                    s_per_token=measured(p, streamed),
+                    overlap=measured(p, losses),
+                )
+                for p in counts
+            }
+        }
         if time_shared is not None:
-            modes["time-shared"] = {p: predict_step(time_shared.t_of_b, r_curve, measured(p, time_shared.round_trip),
-                                                    n_layers, b, b * seq_len / 2, p, False, cores,
-                                                    s_per_token=measured(p, streamed)) for p in counts}
+            modes["time-shared"] = {
+                p: predict_step(
+                    time_shared.t_of_b,
+                    r_curve,
+                    measured(p, time_shared.round_trip),
+                    n_layers,
+                    b,
+                    b * seq_len / 2,
+                    p,
+                    False,
+                    cores,
+                    s_per_token=measured(p, streamed),
+                )
+                for p in counts
+            }
         return modes
 
     def pick(modes: dict[str, dict[int, StepPrediction]]) -> tuple[int, str]:
@@ -447,9 +539,11 @@ def size(t_of_b: dict[int, float], r_per_token: float | dict[int, float], seq_le
         rate = {b: b / m[pick(m)[1]][pick(m)[0]].step for b, m in by_batch.items()}
         top = max(rate.values())
         batch = min(b for b, x in rate.items() if x >= 0.95 * top)
-        lines.append("predicted tokens/s at the best P and mode per measured batch: "
-                     + ", ".join(f"B={b}: {x:.0f}" for b, x in sorted(rate.items()))
-                     + f" -> B = {batch}, the smallest within 5 % of the most")
+        lines.append(
+            "predicted tokens/s at the best P and mode per measured batch: "
+            + ", ".join(f"B={b}: {x:.0f}" for b, x in sorted(rate.items()))
+            + f" -> B = {batch}, the smallest within 5 % of the most"
+        )
         t = interpolate(t_of_b, batch)
         r_per_token = per_entry(r_curve, batch * seq_len / 2) if isinstance(r_curve, dict) else r_per_token
         exact = batch * seq_len * r_per_token / (2 * t)
@@ -462,9 +556,11 @@ def size(t_of_b: dict[int, float], r_per_token: float | dict[int, float], seq_le
             lines.append(f" {name}:")
         for p, o in by_p.items():
             lines.append(f"  P={p}: {o.explain()}")
-    lines.append(f"P = {chosen}: the fewest R-workers within 5 % of the best predicted step; past it, more "
-                 f"R-workers add asks (communication) and processes competing for the {cores:.3g} cores, not speed"
-                 + (f"; {mode}, the faster mode there" if len(modes) > 1 else ""))
+    lines.append(
+        f"P = {chosen}: the fewest R-workers within 5 % of the best predicted step; past it, more "
+        f"R-workers add asks (communication) and processes competing for the {cores:.3g} cores, not speed"
+        + (f"; {mode}, the faster mode there" if len(modes) > 1 else "")
+    )
     step = modes[mode][chosen].step
     return Sizing(batch, t, r_per_token, seq_len, exact, chosen, batch / step, lines, predicted_step=step, mode=mode)
 
@@ -489,8 +585,16 @@ def effective_cores(cores: int, alone: list[float], together: list[list[float]])
     cores * alone / mean(together), capped at `cores`; the median over rounds, so one disturbed round (the
     machine's speed drifts in phases of seconds) moves it less than a single reading (one ~3 s reading read 1.49
     here while the rounds around it read ~2)."""
-    if cores <= 0 or not alone or len(alone) != len(together) or any(len(t) != cores for t in together) \
-            or min(alone) <= 0 or min(min(t) for t in together) <= 0:
-        raise ValueError(f"need cores > 0 and paired rounds of positive times ({cores} copies each), got {cores}, "
-                         f"{alone}, {together}")
+    if (
+        cores <= 0
+        or not alone
+        or len(alone) != len(together)
+        or any(len(t) != cores for t in together)
+        or min(alone) <= 0
+        or min(min(t) for t in together) <= 0
+    ):
+        raise ValueError(
+            f"need cores > 0 and paired rounds of positive times ({cores} copies each), got {cores}, "
+            f"{alone}, {together}"
+        )
     return float(np.median([min(float(cores), cores * a / float(np.mean(t))) for a, t in zip(alone, together)]))

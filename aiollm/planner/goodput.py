@@ -4,6 +4,7 @@ Why a bracket-then-bisect search seeded by an analytic capacity estimate: each p
 simulation, so a good first guess (from the latency model alone) saves most of them. Attainment is
 assumed to fall as the rate rises (true up to sampling noise, which the fixed workload sample limits).
 """
+
 from __future__ import annotations
 
 import math
@@ -69,7 +70,7 @@ def capacity_estimate(config: SimConfig, workload: Workload, slo: SLO) -> float:
     l_m = config.max_batch_tokens or lat.compute_bound_length(spec.tp)
     per_batch = max(1.0, l_m / prompt.mean())
     a, b, c = stack.prefill
-    prefill_s = a / per_batch + b * prompt.mean() + c * (prompt ** 2).mean()
+    prefill_s = a / per_batch + b * prompt.mean() + c * (prompt**2).mean()
     prefill_rate = config.n_prefill * spec.pp / prefill_s
     dstack = lat.stack(config.decode.tp)
     lanes = config.n_decode * config.decode.pp
@@ -98,9 +99,16 @@ def probe_workload(workload: Workload, slo: SLO, rate: float, phase: str = "both
     return workload.longer(min(MAX_GROWTH * len(workload), math.ceil(rate * SPAN_LIFETIMES * lifetime)))
 
 
-def goodput(config: SimConfig, workload: Workload, slo: SLO, phase: str = "both", rel_tol: float = 0.03,
-            hint: float | None = None) -> float:
+def goodput(
+    config: SimConfig,
+    workload: Workload,
+    slo: SLO,
+    phase: str = "both",
+    rel_tol: float = 0.03,
+    hint: float | None = None,
+) -> float:
     """Highest rate (req/s) whose simulation meets `slo` (to within rel_tol); 0.0 if none does."""
+
     def ok(rate: float) -> bool:
         return slo.met_by(simulate(config, probe_workload(workload, slo, rate, phase), rate), phase)
 

@@ -5,6 +5,7 @@ profiled) start from the datasheet FLOP/s and memory bandwidth and apply efficie
 `latency.py` states and calibrates; the memory check needs the HBM size. Figures are dense bf16 FLOP/s
 (no sparsity) for the SXM parts, from NVIDIA's A100 (2021), H100 (2023) and H200 (2024) datasheets.
 """
+
 from __future__ import annotations
 
 import re

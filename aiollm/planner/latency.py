@@ -12,6 +12,7 @@ Amdahl form whose serial fraction s (all-reduce, launch overhead, smaller GEMMs)
 squares from DistServe's multi-TP A100 profiles (`fit_tp_scaling`) and used wherever a profile lacks
 a TP degree (all derived profiles, the CPU profile).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -68,7 +69,7 @@ class StackLatency:
         d, e, f = self.decode_coeffs(batch)
         return d + e * batch + f * context_tokens
 
-    def scaled(self, factors: tuple[float, ...]) -> "StackLatency":
+    def scaled(self, factors: tuple[float, ...]) -> StackLatency:
         """Every coefficient multiplied by its factor (a, b, c, d, e, f)."""
         pre = tuple(x * k for x, k in zip(self.prefill, factors[:3]))
         dec = tuple(x * k for x, k in zip(self.decode, factors[3:]))

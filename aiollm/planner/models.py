@@ -3,6 +3,7 @@
 Why configs and not checkpoints: placement only needs how big a model is and how much memory and
 compute each token costs, so a handful of published architecture numbers stands in for the weights.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

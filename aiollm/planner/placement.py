@@ -8,6 +8,7 @@ segments in one node and the pair is simulated together. Search speed comes from
 goodput and from a bound: a pair can never beat min(prefill goodput, decode goodput) of its parts, so pairs
 whose bound per GPU is below the best found are never simulated.
 """
+
 from __future__ import annotations
 
 import math
@@ -114,25 +115,33 @@ class Plan:
         return out
 
     def describe(self) -> str:
-        lines = [f"plan for {self.model} on {self.cluster} ({self.affinity} affinity), workload {self.workload}",
-                 f"  latency profile: {self.profile}",
-                 f"  SLO: TTFT {self.slo['ttft']*1e3:.0f} ms, TPOT {self.slo['tpot']*1e3:.0f} ms, "
-                 f"{self.slo['attainment']*100:.0f} % ({self.slo['mode']})"]
+        lines = [
+            f"plan for {self.model} on {self.cluster} ({self.affinity} affinity), workload {self.workload}",
+            f"  latency profile: {self.profile}",
+            f"  SLO: TTFT {self.slo['ttft'] * 1e3:.0f} ms, TPOT {self.slo['tpot'] * 1e3:.0f} ms, "
+            f"{self.slo['attainment'] * 100:.0f} % ({self.slo['mode']})",
+        ]
         if self.prefill is not None:
             lines.append(_instance_line("prefill", self.prefill))
             lines.append(_instance_line("decode", self.decode))
         else:
             lines.append(_instance_line("colocated", self.decode))
-        lines.append(f"  unit per-GPU goodput {self.unit_per_gpu_goodput:.3f} req/s/GPU; system goodput "
-                     f"{self.system_goodput:.3f} req/s on {self.gpus_used} GPUs ({self.per_gpu_goodput:.3f} req/s/GPU)")
+        lines.append(
+            f"  unit per-GPU goodput {self.unit_per_gpu_goodput:.3f} req/s/GPU; system goodput "
+            f"{self.system_goodput:.3f} req/s on {self.gpus_used} GPUs ({self.per_gpu_goodput:.3f} req/s/GPU)"
+        )
         if self.target_rate is not None:
-            lines.append(f"  target rate {self.target_rate:.3f} req/s: {'fits' if self.fits else 'DOES NOT FIT'} "
-                         f"the cluster's {self.cluster}")
+            lines.append(
+                f"  target rate {self.target_rate:.3f} req/s: {'fits' if self.fits else 'DOES NOT FIT'} "
+                f"the cluster's {self.cluster}"
+            )
         if self.simulated:
             sim = self.simulated
-            lines.append(f"  whole plan simulated together: goodput {sim['goodput']:.3f} req/s; at {sim['rate']:.3f} "
-                         f"req/s attainment {sim['attainment']['both']*100:.1f} % (TTFT {sim['attainment']['ttft']*100:.1f} %,"
-                         f" TPOT {sim['attainment']['tpot']*100:.1f} %)")
+            lines.append(
+                f"  whole plan simulated together: goodput {sim['goodput']:.3f} req/s; at {sim['rate']:.3f} "
+                f"req/s attainment {sim['attainment']['both'] * 100:.1f} % (TTFT {sim['attainment']['ttft'] * 100:.1f} %,"
+                f" TPOT {sim['attainment']['tpot'] * 100:.1f} %)"
+            )
         lines.append(f"  searched {self.configs_simulated} configurations in {self.search_seconds:.2f} s")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -143,8 +152,10 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def _instance_line(kind: str, inst: InstancePlan) -> str:
-    return (f"  {kind}: {inst.count} x (tp={inst.tp}, pp={inst.pp}) = {inst.gpus} GPUs, "
-            f"{inst.goodput:.3f} req/s each alone, KV {inst.kv_tokens} tokens each")
+    return (
+        f"  {kind}: {inst.count} x (tp={inst.tp}, pp={inst.pp}) = {inst.gpus} GPUs, "
+        f"{inst.goodput:.3f} req/s each alone, KV {inst.kv_tokens} tokens each"
+    )
 
 
 class Planner:
@@ -182,14 +193,30 @@ class Planner:
         return out
 
     # --- simulations ------------------------------------------------------------------------------
-    def sim_config(self, mode: str, prefill: tuple[int, int], decode: tuple[int, int], bandwidth: float,
-                    n_prefill: int = 1, n_decode: int = 1) -> SimConfig:
+    def sim_config(
+        self,
+        mode: str,
+        prefill: tuple[int, int],
+        decode: tuple[int, int],
+        bandwidth: float,
+        n_prefill: int = 1,
+        n_decode: int = 1,
+    ) -> SimConfig:
         """A simulation of these instances of this planner's model on its cluster (KV capacity from memory)."""
         c = self.config
-        return SimConfig(c.latency, mode, InstanceSpec(*prefill), InstanceSpec(*decode),
-                         self.kv_tokens(*prefill) or 1, self.kv_tokens(*decode) or 1, c.model.kv_bytes_per_token,
-                         n_prefill=n_prefill, n_decode=n_decode, link_bandwidth=bandwidth,
-                         max_batch_tokens=c.max_batch_tokens)
+        return SimConfig(
+            c.latency,
+            mode,
+            InstanceSpec(*prefill),
+            InstanceSpec(*decode),
+            self.kv_tokens(*prefill) or 1,
+            self.kv_tokens(*decode) or 1,
+            c.model.kv_bytes_per_token,
+            n_prefill=n_prefill,
+            n_decode=n_decode,
+            link_bandwidth=bandwidth,
+            max_batch_tokens=c.max_batch_tokens,
+        )
 
     def _goodput(self, key: tuple, config: SimConfig, phase: str) -> float:
         if key not in self._memo:
@@ -204,8 +231,9 @@ class Planner:
             for tp, pp in configs:
                 if (phase, tp, pp) not in self._memo:
                     config, factor = self._phase_config(phase, tp, pp)
-                    jobs.append(((phase, tp, pp), factor,
-                                 (config, self.workload, self.config.slo, phase, self.config.rel_tol)))
+                    jobs.append(
+                        ((phase, tp, pp), factor, (config, self.workload, self.config.slo, phase, self.config.rel_tol))
+                    )
         if self.config.workers <= 1 or len(jobs) < 2:
             return
         context = multiprocessing.get_context("fork")
@@ -222,8 +250,10 @@ class Planner:
         plan simulates every lane together."""
         if phase == "prefill":
             return self.sim_config("prefill-only", (tp, pp), (tp, pp), math.inf), 1
-        lane = replace(self.sim_config("decode-only", (tp, 1), (tp, 1), math.inf),
-                       decode_kv_tokens=max(1, self.kv_tokens(tp, pp) // pp))
+        lane = replace(
+            self.sim_config("decode-only", (tp, 1), (tp, 1), math.inf),
+            decode_kv_tokens=max(1, self.kv_tokens(tp, pp) // pp),
+        )
         return lane, pp
 
     def phase_goodput(self, phase: str, tp: int, pp: int) -> float:
@@ -294,9 +324,16 @@ class Planner:
         _, (tp_p, pp_p), g_p, n_p, (tp_d, pp_d), g_d, n_d, rate = best
         prefill = InstancePlan(tp_p, pp_p, n_p, g_p, self.kv_tokens(tp_p, pp_p))
         decode = InstancePlan(tp_d, pp_d, n_d, g_d, self.kv_tokens(tp_d, pp_d))
-        plan = self._make_plan(prefill, decode, rate / (prefill.gpus + decode.gpus), rate,
-                               ["Algorithm 1: phases sized independently; KV crosses nodes at "
-                                f"{c.cluster.inter_node_bandwidth * 8 / 1e9:.0f} Gbit/s in the whole-plan simulation"])
+        plan = self._make_plan(
+            prefill,
+            decode,
+            rate / (prefill.gpus + decode.gpus),
+            rate,
+            [
+                "Algorithm 1: phases sized independently; KV crosses nodes at "
+                f"{c.cluster.inter_node_bandwidth * 8 / 1e9:.0f} Gbit/s in the whole-plan simulation"
+            ],
+        )
         return plan
 
     def _replicas_split(self, g_p: float, gpus_p: int, g_d: float, gpus_d: int) -> tuple[int, int, float, int] | None:
@@ -329,8 +366,14 @@ class Planner:
         c = self.config
         per_node = c.cluster.gpus_per_node
         candidates = []
-        self._prefetch_phases([(tp, pp) for tp in self.tps() for pp in _powers_of_two(min(c.cluster.nodes, c.max_pp or c.cluster.nodes))
-                               if self.kv_tokens(tp, pp)])
+        self._prefetch_phases(
+            [
+                (tp, pp)
+                for tp in self.tps()
+                for pp in _powers_of_two(min(c.cluster.nodes, c.max_pp or c.cluster.nodes))
+                if self.kv_tokens(tp, pp)
+            ]
+        )
         pp = 1
         while pp <= min(c.cluster.nodes, c.max_pp or c.cluster.nodes):
             for tp_p in self.tps():
@@ -363,9 +406,16 @@ class Planner:
         # Each instance's own goodput (its phase alone); the pair sustains g together.
         prefill = InstancePlan(tp_p, pp, pairs, self.phase_goodput("prefill", tp_p, pp), self.kv_tokens(tp_p, pp))
         decode = InstancePlan(tp_d, pp, pairs, self.phase_goodput("decode", tp_d, pp), self.kv_tokens(tp_d, pp))
-        plan = self._make_plan(prefill, decode, per_gpu, pairs * g,
-                               ["Algorithm 2: each stage's prefill and decode segments share a node; KV moves over "
-                                f"NVLink at {c.cluster.gpu.nvlink_bandwidth / 1e9:.0f} GB/s"])
+        plan = self._make_plan(
+            prefill,
+            decode,
+            per_gpu,
+            pairs * g,
+            [
+                "Algorithm 2: each stage's prefill and decode segments share a node; KV moves over "
+                f"NVLink at {c.cluster.gpu.nvlink_bandwidth / 1e9:.0f} GB/s"
+            ],
+        )
         if pairs > max_pairs:
             plan.fits = False
         return plan
@@ -382,37 +432,72 @@ class Planner:
         g = per_gpu * tp * pp
         count = math.ceil(c.rate / g) if c.rate is not None else c.cluster.total_gpus // (tp * pp)
         inst = InstancePlan(tp, pp, count, g, self.kv_tokens(tp, pp))
-        return self._make_plan(None, inst, per_gpu, count * g, ["colocated baseline: prefill and decode batched in one "
-                                                                "instance, prefill first (vLLM's policy)"])
+        return self._make_plan(
+            None,
+            inst,
+            per_gpu,
+            count * g,
+            ["colocated baseline: prefill and decode batched in one instance, prefill first (vLLM's policy)"],
+        )
 
     def _make_plan(self, prefill, decode, unit, system, notes) -> Plan:
         c = self.config
         gpus = (prefill.gpus if prefill else 0) + decode.gpus
         latency = c.colocated_latency if prefill is None and c.colocated_latency is not None else c.latency
-        return Plan(c.model.name, c.cluster.describe(), c.affinity, latency.source, self.workload.lengths.name,
-                    {"ttft": c.slo.ttft, "tpot": c.slo.tpot, "attainment": c.slo.attainment, "mode": c.slo.mode},
-                    prefill, decode, unit, system, gpus, gpus <= c.cluster.total_gpus, c.rate, 0, 0.0, {}, notes)
+        return Plan(
+            c.model.name,
+            c.cluster.describe(),
+            c.affinity,
+            latency.source,
+            self.workload.lengths.name,
+            {"ttft": c.slo.ttft, "tpot": c.slo.tpot, "attainment": c.slo.attainment, "mode": c.slo.mode},
+            prefill,
+            decode,
+            unit,
+            system,
+            gpus,
+            gpus <= c.cluster.total_gpus,
+            c.rate,
+            0,
+            0.0,
+            {},
+            notes,
+        )
 
     def _verify(self, plan: Plan) -> None:
         """Simulate all instances of the plan together (with the KV transfer) and record what they sustain."""
         c = self.config
         if plan.prefill is None:
-            cfg = self.sim_config("colocated", (plan.decode.tp, plan.decode.pp), (plan.decode.tp, plan.decode.pp),
-                                   math.inf, n_decode=plan.decode.count)
+            cfg = self.sim_config(
+                "colocated",
+                (plan.decode.tp, plan.decode.pp),
+                (plan.decode.tp, plan.decode.pp),
+                math.inf,
+                n_decode=plan.decode.count,
+            )
             if c.colocated_latency is not None:
                 cfg = replace(cfg, latency=c.colocated_latency)
         else:
             bandwidth = c.cluster.inter_node_bandwidth if plan.affinity == "high" else c.cluster.gpu.nvlink_bandwidth
-            cfg = self.sim_config("disaggregated", (plan.prefill.tp, plan.prefill.pp), (plan.decode.tp, plan.decode.pp),
-                                   bandwidth, plan.prefill.count, plan.decode.count)
+            cfg = self.sim_config(
+                "disaggregated",
+                (plan.prefill.tp, plan.prefill.pp),
+                (plan.decode.tp, plan.decode.pp),
+                bandwidth,
+                plan.prefill.count,
+                plan.decode.count,
+            )
         # More requests for more replicas, so the sample spans the same time at the higher rate.
         rate = c.rate if c.rate is not None else plan.system_goodput
         workload = self.workload
         result = simulate(cfg, probe_workload(workload, c.slo, rate), rate)
-        plan.simulated = {"goodput": goodput(cfg, workload, c.slo, "both", c.rel_tol, hint=plan.system_goodput),
-                          "rate": rate, "attainment": result.attainment(c.slo.ttft, c.slo.tpot),
-                          "ttft_p90": float(np.percentile(result.ttft, 90)),
-                          "tpot_p90": float(np.percentile(result.tpot, 90))}
+        plan.simulated = {
+            "goodput": goodput(cfg, workload, c.slo, "both", c.rel_tol, hint=plan.system_goodput),
+            "rate": rate,
+            "attainment": result.attainment(c.slo.ttft, c.slo.tpot),
+            "ttft_p90": float(np.percentile(result.ttft, 90)),
+            "tpot_p90": float(np.percentile(result.tpot, 90)),
+        }
 
     # --- errors -----------------------------------------------------------------------------------
     def _require(self, configs) -> None:
@@ -420,9 +505,11 @@ class Planner:
             return
         c = self.config
         need = math.ceil(c.model.param_bytes / (c.cluster.gpu.mem_bytes * 0.9))
-        raise ValueError(f"{c.model.name} ({c.model.param_bytes / 1e9:.0f} GB of weights, longest request "
-                         f"{self.max_request} tokens) fits no instance on {c.cluster.describe()}: it needs at least "
-                         f"{need} {c.cluster.gpu.name} GPUs for the weights alone")
+        raise ValueError(
+            f"{c.model.name} ({c.model.param_bytes / 1e9:.0f} GB of weights, longest request "
+            f"{self.max_request} tokens) fits no instance on {c.cluster.describe()}: it needs at least "
+            f"{need} {c.cluster.gpu.name} GPUs for the weights alone"
+        )
 
     def _infeasible(self, configs, phase: str) -> InfeasibleSLO:
         c = self.config
@@ -431,6 +518,7 @@ class Planner:
         best_ttft = min(lat.prefill_time([median_prompt], tp) for tp, _ in configs) if configs else math.inf
         best_tpot = min(lat.decode_time(1, median_prompt, tp) for tp, _ in configs) if configs else math.inf
         return InfeasibleSLO(
-            f"no configuration attains {c.slo.attainment*100:.0f} % of requests within TTFT {c.slo.ttft*1e3:.0f} ms and "
-            f"TPOT {c.slo.tpot*1e3:.0f} ms ({phase}) for {c.model.name} on {c.cluster.describe()}: an unloaded median "
-            f"prompt alone takes {best_ttft*1e3:.1f} ms to prefill and {best_tpot*1e3:.1f} ms per decode step at best")
+            f"no configuration attains {c.slo.attainment * 100:.0f} % of requests within TTFT {c.slo.ttft * 1e3:.0f} ms and "
+            f"TPOT {c.slo.tpot * 1e3:.0f} ms ({phase}) for {c.model.name} on {c.cluster.describe()}: an unloaded median "
+            f"prompt alone takes {best_ttft * 1e3:.1f} ms to prefill and {best_tpot * 1e3:.1f} ms per decode step at best"
+        )

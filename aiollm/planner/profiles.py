@@ -5,6 +5,7 @@ Why three sources: DistServe's A100-80G profiles let our plans be compared with 
 terms; the local profile (`python -m aiollm.plan profile`) drives plans for the bundled model on this
 machine; derived profiles cover hardware and models nobody profiled (H100, H200, OPT-175B, Llama-2).
 """
+
 from __future__ import annotations
 
 import csv
@@ -50,7 +51,8 @@ def distserve_dir(override: str | Path | None = None) -> Path:
     if not (path / "profiler-a100-80g.distserve.json").is_file():
         raise FileNotFoundError(
             f"DistServe profiles not found in {path}: expected profiler-a100-80g.distserve.json there "
-            "(a copy of shared/ beside the repo, ../shared/data/distserve-profiles); pass --profile PATH")
+            "(a copy of shared/ beside the repo, ../shared/data/distserve-profiles); pass --profile PATH"
+        )
     return path
 
 
@@ -79,8 +81,9 @@ def load_distserve(directory: str | Path | None = None, engine: str = "distserve
                 decode_large=(_seconds(large[0]), _seconds(large[2]), _seconds(large[1])),
                 large_batch_threshold=int(entry["decoding_large_small_bs_threshold"]),
             )
-        models[name] = LatencyModel(name, "A100-80G", f"DistServe A100-80G profile ({engine})", by_tp,
-                                    kv_capacity=capacity.get(name, {}))
+        models[name] = LatencyModel(
+            name, "A100-80G", f"DistServe A100-80G profile ({engine})", by_tp, kv_capacity=capacity.get(name, {})
+        )
     return models
 
 
@@ -109,10 +112,16 @@ def derive(model: ModelSpec, gpu: GPUSpec) -> LatencyModel:
     for tp in DERIVED_TPS:
         weights = model.param_bytes / (tp * gpu.mem_bandwidth)
         by_tp[tp] = StackLatency(
-            prefill=(model.layers * PREFILL_LAYER_OVERHEAD + weights / PREFILL_WEIGHT_BW_FACTOR,
-                     gemm * amdahl(tp, s_b), attention * amdahl(tp, s_c)),
-            decode=(model.layers * DECODE_LAYER_OVERHEAD + weights / DECODE_WEIGHT_BW_FACTOR,
-                    DECODE_GEMM_FRACTION * gemm * amdahl(tp, s_e), kv_read * amdahl(tp, s_f)),
+            prefill=(
+                model.layers * PREFILL_LAYER_OVERHEAD + weights / PREFILL_WEIGHT_BW_FACTOR,
+                gemm * amdahl(tp, s_b),
+                attention * amdahl(tp, s_c),
+            ),
+            decode=(
+                model.layers * DECODE_LAYER_OVERHEAD + weights / DECODE_WEIGHT_BW_FACTOR,
+                DECODE_GEMM_FRACTION * gemm * amdahl(tp, s_e),
+                kv_read * amdahl(tp, s_f),
+            ),
         )
     return LatencyModel(model.name, gpu.name, f"derived from the {gpu.name} datasheet (see profiles.py)", by_tp)
 
@@ -127,11 +136,16 @@ def load_local(path: str | Path | None = None) -> dict[str, LatencyModel]:
         raise ValueError(f"{file}: not an aiollm latency profile (format {data.get('format')!r})")
     models = {}
     for name, entry in data["models"].items():
-        stack = StackLatency(prefill=tuple(entry["prefill"]), decode=tuple(entry["decode"]),
-                             prefill_table=_prefill_table(entry), decode_table=_decode_table(entry))
+        stack = StackLatency(
+            prefill=tuple(entry["prefill"]),
+            decode=tuple(entry["decode"]),
+            prefill_table=_prefill_table(entry),
+            decode_table=_decode_table(entry),
+        )
         how = "measured points interpolated" if stack.prefill_table else "linear fit"
-        models[name] = LatencyModel(name, data["hardware"], f"measured on {data['hardware']} ({file.name}, {how})",
-                                    {1: stack})
+        models[name] = LatencyModel(
+            name, data["hardware"], f"measured on {data['hardware']} ({file.name}, {how})", {1: stack}
+        )
     return models
 
 

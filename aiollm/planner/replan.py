@@ -5,6 +5,7 @@ request rate and the prompt/output lengths; small fluctuations should not move i
 replan costs a KV drain and restarts), but a lasting shift (rate +50 %, prompts twice as long) should.
 Time is passed in by the caller (the controller's clock, or a test's), never read here.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -13,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from aiollm.planner.placement import Plan, PlacementConfig, Planner
+from aiollm.planner.placement import PlacementConfig, Plan, Planner
 from aiollm.planner.workload import LengthSample, Workload
 
 
@@ -46,7 +47,7 @@ class WorkloadStats:
     prompt: np.ndarray
     output: np.ndarray
 
-    def drift(self, other: "WorkloadStats") -> float:
+    def drift(self, other: WorkloadStats) -> float:
         """Largest relative change of rate, mean prompt and mean output from `other`."""
         pairs = ((self.rate, other.rate), (self.prompt_mean, other.prompt_mean), (self.output_mean, other.output_mean))
         return max(abs(a - b) / b for a, b in pairs if b > 0)
@@ -55,8 +56,12 @@ class WorkloadStats:
 class WorkloadMonitor:
     """Feed it every finished request; it calls `replan(stats)` and then `on_plan(plan, stats)` on drift."""
 
-    def __init__(self, config: MonitorConfig, replan: Callable[[WorkloadStats], Plan],
-                 on_plan: Callable[[Plan, WorkloadStats], None]) -> None:
+    def __init__(
+        self,
+        config: MonitorConfig,
+        replan: Callable[[WorkloadStats], Plan],
+        on_plan: Callable[[Plan, WorkloadStats], None],
+    ) -> None:
         self.config = config
         self._replan = replan
         self._on_plan = on_plan
@@ -97,8 +102,10 @@ class WorkloadMonitor:
 def placement_replanner(base: PlacementConfig, requests: int = 300, seed: int = 0) -> Callable[[WorkloadStats], Plan]:
     """A `replan` callable: the base placement config, sized for the window's rate, simulated on the
     window's own (prompt, output) pairs resampled to `requests` requests."""
+
     def replan(stats: WorkloadStats) -> Plan:
         lengths = LengthSample("observed", stats.prompt, stats.output, f"last {stats.requests} requests")
         workload = Workload.build(lengths, requests, seed)
         return Planner(replace(base, rate=stats.rate), workload).plan()
+
     return replan

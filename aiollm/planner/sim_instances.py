@@ -6,6 +6,7 @@ timing rules (batching, pipelining, the closed-form step boundaries), which a re
 serving workers one at a time. They call back into the simulation (`sim`) for the workload, the clock,
 the slowdown series and the routing of finished work.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -96,7 +97,7 @@ class DecodeLane:
     def __init__(self, sim: Simulation, name: str, stack: StackLatency, kv_tokens: int, colocated: bool) -> None:
         self.sim, self.name, self.stack, self.colocated = sim, name, stack, colocated
         block = sim.config.block_size
-        self.admission = DecodeAdmission(max(1, kv_tokens // block), block, sim.config.max_running or 10 ** 9)
+        self.admission = DecodeAdmission(max(1, kv_tokens // block), block, sim.config.max_running or 10**9)
         self.capacity = kv_tokens
         self.running: list[tuple[int, int]] = []  # heap of (finish step, request)
         self.marks: list[tuple[int, int]] = []  # heap of (step, request) whose token is its first visible one

@@ -20,6 +20,7 @@ to a prefill instance, which token a client sees first, and step times varying o
 machine's slow spells, as a measured slowdown series). Not modelled: pipeline bubbles, activation
 transfer between stages, preemption (admission reserves prompt + output, so none is needed).
 """
+
 from __future__ import annotations
 
 import math
@@ -105,12 +106,20 @@ class SimConfig:
             raise ValueError(f"SimConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.n_prefill <= 0 or self.n_decode <= 0:
             raise ValueError("SimConfig: n_prefill and n_decode must be > 0")
-        if self.link_bandwidth <= 0 or self.block_size <= 0 or min(self.max_batch_tokens, self.max_running,
-                                                                     self.prefill_queue_limit) < 0:
-            raise ValueError("SimConfig: link_bandwidth, block_size must be > 0; max_batch_tokens, max_running, "
-                             "prefill_queue_limit >= 0")
-        if self.request_overhead < 0 or self.pull_overhead < 0 or min((*self.request_overheads,
-                                                                        *self.first_token_delays), default=0) < 0:
+        if (
+            self.link_bandwidth <= 0
+            or self.block_size <= 0
+            or min(self.max_batch_tokens, self.max_running, self.prefill_queue_limit) < 0
+        ):
+            raise ValueError(
+                "SimConfig: link_bandwidth, block_size must be > 0; max_batch_tokens, max_running, "
+                "prefill_queue_limit >= 0"
+            )
+        if (
+            self.request_overhead < 0
+            or self.pull_overhead < 0
+            or min((*self.request_overheads, *self.first_token_delays), default=0) < 0
+        ):
             raise ValueError("SimConfig: request_overhead(s), first_token_delays and pull_overhead must be >= 0")
         if min(self.first_visible_steps, default=0) < 0:
             raise ValueError("SimConfig: first_visible_steps must be >= 0")

@@ -4,6 +4,7 @@ Why separate lengths from arrivals: goodput search replays the same requests at 
 workload is a fixed sample of (prompt, output) lengths plus unit-rate inter-arrival gaps that are
 divided by the rate; attainment then changes only because of the rate, not because of a new sample.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,25 +28,38 @@ class LengthSample:
         if (np.asarray(self.prompt) <= 0).any() or (np.asarray(self.output) <= 0).any():
             raise ValueError(f"LengthSample {self.name}: lengths must be > 0")
 
-    def resample(self, n: int, seed: int = 0) -> "LengthSample":
+    def resample(self, n: int, seed: int = 0) -> LengthSample:
         """n requests drawn with replacement, keeping each prompt with its own output (their correlation)."""
         if n <= 0:
             raise ValueError(f"n must be > 0, got {n}")
         idx = np.random.default_rng(seed).integers(0, len(self.prompt), n)
         return LengthSample(self.name, self.prompt[idx], self.output[idx], self.provenance)
 
-    def fit_lognormal(self) -> "LognormalLengths":
+    def fit_lognormal(self) -> LognormalLengths:
         """Log-normal fit of both lengths and their log-correlation (for synthetic variants)."""
         lp, lo = np.log(self.prompt), np.log(self.output)
         corr = float(np.corrcoef(lp, lo)[0, 1]) if len(lp) > 1 and lp.std() > 0 and lo.std() > 0 else 0.0
-        return LognormalLengths(self.name, float(lp.mean()), float(lp.std()), float(lo.mean()), float(lo.std()), corr,
-                                int(self.prompt.max()), int(self.output.max()))
+        return LognormalLengths(
+            self.name,
+            float(lp.mean()),
+            float(lp.std()),
+            float(lo.mean()),
+            float(lo.std()),
+            corr,
+            int(self.prompt.max()),
+            int(self.output.max()),
+        )
 
     def summary(self) -> dict:
-        return {"name": self.name, "requests": int(len(self.prompt)),
-                "prompt_mean": float(self.prompt.mean()), "prompt_p50": float(np.median(self.prompt)),
-                "output_mean": float(self.output.mean()), "output_p50": float(np.median(self.output)),
-                "provenance": self.provenance}
+        return {
+            "name": self.name,
+            "requests": int(len(self.prompt)),
+            "prompt_mean": float(self.prompt.mean()),
+            "prompt_p50": float(np.median(self.prompt)),
+            "output_mean": float(self.output.mean()),
+            "output_p50": float(np.median(self.output)),
+            "provenance": self.provenance,
+        }
 
 
 @dataclass(frozen=True)
@@ -64,7 +78,7 @@ class LognormalLengths:
     def sample(self, n: int, seed: int = 0) -> LengthSample:
         rng = np.random.default_rng(seed)
         z1 = rng.standard_normal(n)
-        z2 = self.log_corr * z1 + np.sqrt(max(0.0, 1 - self.log_corr ** 2)) * rng.standard_normal(n)
+        z2 = self.log_corr * z1 + np.sqrt(max(0.0, 1 - self.log_corr**2)) * rng.standard_normal(n)
         prompt = np.clip(np.rint(np.exp(self.prompt_mu + self.prompt_sigma * z1)), 1, self.prompt_max).astype(np.int64)
         output = np.clip(np.rint(np.exp(self.output_mu + self.output_sigma * z2)), 1, self.output_max).astype(np.int64)
         return LengthSample(self.name, prompt, output, f"log-normal fit of {self.name}")
@@ -109,11 +123,14 @@ class Workload:
             raise ValueError("Workload: one arrival time per request")
 
     @classmethod
-    def build(cls, lengths: LengthSample, n: int, seed: int = 0, process: str = "poisson",
-              burstiness: float = 1.0) -> "Workload":
-        return cls(lengths.resample(n, seed), unit_arrivals(n, process, burstiness, seed + 1), process, burstiness, seed)
+    def build(
+        cls, lengths: LengthSample, n: int, seed: int = 0, process: str = "poisson", burstiness: float = 1.0
+    ) -> Workload:
+        return cls(
+            lengths.resample(n, seed), unit_arrivals(n, process, burstiness, seed + 1), process, burstiness, seed
+        )
 
-    def longer(self, n: int) -> "Workload":
+    def longer(self, n: int) -> Workload:
         """At least n requests: this sample repeated cyclically, arrivals continuing the same seeded
         stream (numpy's generator yields the same prefix for a longer draw). Used so that a simulation
         at a high rate still spans several request lifetimes and an overload cannot hide in a short burst."""
@@ -121,8 +138,13 @@ class Workload:
             return self
         idx = np.arange(n) % len(self)
         lengths = LengthSample(self.lengths.name, self.prompt[idx], self.output[idx], self.lengths.provenance)
-        return Workload(lengths, unit_arrivals(n, self.process, self.burstiness, self.seed + 1),
-                        self.process, self.burstiness, self.seed)
+        return Workload(
+            lengths,
+            unit_arrivals(n, self.process, self.burstiness, self.seed + 1),
+            self.process,
+            self.burstiness,
+            self.seed,
+        )
 
     @property
     def prompt(self) -> np.ndarray:
@@ -149,5 +171,9 @@ def summarisation_lengths(n: int = 2000, seed: int = 0, max_context: int = 2048)
     rng = np.random.default_rng(seed)
     prompt = np.clip(np.rint(rng.normal(1500, 250, n)), 600, max_context - 201).astype(np.int64)
     output = np.clip(np.rint(np.exp(rng.normal(np.log(110), 0.5, n))), 16, 200).astype(np.int64)
-    return LengthSample("summarisation", prompt, output,
-                        "synthetic long-prompt summarisation (normal 1500+-250 prompts, ~110-token summaries)")
+    return LengthSample(
+        "summarisation",
+        prompt,
+        output,
+        "synthetic long-prompt summarisation (normal 1500+-250 prompts, ~110-token summaries)",
+    )

@@ -6,6 +6,7 @@ KV pull for an admitted sequence always has somewhere to land (its credit window
 blocks reserved for the prompt). Waiting sequences stay FCFS: the head blocks those behind it,
 so a long request cannot starve.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -7,6 +7,7 @@ The controller calls `assign_prefill` when a prefill instance can take the head 
 `prefill_done` when the first token came back, `assign_decode` when the KV is ready to move, and
 `decode_done` when the request finished (or failed, or was cancelled).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

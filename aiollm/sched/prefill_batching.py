@@ -5,6 +5,7 @@ every request's TTFT, batching fewer wastes the cores. So the prefill instance t
 the head of its FCFS queue while their total stays within L_m, and a prompt longer than L_m runs
 alone. No reordering: a short prompt never jumps over a long one (FCFS keeps TTFT fair).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

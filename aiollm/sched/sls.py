@@ -11,6 +11,7 @@ the first F-aligned step, not yet used by another micro-batch, at which adding t
 W under the limit W_lim over its whole life; `add_micro_batch` is ADDMICROBATCH. No I/O and no
 clock: the caller passes step numbers, so the same code runs in the S-worker and in simulation.
 """
+
 from __future__ import annotations
 
 import math
@@ -84,7 +85,9 @@ class LoadSchedule:
     def micro_batch_load(self, prompt_lens: Sequence[int], max_lens: Sequence[int]) -> np.ndarray:
         """Summed per-step load of a micro-batch whose sequences all start at the same step."""
         if len(prompt_lens) != len(max_lens) or not prompt_lens:
-            raise ValueError(f"need equal, non-empty prompt_lens and max_lens, got {len(prompt_lens)} and {len(max_lens)}")
+            raise ValueError(
+                f"need equal, non-empty prompt_lens and max_lens, got {len(prompt_lens)} and {len(max_lens)}"
+            )
         profile = np.zeros(max(m - p for p, m in zip(prompt_lens, max_lens)), dtype=np.int64)
         for p, m in zip(prompt_lens, max_lens):
             seq = sequence_load(p, m)
@@ -123,7 +126,9 @@ class LoadSchedule:
         shift = now - self._base
         if shift <= 0:
             return
-        self._load = np.concatenate([self._load[shift:], np.zeros(min(shift, len(self._load)), dtype=np.int64)])[: len(self._load)]
+        self._load = np.concatenate([self._load[shift:], np.zeros(min(shift, len(self._load)), dtype=np.int64)])[
+            : len(self._load)
+        ]
         self._base = now
         self._used_slots = {s for s in self._used_slots if s >= now}
 

@@ -6,6 +6,7 @@ request with its sampling options and yield token deltas until a finish reason; 
 a request, which frees its KV wherever it lives. Text (detokenisation, stop strings) stays in the
 frontend, so the backends only ever see token ids.
 """
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -90,5 +91,4 @@ class Backend(Protocol):
         """Stop a request and free its KV; a no-op for an unknown or finished request."""
         ...
 
-    async def stats(self) -> BackendStats:
-        ...
+    async def stats(self) -> BackendStats: ...

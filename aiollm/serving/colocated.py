@@ -6,6 +6,7 @@ batch of waiting prompts (FCFS, up to L_m tokens, only as many as the KV pool ca
 end) or runs one decode step for every running sequence, with prefill first — so a burst of
 prompts stalls every running decode, the interference DistServe removes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -101,9 +102,14 @@ class ColocatedEngine:
             queue.put_nowait(None)
 
     async def stats(self) -> BackendStats:
-        return BackendStats(waiting=len(self._waiting), running=len(self._running),
-                            prefill_queues={"colocated": len(self._waiting)}, decode_queues={"colocated": 0},
-                            kv_blocks_used=self.cache.used_blocks, kv_blocks_total=self.cache.total_blocks)
+        return BackendStats(
+            waiting=len(self._waiting),
+            running=len(self._running),
+            prefill_queues={"colocated": len(self._waiting)},
+            decode_queues={"colocated": 0},
+            kv_blocks_used=self.cache.used_blocks,
+            kv_blocks_total=self.cache.total_blocks,
+        )
 
     @property
     def kv_blocks_used(self) -> int:
@@ -118,8 +124,9 @@ class ColocatedEngine:
                 self._emit(batch, tokens)
             elif self._running:
                 seqs = list(self._running.values())
-                tokens = await asyncio.to_thread(runner.decode_step, self.model, self.cache, seqs,
-                                                 self.config.attn_threads)
+                tokens = await asyncio.to_thread(
+                    runner.decode_step, self.model, self.cache, seqs, self.config.attn_threads
+                )
                 self._emit(seqs, tokens)
             else:
                 self._wake.clear()
@@ -129,7 +136,9 @@ class ColocatedEngine:
         """FCFS prompts up to L_m whose whole completion fits in the free KV blocks."""
         c = self.config
         room = c.max_running - len(self._running)
-        count = take_batch([len(s.prompt) for s in self._waiting.values()], c.max_batch_tokens, max(room, 0)) if room else 0
+        count = (
+            take_batch([len(s.prompt) for s in self._waiting.values()], c.max_batch_tokens, max(room, 0)) if room else 0
+        )
         batch = []
         free = self.cache.total_blocks - self.cache.used_blocks
         for seq in list(self._waiting.values())[:count]:

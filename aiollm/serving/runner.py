@@ -6,6 +6,7 @@ forward — per-request sampling state, stop rules, block reservation for the wh
 the model stays a pure forward. Every function is synchronous (torch releases the GIL), so an actor
 runs it with `asyncio.to_thread` and keeps its event loop answering messages during a step.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -64,8 +65,16 @@ class PagedCache:
     def __init__(self, model: LlamaModel, n_blocks: int, block_size: int = 16, dtype: str = "fp32") -> None:
         c = model.config
         self.block_size = block_size
-        self.pool = KVPool(KVConfig(n_layers=c.n_layers, n_blocks=n_blocks, block_size=block_size,
-                                    n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, dtype=dtype))
+        self.pool = KVPool(
+            KVConfig(
+                n_layers=c.n_layers,
+                n_blocks=n_blocks,
+                block_size=block_size,
+                n_kv_heads=c.n_kv_heads,
+                head_dim=c.head_dim,
+                dtype=dtype,
+            )
+        )
         self.allocator = BlockAllocator(n_blocks)
         self.total_blocks = n_blocks
         self.used_blocks = 0
@@ -132,7 +141,8 @@ def decode_step(model: LlamaModel, cache: PagedCache, seqs: list[Sequence], n_th
     width = max(len(s.blocks) for s in seqs)
     tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], dtype=torch.int32)
     seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
-    logits = decode_logits(model, cache.pool, [s.output[-1] for s in seqs], positions, slots, tables, seq_lens,
-                           n_threads)
+    logits = decode_logits(
+        model, cache.pool, [s.output[-1] for s in seqs], positions, slots, tables, seq_lens, n_threads
+    )
     with torch.inference_mode():
         return sample_next(seqs, logits)

@@ -11,6 +11,7 @@ Lines (times are time.time() seconds, so logs of several processes line up):
   {"kind": "decode", "start": t, "end": t, "batch": B, "context": tokens in the batch's KV}
   {"kind": "pull", "start": t, "end": t, "tokens": prompt tokens pulled}
 """
+
 from __future__ import annotations
 
 import json

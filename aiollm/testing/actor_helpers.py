@@ -1,4 +1,5 @@
 """Shared pieces of the actor runtime tests: a config with short timeouts, node fixtures, a watcher actor."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,34 +1,24 @@
 """A DistServe cluster for tests: n prefill + m decode instances, controller and frontend, each on its own
 node in this process, talking over TCP on 127.0.0.1 (the full codec, KV tensors included), with the
 HTTP frontend on a free port and an openai client pointed at it."""
+
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
 
 import openai
-import pytest
 
 from aiollm.actors import Node, NodeConfig
+from aiollm.frontend.app import Frontend, FrontendConfig, start_server
 from aiollm.serving.backend import ModelInfo
 from aiollm.serving.distserve.client import ClusterClient
 from aiollm.serving.distserve.controller import Controller, ControllerConfig
 from aiollm.serving.distserve.decode import DecodeConfig, DecodeInstance
-from aiollm.frontend.app import Frontend, FrontendConfig, start_server
-from aiollm.serving.fastdecode.offloaded_executor import OffloadedExecutor
 from aiollm.serving.distserve.prefill import PrefillConfig, PrefillInstance
+from aiollm.serving.fastdecode.offloaded_executor import OffloadedExecutor
 
 SECRET = b"integration-test-secret-0123456789"
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    """A tiny random-weight Llama (HF directory written by transformers), loaded once per session."""
-    from aiollm.model.loader import load
-    from aiollm.testing.tiny_llama import write_hf_dir
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    write_hf_dir(directory)
-    return load(str(directory))
 
 
 @dataclass
@@ -46,14 +36,22 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def cluster(model, n_prefill: int = 1, n_decode: int = 1, prefill: PrefillConfig = PrefillConfig(kv_blocks=64),
-                  decode: DecodeConfig = DecodeConfig(kv_blocks=128), controller: ControllerConfig = ControllerConfig(),
-                  name: str = "tiny", r_workers: list[list[str]] | None = None):
+async def cluster(
+    model,
+    n_prefill: int = 1,
+    n_decode: int = 1,
+    prefill: PrefillConfig = PrefillConfig(kv_blocks=64),
+    decode: DecodeConfig = DecodeConfig(kv_blocks=128),
+    controller: ControllerConfig = ControllerConfig(),
+    name: str = "tiny",
+    r_workers: list[list[str]] | None = None,
+):
     """`r_workers[i]`: R-worker URLs that make decode instance i offloaded (they must accept SECRET)."""
     nodes: dict[str, Node] = {}
     server = task = None
     client = None
     try:
+
         async def node(label: str) -> Node:
             n = Node(NodeConfig(secret=SECRET))
             await n.start(["tcp://127.0.0.1:0"])
@@ -67,8 +65,13 @@ async def cluster(model, n_prefill: int = 1, n_decode: int = 1, prefill: Prefill
             prefills.append(actor)
         for i in range(n_decode):
             decode_node = await node(f"decode{i}")
-            executor = None if r_workers is None else await OffloadedExecutor.connect(
-                decode_node, r_workers[i], model, decode.block_size, decode.kv_dtype)
+            executor = (
+                None
+                if r_workers is None
+                else await OffloadedExecutor.connect(
+                    decode_node, r_workers[i], model, decode.block_size, decode.kv_dtype
+                )
+            )
             actor = DecodeInstance(model, decode, executor)
             urls_d[f"decode{i}"] = (await decode_node.spawn(actor, f"decode{i}")).url
             decodes.append(actor)
@@ -76,8 +79,12 @@ async def cluster(model, n_prefill: int = 1, n_decode: int = 1, prefill: Prefill
         ctrl_url = (await (await node("controller")).spawn(ctrl, "controller")).url
         backend = ClusterClient(ctrl_url)
         await (await node("frontend")).spawn(backend, "frontend")
-        frontend = Frontend(backend, model.tokenizer, ModelInfo(name, model.config.max_context),
-                            FrontendConfig(port=0, vocab_size=model.config.vocab))
+        frontend = Frontend(
+            backend,
+            model.tokenizer,
+            ModelInfo(name, model.config.max_context),
+            FrontendConfig(port=0, vocab_size=model.config.vocab),
+        )
         server, task, port = await start_server(frontend.app, "127.0.0.1", 0)
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="test", max_retries=0, timeout=120)
         yield Cluster(client, port, prefills, decodes, ctrl, frontend, nodes)

@@ -5,6 +5,7 @@ Greedy tokens equal the colocated `generate()` with and without the two-minibatc
 load-stabilising schedule, and also when one R-worker process is killed (SIGKILL) mid-generation (its
 sequences are re-prefilled onto the survivor); an R-worker at its budget refuses a sequence with a clear
 error and loses nothing it holds; a released sequence gives its blocks back."""
+
 import asyncio
 import secrets
 import subprocess
@@ -17,14 +18,15 @@ import pytest
 import torch
 
 from aiollm.actors.node import NodeConfig
-from aiollm.errors import RemoteError
+from aiollm.calibrate.turns import TakingTurns, Turns
 from aiollm.deploy.graph import Graph
+from aiollm.errors import RemoteError
 from aiollm.model.engine import generate
 from aiollm.model.loader import load
 from aiollm.model.sampling import SamplingParams
 from aiollm.sched.sls import SLSConfig
-from aiollm.serving.backend import GenerateRequest
 from aiollm.serving import runner
+from aiollm.serving.backend import GenerateRequest
 from aiollm.serving.distserve.client import ClusterClient
 from aiollm.serving.fastdecode.messages import (
     Admit,
@@ -35,12 +37,17 @@ from aiollm.serving.fastdecode.messages import (
     Synthetic,
 )
 from aiollm.serving.fastdecode.s_worker import SWorker, SWorkerConfig
-from aiollm.calibrate.turns import TakingTurns, Turns
-from aiollm.testing.fastdecode_cluster import start_r_workers, tiny  # noqa: F401 (fixture)
+from aiollm.testing.fastdecode_cluster import start_r_workers
 
 # mixed lengths, crossing 16-token block boundaries while decoding
-PROMPTS = [[5, 17, 42, 99, 3], list(range(20, 57)), [33], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 200],
-           list(range(100, 131)), [9, 9]]
+PROMPTS = [
+    [5, 17, 42, 99, 3],
+    list(range(20, 57)),
+    [33],
+    [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 200],
+    list(range(100, 131)),
+    [9, 9],
+]
 MAX_TOKENS = [14, 9, 20, 12, 6, 17]
 
 
@@ -50,24 +57,31 @@ async def _generate(client: ClusterClient, prompts, params) -> list[list[int]]:
         async for delta in client.submit(GenerateRequest(f"req-{i}", tuple(prompts[i]), params[i])):
             out += delta.token_ids
         return out
+
     return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
 
 @pytest.mark.slow
-async def test_tokens_equal_colocated_generate_with_and_without_pipeline_and_schedule(tiny):
-    model, directory = tiny
+async def test_tokens_equal_colocated_generate_with_and_without_pipeline_and_schedule(tiny_fd):
+    model, directory = tiny_fd
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     expected = [c.token_ids for c in generate(model, PROMPTS, params)]
     async with Graph() as graph:
         urls = await start_r_workers(graph, directory, 2, "4MiB")
         workers = [graph.ref(u) for u in urls]
         driver = graph.driver
-        for i, (pipeline, schedule) in enumerate([(False, None), (True, None),
-                                                  (False, SLSConfig(batch_size=4, seq_len=48, interval=4)),
-                                                  (True, SLSConfig(batch_size=4, seq_len=48, interval=4))]):
+        for i, (pipeline, schedule) in enumerate(
+            [
+                (False, None),
+                (True, None),
+                (False, SLSConfig(batch_size=4, seq_len=48, interval=4)),
+                (True, SLSConfig(batch_size=4, seq_len=48, interval=4)),
+            ]
+        ):
             max_batch = 4 if schedule else 8
-            s = await driver.spawn(SWorker(model, urls, SWorkerConfig(max_batch=max_batch, pipeline=pipeline,
-                                                                      schedule=schedule)), f"s-{i}")
+            s = await driver.spawn(
+                SWorker(model, urls, SWorkerConfig(max_batch=max_batch, pipeline=pipeline, schedule=schedule)), f"s-{i}"
+            )
             client = ClusterClient(s.url)
             await driver.spawn(client, f"client-{i}")
             got = await _generate(client, PROMPTS, params)
@@ -106,21 +120,24 @@ async def test_tokens_equal_colocated_generate_with_and_without_pipeline_and_sch
 
 
 @pytest.mark.slow
-async def test_s_workers_taking_turns_give_the_same_tokens_and_never_step_at_once(tiny):
+async def test_s_workers_taking_turns_give_the_same_tokens_and_never_step_at_once(tiny_fd):
     """The schedule trace's two S-workers (aiollm.calibrate.turns), one with the schedule: each decodes exactly as alone, and
     one's steps (its S-part and its R-worker round trips) never overlap the other's."""
-    model, directory = tiny
+    model, directory = tiny_fd
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     expected = [c.token_ids for c in generate(model, PROMPTS, params)]
     async with Graph() as graph:
         urls = await start_r_workers(graph, directory, 2, "4MiB")
         turns = Turns([("plain", 3), ("scheduled", 2)], lead=("scheduled", 4))
         refs = {}
-        for name, url, schedule in (("plain", urls[0], None),
-                                    ("scheduled", urls[1], SLSConfig(batch_size=4, seq_len=48, interval=4))):
+        for name, url, schedule in (
+            ("plain", urls[0], None),
+            ("scheduled", urls[1], SLSConfig(batch_size=4, seq_len=48, interval=4)),
+        ):
             config = SWorkerConfig(max_batch=4, pipeline=True, schedule=schedule)
-            refs[name] = await graph.driver.spawn(TakingTurns(model, [url], config, turns=turns, turn_name=name),
-                                                  f"s-{name}")
+            refs[name] = await graph.driver.spawn(
+                TakingTurns(model, [url], config, turns=turns, turn_name=name), f"s-{name}"
+            )
 
         async def run(name: str) -> list[list[int]]:
             client = ClusterClient(refs[name].url)
@@ -135,14 +152,17 @@ async def test_s_workers_taking_turns_give_the_same_tokens_and_never_step_at_onc
         for name, ref in refs.items():
             trace = await ref.ask(GetTrace())
             spans[name] = [(end - step, end) for step, end in zip(trace.step_s, trace.ended)]
-        assert all(b_end <= a_start or a_end <= b_start
-                   for a_start, a_end in spans["plain"] for b_start, b_end in spans["scheduled"])
+        assert all(
+            b_end <= a_start or a_end <= b_start
+            for a_start, a_end in spans["plain"]
+            for b_start, b_end in spans["scheduled"]
+        )
         assert len(turns.starts["plain"]) >= 2 and len(turns.starts["scheduled"]) >= 2  # they did take turns
 
 
 @pytest.mark.slow
-async def test_killed_r_worker_its_sequences_resume_on_the_survivor_with_the_same_tokens(tiny):
-    model, directory = tiny
+async def test_killed_r_worker_its_sequences_resume_on_the_survivor_with_the_same_tokens(tiny_fd):
+    model, directory = tiny_fd
     params = [SamplingParams(max_tokens=n + 120, ignore_eos=True) for n in MAX_TOKENS]
     expected = [c.token_ids for c in generate(model, PROMPTS, params)]
     async with Graph() as graph:
@@ -163,11 +183,11 @@ async def test_killed_r_worker_its_sequences_resume_on_the_survivor_with_the_sam
         assert load.sequences == 0 and load.blocks_used == 0
 
 
-async def test_a_prefill_longer_than_the_heartbeat_timeout_loses_no_r_worker(tiny, monkeypatch):
+async def test_a_prefill_longer_than_the_heartbeat_timeout_loses_no_r_worker(tiny_fd, monkeypatch):
     """The S-worker prefills off its event loop: with each prefill slowed past the cluster's heartbeat timeout its
     node keeps answering heartbeats, so the R-worker processes keep it and the tokens are generate()'s. (Run on
     the loop, a 4096-token prefill on a slow host kept it silent for seconds, and the R-workers dropped it.)"""
-    model, directory = tiny
+    model, directory = tiny_fd
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS[:3]]
     expected = [c.token_ids for c in generate(model, PROMPTS[:3], params)]
     prefill_into = runner.prefill_into
@@ -188,8 +208,8 @@ async def test_a_prefill_longer_than_the_heartbeat_timeout_loses_no_r_worker(tin
         assert (await s.ask(GetTrace())).recovered == 0  # no R-worker was lost and re-placed
 
 
-async def test_r_worker_at_budget_refuses_and_keeps_what_it_holds(tiny):
-    model, directory = tiny
+async def test_r_worker_at_budget_refuses_and_keeps_what_it_holds(tiny_fd):
+    model, directory = tiny_fd
     c = model.config
     # fp32, 2 layers, 2 KV heads x 16 dims: 8 KiB per 16-token block; 64 KiB = 8 blocks = 128 tokens
     async with Graph() as graph:
@@ -228,11 +248,26 @@ def _expected_o(q, k, zeros: int, copies: int) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_example_graph_runs_s_worker_and_r_worker_processes(tiny):
-    _, directory = tiny
+def test_example_graph_runs_s_worker_and_r_worker_processes(tiny_fd):
+    _, directory = tiny_fd
     example = Path(__file__).parents[2] / "examples" / "fastdecode_graph.py"
-    done = subprocess.run([sys.executable, str(example), "--model", str(directory), "--max-tokens", "4",
-                           "--kv-dtype", "fp32", "--sls-interval", "4"],
-                          check=False, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(example),
+            "--model",
+            str(directory),
+            "--max-tokens",
+            "4",
+            "--kv-dtype",
+            "fp32",
+            "--sls-interval",
+            "4",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "16 tokens in" in done.stdout and "1 S-worker + 2 R-worker processes" in done.stdout

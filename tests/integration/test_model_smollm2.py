@@ -2,6 +2,7 @@
 
 transformers is loaded once for the module (it takes ~20 s); everything else reuses it.
 """
+
 import os
 
 import pytest
@@ -15,16 +16,36 @@ from aiollm.model.sampling import SamplingParams
 pytestmark = pytest.mark.slow
 
 N_NEW = 48
-CHAT = ["What is the capital of France?", "Write a Python function that checks whether a number is prime.",
-        "Translate 'Good morning, how are you?' into Spanish and German."]
-RAW = ["The history of the Roman Empire", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-       "Les 3 plus grandes villes de France sont"]
-TEXTS_MORE = ["Explain photosynthesis to a ten-year-old in two sentences.",
-              "Once upon a time, in a small village by the sea,"]
-TOKENIZER_TEXTS = RAW + CHAT + TEXTS_MORE + [
-    "naïve café — 東京タワー 🙂🚀 ∑∫√ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "    four spaces\ttab\n\n\nthree newlines \r\n crlf  ",
-    "x = [i**2 for i in range(10)]  # comment\nif x: print(f'{x!r}')", "1234567890 3.14159 -42 1e-5 0xFF",
-    "<|im_start|>user\nhello<|im_end|>\n<|endoftext|>", "Ünïcödé ÀÉÎÕÜ ß ø œ ﬁ", "", " ", "a" * 300]
+CHAT = [
+    "What is the capital of France?",
+    "Write a Python function that checks whether a number is prime.",
+    "Translate 'Good morning, how are you?' into Spanish and German.",
+]
+RAW = [
+    "The history of the Roman Empire",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "Les 3 plus grandes villes de France sont",
+]
+TEXTS_MORE = [
+    "Explain photosynthesis to a ten-year-old in two sentences.",
+    "Once upon a time, in a small village by the sea,",
+]
+TOKENIZER_TEXTS = (
+    RAW
+    + CHAT
+    + TEXTS_MORE
+    + [
+        "naïve café — 東京タワー 🙂🚀 ∑∫√ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+        "    four spaces\ttab\n\n\nthree newlines \r\n crlf  ",
+        "x = [i**2 for i in range(10)]  # comment\nif x: print(f'{x!r}')",
+        "1234567890 3.14159 -42 1e-5 0xFF",
+        "<|im_start|>user\nhello<|im_end|>\n<|endoftext|>",
+        "Ünïcödé ÀÉÎÕÜ ß ø œ ﬁ",
+        "",
+        " ",
+        "a" * 300,
+    ]
+)
 # Largest gap allowed between transformers' top logit and its logit for our token, per step, with a lossy
 # KV cache, and how many steps of a completion may have any gap at all. Measured on these prompts (48
 # tokens each): fp16 picks transformers' top token at every step; int8 at all but one, 0.009 below the top.
@@ -44,6 +65,7 @@ def ours():
 def reference():
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     path = bundled_path("smollm2")
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -60,7 +82,14 @@ def prompts(ours):
 def test_config_read_from_metadata(ours):
     c = ours.config
     assert (c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn, c.vocab) == (
-        30, 576, 9, 3, 64, 1536, 49152)
+        30,
+        576,
+        9,
+        3,
+        64,
+        1536,
+        49152,
+    )
     assert (c.rope_theta, c.max_context, c.tie_embeddings, c.eos_ids) == (100000.0, 8192, True, (2,))
     assert c.rms_eps == pytest.approx(1e-5)
 
@@ -71,19 +100,26 @@ def test_tokenizer_and_chat_template_equal_transformers(ours, reference):
         ids = ours.tokenizer.encode(text)
         assert ids == hf_tok(text)["input_ids"], text
         assert ours.tokenizer.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
-    conversations = [[{"role": "user", "content": CHAT[0]}],
-                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": CHAT[1]}]]
+    conversations = [
+        [{"role": "user", "content": CHAT[0]}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": CHAT[1]},
+        ],
+    ]
     for messages in conversations:
         for add in (True, False):
-            assert ours.tokenizer.apply_chat_template(messages, add_generation_prompt=add) == \
-                hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+            assert ours.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add
+            ) == hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
 
 
 def reference_logits(hf_model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """transformers' logits at each step of our completion, teacher-forced ([len(tokens), vocab])."""
     with torch.no_grad():
-        return hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: len(prompt) - 1 + len(tokens)]
+        return hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
 
 
 def test_fp32_greedy_tokens_identical_to_transformers(ours, reference, prompts):
@@ -99,9 +135,13 @@ def test_fp32_greedy_tokens_identical_to_transformers(ours, reference, prompts):
         assert tokens == argmax, ours.tokenizer.decode(prompt)
     with torch.no_grad():
         prompt = prompts[0]
-        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                max_new_tokens=N_NEW, do_sample=False)
-    assert completions[0].token_ids == out[0, len(prompt):].tolist()
+        out = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=N_NEW,
+            do_sample=False,
+        )
+    assert completions[0].token_ids == out[0, len(prompt) :].tolist()
     assert "Paris" in completions[0].text
 
 

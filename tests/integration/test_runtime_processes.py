@@ -3,6 +3,7 @@
 Every node process is started through `aiollm.deploy.graph.Graph` (or `subprocess` for the CLI checks)
 and stopped in a `finally`, killed if it does not stop by itself.
 """
+
 import asyncio
 import os
 import signal
@@ -16,8 +17,8 @@ import pytest
 
 from aiollm.actors import Node, NodeConfig
 from aiollm.actors.echo import Count, Echo, EchoActor, Fail, GetStats, Ping, PingPeer, Pong, Sleep
-from aiollm.errors import AuthenticationFailed, RemoteError
 from aiollm.deploy.graph import Graph
+from aiollm.errors import AuthenticationFailed, RemoteError
 from aiollm.testing.actor_helpers import SECRET, Watcher
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,8 +130,9 @@ async def test_peer_without_the_secret_is_refused_across_processes() -> None:
 
 def run_cli(*args: str, secret: Path | None = None) -> subprocess.CompletedProcess:
     extra = ["--secret-file", str(secret)] if secret else []
-    return subprocess.run([sys.executable, "-m", "aiollm.node", *args, *extra], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "aiollm.node", *args, *extra], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
 
 
 def test_cli_help_and_one_line_errors(tmp_path: Path) -> None:
@@ -156,8 +158,12 @@ def test_cli_node_prints_ready_line_and_stops_on_sigterm(tmp_path: Path) -> None
 
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET)
-    proc = subprocess.Popen([sys.executable, "-m", "aiollm.node", "--role", "echo", "--secret-file", str(secret),
-                             "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aiollm.node", "--role", "echo", "--secret-file", str(secret), "--log-level", "WARNING"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         ready = json.loads(proc.stdout.readline())
         assert ready["ready"] and ready["addresses"][0].startswith("tcp://127.0.0.1:")
@@ -171,8 +177,14 @@ def test_cli_node_prints_ready_line_and_stops_on_sigterm(tmp_path: Path) -> None
 
 
 def test_two_node_demo_runs() -> None:
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "two_node_echo.py")], capture_output=True,
-                            text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "two_node_echo.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert result.returncode == 0, result.stderr
     assert "remote handler cancelled: True" in result.stdout
     assert "SIGKILLed beta -> Terminated" in result.stdout and "all nodes stopped" in result.stdout

@@ -1,21 +1,20 @@
 """Serving edges: the colocated engine behind the same frontend, overload answered with 429, and a
 prefilled KV whose lease expires because nobody pulls it."""
+
 import asyncio
 
 import openai
-import pytest
 
 from aiollm.actors import Actor, Node, NodeConfig, handler
+from aiollm.frontend.app import Frontend, FrontendConfig, start_server
 from aiollm.model.engine import generate
 from aiollm.model.sampling import SamplingParams
 from aiollm.serving.backend import ModelInfo
-from aiollm.serving.distserve.controller import ControllerConfig
 from aiollm.serving.colocated import ColocatedEngine, EngineConfig
-from aiollm.frontend.app import Frontend, FrontendConfig, start_server
+from aiollm.serving.distserve.controller import ControllerConfig
 from aiollm.serving.distserve.messages import KVLost, Prefill, Prefilled, Sampling
 from aiollm.serving.distserve.prefill import PrefillConfig, PrefillInstance
-from aiollm.testing.serving_cluster import SECRET, cluster, tiny  # noqa: F401 (fixture)
-
+from aiollm.testing.serving_cluster import SECRET, cluster
 
 
 async def test_colocated_engine_serves_the_same_tokens_and_frees_cancelled_kv(tiny):
@@ -29,8 +28,14 @@ async def test_colocated_engine_serves_the_same_tokens_and_frees_cancelled_kv(ti
     try:
         out = await client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=10, temperature=0)
         assert out.choices[0].text == ref.text
-        stream = await client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=240,
-                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model="tiny",
+            prompt="The quick brown fox",
+            max_tokens=240,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         async for _ in stream:
             assert engine.kv_blocks_used > 0
             break
@@ -50,9 +55,15 @@ async def test_colocated_engine_serves_the_same_tokens_and_frees_cancelled_kv(ti
 async def test_full_controller_queue_answers_429_and_loses_nothing_else(tiny):
     config = ControllerConfig(max_waiting=2, prefill_queue_limit=1)
     async with cluster(tiny, controller=config) as c:
-        results = await asyncio.gather(*(c.client.completions.create(
-            model="tiny", prompt="def add(a, b):", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
-            for _ in range(12)), return_exceptions=True)
+        results = await asyncio.gather(
+            *(
+                c.client.completions.create(
+                    model="tiny", prompt="def add(a, b):", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+                )
+                for _ in range(12)
+            ),
+            return_exceptions=True,
+        )
         refused = [r for r in results if isinstance(r, openai.RateLimitError)]
         served = [r for r in results if not isinstance(r, Exception)]
         assert refused and served and len(refused) + len(served) == 12

@@ -1,6 +1,7 @@
 """DistServe serving with an offloaded decode instance: the S-part in the decode instance, attention on two
 FastDecode R-worker processes (`python -m aiollm.node --role r-worker`, fp32 KV) that pull each sequence's KV
 straight from the prefill instance; driven through the official openai client."""
+
 import asyncio
 
 import pytest
@@ -61,16 +62,27 @@ async def test_offloaded_decode_tokens_equal_colocated_generate(tiny):
 
             sampler = asyncio.create_task(sample())
             try:  # all at once: one batch spread over both R-workers
-                outs = await asyncio.gather(*(c.client.completions.create(
-                    model="tiny", prompt=p, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
-                    for p in PROMPTS))
+                outs = await asyncio.gather(
+                    *(
+                        c.client.completions.create(
+                            model="tiny", prompt=p, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+                        )
+                        for p in PROMPTS
+                    )
+                )
             finally:
                 sampler.cancel()
             assert [o.choices[0].text for o in outs] == [r.text for r in refs]
             assert all(o.usage.completion_tokens == 24 for o in outs)
             assert all(p > 0 for p in peak)  # both R-workers held sequences
-            stream = await c.client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=24, temperature=0,
-                                                       stream=True, extra_body={"ignore_eos": True})
+            stream = await c.client.completions.create(
+                model="tiny",
+                prompt=PROMPTS[1],
+                max_tokens=24,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             assert "".join([chunk.choices[0].text async for chunk in stream]) == refs[1].text
             assert c.decodes[0].finished == len(PROMPTS) + 1
             assert await _wait_until(lambda: _all_free(graph, urls, c))
@@ -86,8 +98,14 @@ async def test_cancelled_stream_frees_its_blocks_on_the_r_worker(tiny):
     async with Graph(NodeConfig(secret=SECRET)) as graph:
         urls = await _r_workers(graph, directory)
         async with cluster(model, r_workers=[urls]) as c:
-            stream = await c.client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=200,
-                                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+            stream = await c.client.completions.create(
+                model="tiny",
+                prompt="The quick brown fox",
+                max_tokens=200,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             seen = 0
             async for _ in stream:
                 seen += 1

@@ -1,6 +1,7 @@
 """`python -m aiollm serve` as a user runs it: every instance its own OS process, a real chat request
 through the openai client, greedy tokens equal to the colocated generate(), a SIGKILLed decode instance
 started again and serving, and no process left after."""
+
 import os
 import signal
 import subprocess
@@ -38,8 +39,24 @@ def test_serve_command_answers_a_chat_request_and_cleans_up(tmp_path):
     ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
     ref = generate(model, [ids], SamplingParams(max_tokens=16))[0]
 
-    proc = subprocess.Popen([sys.executable, "-m", "aiollm", "serve", "--model", str(tmp_path), "--port", "0",
-                             "--prefill", "1", "--decode", "1"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "aiollm",
+            "serve",
+            "--model",
+            str(tmp_path),
+            "--port",
+            "0",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     children = []
     try:
         deadline = time.monotonic() + 120
@@ -61,8 +78,9 @@ def test_serve_command_answers_a_chat_request_and_cleans_up(tmp_path):
         deadline = time.monotonic() + 90
         while True:
             try:
-                out = client.chat.completions.create(model=tmp_path.name, messages=messages, max_tokens=16,
-                                                     temperature=0)
+                out = client.chat.completions.create(
+                    model=tmp_path.name, messages=messages, max_tokens=16, temperature=0
+                )
                 break
             except openai.APIStatusError as exc:  # 503 until the new instance has registered
                 assert exc.status_code == 503 and time.monotonic() < deadline, exc

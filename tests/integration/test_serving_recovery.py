@@ -3,6 +3,7 @@ request with a clear error when no other decode instance is left, a restarted on
 serves again, and a frozen prefill instance declared dead by the heartbeat is taken back once it
 answers. Every node is a `python -m aiollm.node` subprocess started through `aiollm.deploy.graph.Graph`
 (stopped, or killed, when the test ends); the frontend's client actor runs in this process."""
+
 import asyncio
 import signal
 
@@ -25,8 +26,9 @@ PROMPT = [1, 17, 42, 99, 7, 3]
 
 async def _tokens(client: ClusterClient, rid: str, max_tokens: int) -> list[int]:
     out = []
-    async for delta in client.submit(GenerateRequest(rid, tuple(PROMPT), SamplingParams(max_tokens=max_tokens,
-                                                                                       ignore_eos=True))):
+    async for delta in client.submit(
+        GenerateRequest(rid, tuple(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    ):
         out += delta.token_ids
     return out
 
@@ -54,9 +56,18 @@ async def test_killed_decode_fails_clearly_restarted_one_serves_frozen_prefill_c
     async with Graph(CONFIG) as graph:
         prefill, decode = await asyncio.gather(
             graph.start_node("prefill", process=True, args=("--actor", "prefill0", *model, "--kv-blocks", "64")),
-            graph.start_node("decode", process=True, args=("--actor", "decode0", *model, "--kv-blocks", "128")))
-        controller = await graph.start_node("controller", process=True, args=(
-            "--prefill", f"prefill0={prefill.actors['prefill0']}", "--decode", f"decode0={decode.actors['decode0']}"))
+            graph.start_node("decode", process=True, args=("--actor", "decode0", *model, "--kv-blocks", "128")),
+        )
+        controller = await graph.start_node(
+            "controller",
+            process=True,
+            args=(
+                "--prefill",
+                f"prefill0={prefill.actors['prefill0']}",
+                "--decode",
+                f"decode0={decode.actors['decode0']}",
+            ),
+        )
         controller_url = controller.actors["controller"]
         client = ClusterClient(controller_url)
         await graph.driver.spawn(client, "frontend")
@@ -65,8 +76,9 @@ async def test_killed_decode_fails_clearly_restarted_one_serves_frozen_prefill_c
         # SIGKILL the only decode instance mid-stream: the request cannot fail over, so it fails and says why
         got = []
         with pytest.raises(Unavailable, match=r"decode instance decode0 lost .*no live decode instance"):
-            async for delta in client.submit(GenerateRequest("long", tuple(PROMPT),
-                                                             SamplingParams(max_tokens=2000, ignore_eos=True))):
+            async for delta in client.submit(
+                GenerateRequest("long", tuple(PROMPT), SamplingParams(max_tokens=2000, ignore_eos=True))
+            ):
                 got += delta.token_ids
                 if len(got) == 3:
                     decode.process.send_signal(signal.SIGKILL)
@@ -74,8 +86,11 @@ async def test_killed_decode_fails_clearly_restarted_one_serves_frozen_prefill_c
             await _tokens(client, "while-down", 4)
 
         # a restarted decode instance joins under the same name and serves the same greedy tokens
-        await graph.start_node("decode", process=True, args=("--actor", "decode0", *model, "--kv-blocks", "128",
-                                                             "--controller", controller_url))
+        await graph.start_node(
+            "decode",
+            process=True,
+            args=("--actor", "decode0", *model, "--kv-blocks", "128", "--controller", controller_url),
+        )
         assert await _tokens(client, "after-restart", 8) == expected
 
         # a frozen prefill instance: declared dead by the heartbeat, taken back by the probe once it answers

@@ -1,10 +1,11 @@
 """Helpers shared by the kernel tests: a float64 reference, pools whose unused slots are NaN, a random written
 case, and the quantisers' definition."""
+
 import numpy as np
 import pytest
 
-from aiollm.native import attention
 from aiollm.kv.pool import KVConfig, KVPool
+from aiollm.native import attention
 
 
 def reference(q: np.ndarray, ks: list[np.ndarray], vs: list[np.ndarray], scale: float | None = None) -> np.ndarray:
@@ -46,7 +47,7 @@ def shuffled_tables(rng, lens: list[int], block_size: int, n_blocks: int) -> tup
     table = np.full((len(lens), max(need + [1]) + 1), -1, np.int32)
     slots, at = [], 0
     for i, (n, k) in enumerate(zip(lens, need)):
-        table[i, :k] = ids[at:at + k]
+        table[i, :k] = ids[at : at + k]
         at += k
         pos = np.arange(n)
         slots.append(table[i, pos // block_size].astype(np.int64) * block_size + pos % block_size)
@@ -64,8 +65,11 @@ def random_case(rng, dtype: str, head_dim: int, group: int, lens: list[int], n_k
     """A NaN-poisoned pool (2 layers) whose layer 1 holds N(0,1) K/V of sequences of `lens` in shuffled blocks:
     (pool, table, slots, seq_lens, q, ks, vs), q N(0,1) [n_seqs, n_kv_heads * group, head_dim]."""
     n_blocks = sum(-(-n // block_size) for n in lens) + 8
-    pool = nan_pool(KVConfig(n_layers=2, n_blocks=n_blocks, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                             block_size=block_size, dtype=dtype))
+    pool = nan_pool(
+        KVConfig(
+            n_layers=2, n_blocks=n_blocks, n_kv_heads=n_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype
+        )
+    )
     table, slots = shuffled_tables(rng, lens, block_size, n_blocks)
     ks = [rng.standard_normal((n, n_kv_heads, head_dim)).astype(np.float32) for n in lens]
     vs = [rng.standard_normal((n, n_kv_heads, head_dim)).astype(np.float32) for n in lens]
@@ -91,15 +95,18 @@ def expected_codes(x: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(y).astype(np.int8), scale[..., 0]
 
 
-def assert_codes_equal_the_definition(pool: KVPool, slots: np.ndarray, k: np.ndarray, v: np.ndarray, unpack,
-                                      qmax: int) -> None:
+def assert_codes_equal_the_definition(
+    pool: KVPool, slots: np.ndarray, k: np.ndarray, v: np.ndarray, unpack, qmax: int
+) -> None:
     """Layer 0's codes (through `unpack`, e.g. int8_logical) and fp16 scales at `slots` are those of k, v by
     `expected_codes`, bit for bit."""
     bs = pool.config.block_size
     b, o = slots // bs, slots % bs
     k_codes, v_codes = unpack(pool.k[0], pool.v[0])
-    for want_x, codes, scales in ((k, k_codes[b, :, :, o], pool.k_scale[0][b, :, o]),
-                                  (v, v_codes[b, :, o, :], pool.v_scale[0][b, :, o])):
+    for want_x, codes, scales in (
+        (k, k_codes[b, :, :, o], pool.k_scale[0][b, :, o]),
+        (v, v_codes[b, :, o, :], pool.v_scale[0][b, :, o]),
+    ):
         want_codes, want_scales = expected_codes(want_x, qmax)
         np.testing.assert_array_equal(codes, want_codes)
         np.testing.assert_array_equal(scales.view(np.uint16), want_scales.view(np.uint16))

@@ -1,5 +1,6 @@
 """decode_attention against a float64 reference, over every ISA path, storage dtype, head_dim and GQA ratio,
 on the library's pool and on the OpenMP team (`on_gemm_team`)."""
+
 import itertools
 import os
 import zlib
@@ -24,11 +25,16 @@ ISAS = attention.supported_isas()
 INT8_PATHS = attention.supported_int8_paths()
 # int8 on each SIMD ISA once per int8 path it runs: fp32 math, and its own int8 dot products (VNNI on AVX-512,
 # vpmaddubsw on AVX2); the reference path computes fp32 whatever the path says
-ISA_INT8_PATHS = {isa: [p for p in INT8_PATHS if p == "fp32" or {"avx512": "vnni", "avx2": "madd"}.get(isa) == p]
-                  for isa in ISAS if isa != "ref"}
-GRID = [(isa, dtype, d, g, path)
-        for isa, dtype, d, g in itertools.product(ISAS, ("fp32", "fp16", "int8"), (64, 80, 128), (1, 3, 4, 8))
-        for path in (ISA_INT8_PATHS.get(isa, [None]) if dtype == "int8" else [None])]
+ISA_INT8_PATHS = {
+    isa: [p for p in INT8_PATHS if p == "fp32" or {"avx512": "vnni", "avx2": "madd"}.get(isa) == p]
+    for isa in ISAS
+    if isa != "ref"
+}
+GRID = [
+    (isa, dtype, d, g, path)
+    for isa, dtype, d, g in itertools.product(ISAS, ("fp32", "fp16", "int8"), (64, 80, 128), (1, 3, 4, 8))
+    for path in (ISA_INT8_PATHS.get(isa, [None]) if dtype == "int8" else [None])
+]
 
 
 @pytest.fixture(params=["pool", "team"])
@@ -38,6 +44,7 @@ def runner(request):
         yield
         return
     import torch  # noqa: F401  (loads libgomp, which the team path needs)
+
     with attention.on_gemm_team():
         yield
 
@@ -53,7 +60,7 @@ def int8_forced():
 def test_matches_float64_reference(isa_forced, int8_forced, runner, isa, dtype, head_dim, group, int8_path):
     rng = np.random.default_rng(zlib.crc32(repr((isa, dtype, head_dim, group)).encode()))  # not hash(): salted
     # every awkward length appears in each sequence set; the grid rotates which lengths share a batch
-    lens = AWKWARD_LENGTHS[GRID.index((isa, dtype, head_dim, group, int8_path)) % 3::3]
+    lens = AWKWARD_LENGTHS[GRID.index((isa, dtype, head_dim, group, int8_path)) % 3 :: 3]
     pool, table, _, seq_lens, q, ks, vs = random_case(rng, dtype, head_dim, group, lens)
     isa_forced(isa)
     int8_forced(int8_path)
@@ -67,8 +74,9 @@ def test_matches_float64_reference(isa_forced, int8_forced, runner, isa, dtype, 
     np.testing.assert_allclose(out, expected, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("isa,int8_path", [(isa, None) for isa in ISAS] + [(isa, p) for isa, paths in ISA_INT8_PATHS.items()
-                                                                          for p in paths])
+@pytest.mark.parametrize(
+    "isa,int8_path", [(isa, None) for isa in ISAS] + [(isa, p) for isa, paths in ISA_INT8_PATHS.items() for p in paths]
+)
 @pytest.mark.parametrize("dtype,block_size", [("fp16", 8), ("fp16", 32), ("int8", 32), ("int8", 6)])
 def test_other_block_sizes(isa_forced, int8_forced, runner, isa, int8_path, dtype, block_size):
     """block_size 8 is not a multiple of 16 (reference path); 32 has two 16-token chunks per block; int8 with 6
@@ -100,16 +108,21 @@ def test_int8_paths_are_reported_and_forcing_an_unknown_one_raises(int8_forced):
         int8_forced("int3")
 
 
-@pytest.mark.skipif("vnni" not in INT8_PATHS or "AIOLLM_ATTN_INT8" in os.environ or "AIOLLM_ATTN_ISA" in os.environ,
-                    reason="needs AVX512-VNNI and the probed ISA and int8 path")
+@pytest.mark.skipif(
+    "vnni" not in INT8_PATHS or "AIOLLM_ATTN_INT8" in os.environ or "AIOLLM_ATTN_ISA" in os.environ,
+    reason="needs AVX512-VNNI and the probed ISA and int8 path",
+)
 def test_probed_vnni_path_leaves_group_1_to_avx2_madd_unless_forced(isa_forced, int8_forced):
     """On Zen 5 the probed AVX-512 VNNI path runs a GQA group of 1 in the AVX2 kernel's MADD dot products (they
     read faster from DRAM there, native/dispatch.c); larger groups take VNNI, as every call does on other CPUs; a
     forced ISA or int8 path serves every call."""
     rng = np.random.default_rng(11)
     rule = bool(attention.lib.aiollm_cpu_int8_group1_madd())
-    for group, n_threads, probed_takes in ((1, 2, "madd" if rule else "vnni"), (1, 1, "madd" if rule else "vnni"),
-                                          (3, 2, "vnni")):
+    for group, n_threads, probed_takes in (
+        (1, 2, "madd" if rule else "vnni"),
+        (1, 1, "madd" if rule else "vnni"),
+        (3, 2, "vnni"),
+    ):
         pool, table, _, seq_lens, q, _, _ = random_case(rng, "int8", 128, group, [40, 300])
         isa_forced(None)
         int8_forced(None)
@@ -135,8 +148,9 @@ def far_forced():
 
 
 @pytest.mark.parametrize("isa", [isa for isa in ISAS if isa != "ref"])
-@pytest.mark.parametrize("dtype,head_dim,group", [("fp16", 64, 3), ("fp16", 128, 1), ("fp32", 80, 4),
-                                                  ("int8", 64, 3), ("int8", 128, 1)])
+@pytest.mark.parametrize(
+    "dtype,head_dim,group", [("fp16", 64, 3), ("fp16", 128, 1), ("fp32", 80, 4), ("int8", 64, 3), ("int8", 128, 1)]
+)
 def test_far_prefetch_on_and_off_give_identical_outputs(isa_forced, far_forced, isa, dtype, head_dim, group):
     """Prefetches never change what is computed: the two settings agree bit for bit (long, shuffled tables,
     so the far level reaches across many blocks and past the end of each sequence)."""

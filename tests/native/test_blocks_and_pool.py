@@ -1,4 +1,5 @@
 """Block allocation, block tables, KVConfig validation and raw block export/import."""
+
 import numpy as np
 import pytest
 
@@ -152,8 +153,10 @@ def test_block_table_is_unchanged_when_the_pool_is_full():
     assert alloc.n_free == 3 and len(table) == 0
 
 
-@pytest.mark.parametrize("field,value", [("n_layers", 0), ("n_blocks", -1), ("n_kv_heads", 1.5),
-                                         ("head_dim", 512), ("block_size", 0), ("dtype", "bf16")])
+@pytest.mark.parametrize(
+    "field,value",
+    [("n_layers", 0), ("n_blocks", -1), ("n_kv_heads", 1.5), ("head_dim", 512), ("block_size", 0), ("dtype", "bf16")],
+)
 def test_kv_config_names_the_bad_field(field, value):
     args = dict(n_layers=2, n_blocks=4, n_kv_heads=3, head_dim=64)
     args[field] = value
@@ -183,16 +186,19 @@ def test_blocks_shipped_raw_between_pools_attend_the_same(dtype):
     src_table.append("x", 3)  # occupy a block so the sequence does not start at block 0
     slots = src_table.append("seq", 40)
     for layer in range(2):
-        src.write(layer, slots, rng.standard_normal((40, 3, 64)).astype(np.float32),
-                  rng.standard_normal((40, 3, 64)).astype(np.float32))
+        src.write(
+            layer,
+            slots,
+            rng.standard_normal((40, 3, 64)).astype(np.float32),
+            rng.standard_normal((40, 3, 64)).astype(np.float32),
+        )
     blocks = src_table.blocks("seq")
     run = src.read(0, blocks)
     assert np.shares_memory(run.k, src.k)  # a run of consecutive blocks is exported as views
     everything = src.read(None, blocks)  # all layers at once, leading layer axis
     assert everything.k.shape[:2] == (2, 3)
     targets = [7, 2, 9]  # land them anywhere in the destination
-    dst.write_blocks(None, targets, everything.k, everything.v, k_scale=everything.k_scale,
-                     v_scale=everything.v_scale)
+    dst.write_blocks(None, targets, everything.k, everything.v, k_scale=everything.k_scale, v_scale=everything.v_scale)
     q = rng.standard_normal((1, 9, 64)).astype(np.float32)
     lens = np.array([40], np.int32)
     for layer in range(2):
@@ -214,10 +220,10 @@ def test_pool_write_then_attend_matches_reference_for_smollm2_shape():
     vs = rng.standard_normal((50, 3, 64)).astype(np.float32)
     pool.write(0, table.append(0, 45), ks[:45], vs[:45])
     for t in range(45, 50):
-        pool.write(0, table.append(0, 1), ks[t:t + 1], vs[t:t + 1])
+        pool.write(0, table.append(0, 1), ks[t : t + 1], vs[t : t + 1])
         q = rng.standard_normal((1, 9, 64)).astype(np.float32)
         out = pool.attend(0, q, table.block_tables([0]), table.seq_lens([0]))
-        np.testing.assert_allclose(out, reference(q, [ks[:t + 1]], [vs[:t + 1]]), atol=5e-6)
+        np.testing.assert_allclose(out, reference(q, [ks[: t + 1]], [vs[: t + 1]]), atol=5e-6)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "int8"])

@@ -1,19 +1,19 @@
 """native/fused_ops.c against float64 (and PyTorch) references, on every ISA variant, with awkward sizes."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from aiollm.native import attention
-from aiollm.native import fused_ops
 from aiollm.model.config import ModelConfig
 from aiollm.model.rope import RotaryTable, apply_rotary
+from aiollm.native import attention, fused_ops
 
 ISAS = [isa for isa in ("ref", "avx512") if isa in attention.supported_isas()]
 DIMS = [1, 3, 15, 16, 17, 33, 576, 1023]
 # fp32 results are a few fp32 roundings away from the float64 reference (exp: ~2 ulp, then a divide and a
 # multiply); bf16 results are rounded once to bf16 (half an ulp, 2^-9 relative) after fp32 math
 F32_RTOL, F32_ATOL = 4e-6, 1e-6
-BF16_RTOL, BF16_ATOL = 2 ** -8, 1e-6
+BF16_RTOL, BF16_ATOL = 2**-8, 1e-6
 
 
 @pytest.fixture(params=ISAS)
@@ -37,7 +37,7 @@ def rand(*shape, dtype=torch.float32, scale=1.0, seed=0):
 @pytest.mark.parametrize("dim", DIMS)
 def test_rms_norm_matches_float64(isa, dtype, dim):
     wide = rand(5, dim + 7, dtype=dtype, scale=3.0)
-    x = wide[:, 3:3 + dim]  # rows with a stride
+    x = wide[:, 3 : 3 + dim]  # rows with a stride
     w = rand(dim, dtype=dtype, seed=1)
     xd = x.double()
     expected = w.double() * xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
@@ -61,8 +61,18 @@ def test_rms_norm_of_no_rows_and_zero_rows(isa):
 
 
 def _rope_setup(dtype, n_q, n_kv, head_dim, n):
-    config = ModelConfig(n_layers=1, hidden=n_q * head_dim, n_heads=n_q, n_kv_heads=n_kv, head_dim=head_dim,
-                         ffn=8, vocab=8, rope_theta=10000.0, rms_eps=1e-5, max_context=300)
+    config = ModelConfig(
+        n_layers=1,
+        hidden=n_q * head_dim,
+        n_heads=n_q,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        ffn=8,
+        vocab=8,
+        rope_theta=10000.0,
+        rms_eps=1e-5,
+        max_context=300,
+    )
     table = RotaryTable(config, dtype)
     qkv = rand(n, (n_q + 2 * n_kv) * head_dim + 5, dtype=dtype, scale=2.0)[:, 5:]
     positions = torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(3))
@@ -76,12 +86,12 @@ def test_rope_fp32_is_bit_identical_to_apply_rotary(isa, head_dim):
     table, qkv, positions = _rope_setup(torch.float32, n_q, n_kv, head_dim, n)
     heads = qkv.reshape(n, n_q + 2 * n_kv, head_dim)
     cos, sin = table.gather(positions)
-    expected_qk = apply_rotary(heads[:, :n_q + n_kv], cos, sin)
-    v_before = heads[:, n_q + n_kv:].clone()
+    expected_qk = apply_rotary(heads[:, : n_q + n_kv], cos, sin)
+    v_before = heads[:, n_q + n_kv :].clone()
     q = fused_ops.rope_qk(qkv, positions, table.cos, table.sin, n_q, n_kv, q_out=torch.empty(n, n_q * head_dim))
     assert torch.equal(q.reshape(n, n_q, head_dim), expected_qk[:, :n_q])
-    assert torch.equal(heads[:, n_q:n_q + n_kv], expected_qk[:, n_q:])  # k rotated in place
-    assert torch.equal(heads[:, n_q + n_kv:], v_before)  # v untouched
+    assert torch.equal(heads[:, n_q : n_q + n_kv], expected_qk[:, n_q:])  # k rotated in place
+    assert torch.equal(heads[:, n_q + n_kv :], v_before)  # v untouched
 
 
 def test_rope_bf16_into_fp32_q_and_in_place(isa):
@@ -89,12 +99,12 @@ def test_rope_bf16_into_fp32_q_and_in_place(isa):
     table, qkv, positions = _rope_setup(torch.bfloat16, n_q, n_kv, head_dim, n)
     heads = qkv.reshape(n, -1, head_dim).double()
     cos, sin = (t[positions].double().unsqueeze(1) for t in (table.cos, table.sin))
-    expected = heads[:, :n_q + n_kv] * cos + heads[:, :n_q + n_kv].roll(head_dim // 2, -1) * sin
+    expected = heads[:, : n_q + n_kv] * cos + heads[:, : n_q + n_kv].roll(head_dim // 2, -1) * sin
     q32 = fused_ops.rope_qk(qkv.clone(), positions, table.cos, table.sin, n_q, n_kv, q_out=torch.empty(n, 576))
     fused_ops.rope_qk(qkv, positions, table.cos, table.sin, n_q, n_kv)  # q in place, in bf16
-    torch.testing.assert_close(qkv.reshape(n, -1, head_dim)[:, :n_q + n_kv].double(), expected, **tol(torch.bfloat16))
+    torch.testing.assert_close(qkv.reshape(n, -1, head_dim)[:, : n_q + n_kv].double(), expected, **tol(torch.bfloat16))
     # the fp32 q is the bf16 q widened (what an R-worker makes of a bf16 q), not a more precise one
-    assert torch.equal(q32, qkv[:, :n_q * head_dim].float())
+    assert torch.equal(q32, qkv[:, : n_q * head_dim].float())
 
 
 def test_rope_rejects_positions_beyond_the_table():
@@ -111,7 +121,7 @@ def test_rope_rejects_positions_beyond_the_table():
 @pytest.mark.parametrize("dim", DIMS + [1536])
 def test_silu_mul_matches_float64(isa, dtype, dim):
     gate_up = rand(4, 2 * dim, dtype=dtype, scale=4.0)
-    gate_up[0, :min(dim, 4)] = torch.tensor([-100.0, 100.0, 0.0, -20.0], dtype=dtype)[:min(dim, 4)]  # exp limits
+    gate_up[0, : min(dim, 4)] = torch.tensor([-100.0, 100.0, 0.0, -20.0], dtype=dtype)[: min(dim, 4)]  # exp limits
     g, u = gate_up.double().chunk(2, dim=-1)
     expected = g * torch.sigmoid(g) * u
     torch.testing.assert_close(fused_ops.silu_mul(gate_up).double(), expected, **tol(dtype))
@@ -129,7 +139,7 @@ def test_silu_mul_into_a_strided_out(isa):
 def test_argmax_matches_torch(isa, width):
     logits = rand(6, width, scale=3.0)
     logits[1] = 0.5  # all tied: the first index
-    logits[2, width // 2:] = logits[2].max() + 1  # ties at the maximum: the first of them
+    logits[2, width // 2 :] = logits[2].max() + 1  # ties at the maximum: the first of them
     logits[3] = float("-inf")
     logits[4, width - 1] = 1e9  # the maximum in the tail
     logits[5, width // 3] = float("nan")  # NaN wins, as in torch
@@ -142,18 +152,21 @@ def test_argmax_of_strided_rows():
     assert fused_ops.argmax(logits[:, 3:37]).tolist() == logits[:, 3:37].argmax(dim=-1).tolist()
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: fused_ops.rms_norm(torch.ones(2, 4, dtype=torch.float64), torch.ones(4), 1e-5), "x: expected a CPU"),
-    (lambda: fused_ops.rms_norm(torch.ones(4, 2).t(), torch.ones(4), 1e-5), "x: expected contiguous rows"),
-    (lambda: fused_ops.rms_norm(torch.ones(2, 4), torch.ones(5), 1e-5), "weight"),
-    (lambda: fused_ops.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-5, out=torch.ones(3, 4)), "out"),
-    (lambda: fused_ops.rms_norm(torch.ones(2, 4), torch.ones(4), -1.0), "rms_norm"),
-    (lambda: fused_ops.rms_norm([[1.0]], torch.ones(1), 1e-5), "x: expected a torch tensor"),
-    (lambda: fused_ops.silu_mul(torch.ones(2, 5)), "gate_up: expected an even"),
-    (lambda: fused_ops.silu_mul(torch.ones(2, 4), out=torch.ones(2, 2, dtype=torch.bfloat16)), "out"),
-    (lambda: fused_ops.argmax(torch.ones(2, 4, dtype=torch.bfloat16)), "logits: expected float32"),
-    (lambda: fused_ops.argmax(torch.ones(2, 3, 4)), "logits: expected shape"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: fused_ops.rms_norm(torch.ones(2, 4, dtype=torch.float64), torch.ones(4), 1e-5), "x: expected a CPU"),
+        (lambda: fused_ops.rms_norm(torch.ones(4, 2).t(), torch.ones(4), 1e-5), "x: expected contiguous rows"),
+        (lambda: fused_ops.rms_norm(torch.ones(2, 4), torch.ones(5), 1e-5), "weight"),
+        (lambda: fused_ops.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-5, out=torch.ones(3, 4)), "out"),
+        (lambda: fused_ops.rms_norm(torch.ones(2, 4), torch.ones(4), -1.0), "rms_norm"),
+        (lambda: fused_ops.rms_norm([[1.0]], torch.ones(1), 1e-5), "x: expected a torch tensor"),
+        (lambda: fused_ops.silu_mul(torch.ones(2, 5)), "gate_up: expected an even"),
+        (lambda: fused_ops.silu_mul(torch.ones(2, 4), out=torch.ones(2, 2, dtype=torch.bfloat16)), "out"),
+        (lambda: fused_ops.argmax(torch.ones(2, 4, dtype=torch.bfloat16)), "logits: expected float32"),
+        (lambda: fused_ops.argmax(torch.ones(2, 3, 4)), "logits: expected shape"),
+    ],
+)
 def test_bad_arguments_raise_naming_them(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()

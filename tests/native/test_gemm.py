@@ -1,4 +1,5 @@
 """The native skinny GEMM (aiollm.native.gemm) against a float64 reference, on awkward shapes."""
+
 import itertools
 import os
 import subprocess
@@ -8,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from aiollm.native import gemm
 from aiollm.model.linear import linear, linear_add, pack
+from aiollm.native import gemm
 
 # fp32: products and sums in fp32, K <= 1536 terms of O(1) values: relative to the largest output
 FP32_RTOL = 2e-5
 # bf16: exact bf16 products summed in fp32, then rounded once to bf16 (relative error 2^-8 of the value)
-BF16_RTOL = 2 ** -8
+BF16_RTOL = 2**-8
 
 DTYPES = [d for d in (torch.float32, torch.bfloat16) if gemm.supported(d)]
 pytestmark = pytest.mark.skipif(not DTYPES, reason="this CPU has no native GEMM (AVX-512)")
@@ -22,8 +23,20 @@ pytestmark = pytest.mark.skipif(not DTYPES, reason="this CPU has no native GEMM 
 # M: 1, tails of the 8-row tile, several tiles, past the 256-row chunk; N: partial panels and 3-panel blocks;
 # K: the model's (576, 1536), odd, below one 32-wide bf16 step. bf16 with K % 32 == 0 runs on AMX where the CPU
 # has it, any other K on AVX512_BF16, so the grid covers both.
-SHAPES = [(1, 16, 32), (1, 1, 1), (3, 17, 5), (7, 33, 64), (8, 48, 576), (9, 50, 33), (17, 960, 576),
-          (64, 576, 1536), (33, 1000, 577), (300, 100, 64), (15, 47, 31), (16, 49, 255)]
+SHAPES = [
+    (1, 16, 32),
+    (1, 1, 1),
+    (3, 17, 5),
+    (7, 33, 64),
+    (8, 48, 576),
+    (9, 50, 33),
+    (17, 960, 576),
+    (64, 576, 1536),
+    (33, 1000, 577),
+    (300, 100, 64),
+    (15, 47, 31),
+    (16, 49, 255),
+]
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None) -> np.ndarray:
@@ -121,13 +134,23 @@ def test_linear_uses_the_native_kernel_and_agrees_with_dense(dtype):
 def test_library_pool_path_gives_the_same_bits_as_torchs_openmp_team():
     """GEMMs run on torch's OpenMP team when torch's libgomp is loaded; AIOLLM_GEMM_POOL=1 (read once per process)
     keeps them on the library's own pool. Both must give the same result."""
-    script = ("import torch\nfrom aiollm.native import gemm\ng = torch.Generator().manual_seed(5)\n"
-              "w, x = torch.randn(300, 64, generator=g), torch.randn(40, 64, generator=g)\n"
-              "y = gemm.gemm(x, gemm.PackedWeight(w), n_threads=2)\n"
-              "print(float((y.double() - x.double() @ w.double().T).abs().max()), y.sum().item().hex())\n")
-    outs = [subprocess.run([sys.executable, "-c", script], env={**os.environ, "AIOLLM_GEMM_POOL": pool},
-                           capture_output=True, text=True, check=True, timeout=120).stdout.split()
-            for pool in ("0", "1")]
+    script = (
+        "import torch\nfrom aiollm.native import gemm\ng = torch.Generator().manual_seed(5)\n"
+        "w, x = torch.randn(300, 64, generator=g), torch.randn(40, 64, generator=g)\n"
+        "y = gemm.gemm(x, gemm.PackedWeight(w), n_threads=2)\n"
+        "print(float((y.double() - x.double() @ w.double().T).abs().max()), y.sum().item().hex())\n"
+    )
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "AIOLLM_GEMM_POOL": pool},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout.split()
+        for pool in ("0", "1")
+    ]
     assert outs[0][1] == outs[1][1]
     assert float(outs[0][0]) < 1e-3
 

@@ -1,14 +1,15 @@
 """int4 KV storage: kv_write's codes and scales against the definition, bit for bit; decode_attention against a
 float64 reference of the dequantised K/V (what the kernel must compute) on every ISA and int8 path, and against
 fp32 K/V (what the quantisation costs); and the arguments int4 refuses."""
+
 import itertools
 import zlib
 
 import numpy as np
 import pytest
 
-from aiollm.native import attention
 from aiollm.kv.pool import KVConfig, KVPool, int4_logical
+from aiollm.native import attention
 from tests.native.conftest import assert_codes_equal_the_definition, random_case, reference
 
 # Tolerances (absolute; outputs are averages of N(0,1) values, so O(1)).
@@ -26,8 +27,11 @@ AWKWARD_LENGTHS = [1, 3, 15, 16, 17, 33, 255, 1023, 4097]
 ISAS = attention.supported_isas()
 PATHS = attention.supported_int8_paths()
 # each ISA with each int8 path that selects a different int4 kernel: fp32 (the reference path) and the dot products
-GRID = [(isa, path, d, g) for isa, path, d, g in itertools.product(ISAS, PATHS, (32, 64, 96, 128), (1, 3, 4, 8))
-        if isa != "ref" or path == "fp32"]
+GRID = [
+    (isa, path, d, g)
+    for isa, path, d, g in itertools.product(ISAS, PATHS, (32, 64, 96, 128), (1, 3, 4, 8))
+    if isa != "ref" or path == "fp32"
+]
 
 
 @pytest.fixture
@@ -50,8 +54,9 @@ def test_int4_codes_and_scales_equal_the_definition(head_dim, block_size):
     x[5, 1, :3] = [7.0, 2.5, -1.5]
     x[6, 0, 0] = 1e6  # s ~142857: past fp16's largest, stored as 65504; the codes saturate
     v = x[::-1].copy()
-    pool = KVPool(KVConfig(n_layers=1, n_blocks=8, n_kv_heads=heads, head_dim=head_dim, block_size=block_size,
-                           dtype="int4"))
+    pool = KVPool(
+        KVConfig(n_layers=1, n_blocks=8, n_kv_heads=heads, head_dim=head_dim, block_size=block_size, dtype="int4")
+    )
     slots = rng.permutation(8 * block_size)[:n].astype(np.int64)
     pool.write(0, slots, x, v)
     assert_codes_equal_the_definition(pool, slots, x, v, int4_logical, 7)
@@ -76,7 +81,7 @@ def _dequantised(pool: KVPool, slots: list[np.ndarray]) -> tuple[list[np.ndarray
 @pytest.mark.parametrize("isa,path,head_dim,group", GRID)
 def test_int4_matches_float64_reference(isa_forced, int8_forced, isa, path, head_dim, group):
     rng = np.random.default_rng(zlib.crc32(repr((isa, path, head_dim, group)).encode()))  # not hash(): salted
-    lens = AWKWARD_LENGTHS[GRID.index((isa, path, head_dim, group)) % 3::3]
+    lens = AWKWARD_LENGTHS[GRID.index((isa, path, head_dim, group)) % 3 :: 3]
     pool, table, slots, seq_lens, q, ks, vs = random_case(rng, "int4", head_dim, group, lens)
     isa_forced(isa)
     int8_forced(path)
@@ -112,14 +117,19 @@ def test_int4_tiles_are_half_the_int8_bytes_and_ship_between_pools():
     assert src.k.shape == (2, 6, 3, 64, 8) and src.v.shape == (2, 6, 3, 16, 32) and src.k.dtype == np.uint8
     rng = np.random.default_rng(3)
     slots = np.arange(16, 16 + 30, dtype=np.int64)  # blocks 1 and 2
-    src.write(1, slots, rng.standard_normal((30, 3, 64)).astype(np.float32),
-              rng.standard_normal((30, 3, 64)).astype(np.float32))
+    src.write(
+        1,
+        slots,
+        rng.standard_normal((30, 3, 64)).astype(np.float32),
+        rng.standard_normal((30, 3, 64)).astype(np.float32),
+    )
     raw = src.read(None, [1, 2])
     dst.write_blocks(None, [5, 0], raw.k, raw.v, k_scale=raw.k_scale, v_scale=raw.v_scale)
     q = rng.standard_normal((1, 9, 64)).astype(np.float32)
     lens = np.array([30], np.int32)
-    np.testing.assert_array_equal(dst.attend(1, q, np.array([[5, 0]], np.int32), lens),
-                                  src.attend(1, q, np.array([[1, 2]], np.int32), lens))
+    np.testing.assert_array_equal(
+        dst.attend(1, q, np.array([[5, 0]], np.int32), lens), src.attend(1, q, np.array([[1, 2]], np.int32), lens)
+    )
 
 
 @pytest.mark.parametrize("head_dim,block_size", [(80, 16), (64, 6)])
@@ -130,8 +140,15 @@ def test_int4_refuses_a_geometry_its_layout_cannot_hold(head_dim, block_size):
     v = np.zeros((2, 1, block_size // 2 * 2, head_dim // 2), np.uint8)
     scales = np.zeros((2, 1, block_size // 2 * 2), np.float16)
     with pytest.raises(ValueError, match="int4 \\(uint8\\) storage needs head_dim % 32 == 0"):
-        attention.kv_write(k, v, np.zeros(1, np.int64), np.zeros((1, 1, head_dim), np.float32),
-                           np.zeros((1, 1, head_dim), np.float32), k_scale=scales, v_scale=scales)
+        attention.kv_write(
+            k,
+            v,
+            np.zeros(1, np.int64),
+            np.zeros((1, 1, head_dim), np.float32),
+            np.zeros((1, 1, head_dim), np.float32),
+            k_scale=scales,
+            v_scale=scales,
+        )
 
 
 def test_int4_cache_needs_scales_and_matching_v():

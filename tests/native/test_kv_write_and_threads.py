@@ -1,4 +1,5 @@
 """kv_write conversions and quantisation, the thread pool, the ISA env var and the read-bandwidth probe."""
+
 import concurrent.futures
 import multiprocessing
 import os
@@ -8,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from aiollm.native import attention
 from aiollm.kv.pool import KVConfig, KVPool, int4_logical, int8_logical
+from aiollm.native import attention
 from tests.native.conftest import reference, shuffled_tables
 
 INT8_STEP = 1 / 127  # int8 dequantisation error <= scale / 2 = max|x| / 254 per element; compared at max|x| / 127
@@ -56,9 +57,29 @@ def test_write_round_trips_through_the_layout(dtype):
 def test_fp16_conversion_rounds_to_nearest_even_like_numpy():
     pool = _pool("fp16", n_blocks=64, n_kv_heads=1)
     # edge values: subnormals, the largest half, values that round to inf, ties
-    specials = np.array([0.0, -0.0, 1e-8, 6e-8, 3e-5, 6.1e-5, 65504.0, 65519.0, 65520.0, 1e6, -1e6,
-                         1.00048828125, 1.00146484375, np.inf, -np.inf], np.float32)
-    x = np.concatenate([specials, np.random.default_rng(1).standard_normal(64 * 64 - len(specials)).astype(np.float32) * 100])
+    specials = np.array(
+        [
+            0.0,
+            -0.0,
+            1e-8,
+            6e-8,
+            3e-5,
+            6.1e-5,
+            65504.0,
+            65519.0,
+            65520.0,
+            1e6,
+            -1e6,
+            1.00048828125,
+            1.00146484375,
+            np.inf,
+            -np.inf,
+        ],
+        np.float32,
+    )
+    x = np.concatenate(
+        [specials, np.random.default_rng(1).standard_normal(64 * 64 - len(specials)).astype(np.float32) * 100]
+    )
     k = x.reshape(64, 1, 64)
     slots = np.arange(64, dtype=np.int64)
     pool.write(0, slots, k, k)
@@ -70,10 +91,30 @@ def test_fp16_conversion_rounds_to_nearest_even_like_numpy():
 def _edge_rows(rng, n_tokens, heads, head_dim):
     """fp32 rows with every fp16 edge: NaNs with payloads and signs, infinities, subnormals and values past the
     smallest one, the largest half and the ties around it, ties between halves, and ordinary values."""
-    bits = np.array([0x7FC00000, 0xFFC00001, 0x7F800001, 0x7FBFFFFF, 0x7F800000, 0xFF800000, 0x00000001,
-                     0x33000000, 0x33000001, 0x387FC000, 0x38800000, 0x477FE000, 0x477FEFFF, 0x477FF000,
-                     0x3F801000, 0x3F803000, 0x80000000, 0x00000000], np.uint32).view(np.float32)
-    x = (rng.standard_normal(n_tokens * heads * head_dim) * 10.0 ** rng.integers(-9, 6, n_tokens * heads * head_dim))
+    bits = np.array(
+        [
+            0x7FC00000,
+            0xFFC00001,
+            0x7F800001,
+            0x7FBFFFFF,
+            0x7F800000,
+            0xFF800000,
+            0x00000001,
+            0x33000000,
+            0x33000001,
+            0x387FC000,
+            0x38800000,
+            0x477FE000,
+            0x477FEFFF,
+            0x477FF000,
+            0x3F801000,
+            0x3F803000,
+            0x80000000,
+            0x00000000,
+        ],
+        np.uint32,
+    ).view(np.float32)
+    x = rng.standard_normal(n_tokens * heads * head_dim) * 10.0 ** rng.integers(-9, 6, n_tokens * heads * head_dim)
     x = x.astype(np.float32)
     x[rng.choice(x.size, len(bits), replace=False)] = bits
     return x.reshape(n_tokens, heads, head_dim)
@@ -86,8 +127,9 @@ def test_stored_bytes_do_not_depend_on_the_isa(isa_forced, dtype, in_dtype):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(4)
     slots = rng.permutation(32 * 16)[:200].astype(np.int64)
-    k = torch.from_numpy(_edge_rows(rng, 200, 2, 64)).to(getattr(torch, {"fp32": "float32", "fp16": "float16",
-                                                                          "bf16": "bfloat16"}[in_dtype]))
+    k = torch.from_numpy(_edge_rows(rng, 200, 2, 64)).to(
+        getattr(torch, {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[in_dtype])
+    )
     v = torch.flip(k, (0,)).contiguous()
     stored = {}
     for isa in attention.supported_isas():
@@ -130,8 +172,12 @@ def _big_case(seed=0):
     pool = _pool("fp16", n_blocks=n_blocks, n_kv_heads=3)
     table, slots = shuffled_tables(rng, lens, 16, n_blocks)
     for s in slots:
-        pool.write(0, s, rng.standard_normal((len(s), 3, 64)).astype(np.float32),
-                   rng.standard_normal((len(s), 3, 64)).astype(np.float32))
+        pool.write(
+            0,
+            s,
+            rng.standard_normal((len(s), 3, 64)).astype(np.float32),
+            rng.standard_normal((len(s), 3, 64)).astype(np.float32),
+        )
     q = rng.standard_normal((len(lens), 9, 64)).astype(np.float32)
     return pool, q, table, np.array(lens, np.int32)
 
@@ -168,11 +214,13 @@ def test_on_the_gemm_team_results_equal_the_pools():
 def test_on_the_gemm_team_leaves_the_pool_unstarted(forced_pool):
     """In a fresh process with torch's OpenMP runtime loaded, attention on the team starts no pool worker;
     AIOLLM_ATTN_POOL=1 sends it back to the pool."""
-    code = ("import torch; import numpy as np; from aiollm.native import attention; "
-            "from tests.native.test_kv_write_and_threads import _big_case\n"
-            "pool, q, table, lens = _big_case(4)\n"
-            "with attention.on_gemm_team(): pool.attend(0, q, table, lens, n_threads=2)\n"
-            "print(attention.pool_size())")
+    code = (
+        "import torch; import numpy as np; from aiollm.native import attention; "
+        "from tests.native.test_kv_write_and_threads import _big_case\n"
+        "pool, q, table, lens = _big_case(4)\n"
+        "with attention.on_gemm_team(): pool.attend(0, q, table, lens, n_threads=2)\n"
+        "print(attention.pool_size())"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("AIOLLM_ATTN_POOL", "AIOLLM_GEMM_POOL")}
     if forced_pool:
         env["AIOLLM_ATTN_POOL"] = "1"
@@ -205,7 +253,9 @@ def test_pool_works_in_a_forked_child():
 def test_env_var_selects_the_isa(name):
     code = "from aiollm.native import attention; print(attention.isa())"
     env = dict(os.environ, AIOLLM_ATTN_ISA=name)
-    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    got = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert got == (name if name in attention.supported_isas() else attention.supported_isas()[-1])
 
 

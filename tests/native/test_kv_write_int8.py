@@ -2,6 +2,7 @@
 head_dim) store exactly what the definition gives — scale s = max|x| / 127 ignoring NaNs, rounded to fp16 (a finite
 s beyond fp16's range as 65504), codes round(clamp(x / s, -127, 127)), ties to even, a NaN element as -127, x / s
 taken as 0 where s is 0 or infinite — for ordinary, zero, tiny, fp16-subnormal, huge, inf and NaN rows."""
+
 import numpy as np
 import pytest
 
@@ -26,8 +27,9 @@ def test_int8_codes_and_scales_equal_the_definition(head_dim, block_size):
     x[8, 2] *= 1e-4 / np.abs(x[8, 2]).max()  # s ~7.9e-7: an fp16 subnormal, whose codes still fill [-127, 127]
     x[9, 0, 0] = 1e7  # s ~78740: past fp16's largest, stored as 65504; the codes saturate
     v = x[::-1].copy()
-    pool = KVPool(KVConfig(n_layers=1, n_blocks=8, n_kv_heads=heads, head_dim=head_dim, block_size=block_size,
-                           dtype="int8"))
+    pool = KVPool(
+        KVConfig(n_layers=1, n_blocks=8, n_kv_heads=heads, head_dim=head_dim, block_size=block_size, dtype="int8")
+    )
     slots = rng.permutation(8 * block_size)[:n].astype(np.int64)
     pool.write(0, slots, x, v)
     assert_codes_equal_the_definition(pool, slots, x, v, int8_logical, 127)

@@ -1,4 +1,5 @@
 """The table layouts `python -m bench kvalloc` measures: what each allocator hands a batch after churn."""
+
 import numpy as np
 
 from aiollm.kv.blocks import BlockAllocator

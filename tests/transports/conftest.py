@@ -3,6 +3,7 @@
 `pair` makes a connected (client, server) pair on the transport under test; the UCX parameter is
 skipped only when its binding is not installed.
 """
+
 import asyncio
 import importlib.util
 import uuid
@@ -19,7 +20,10 @@ SCHEMES = [
     "tcp",
     pytest.param(
         "ucx",
-        marks=[pytest.mark.ucx, pytest.mark.skipif(UCX_MISSING, reason="UCX binding absent: pip install 'aiollm[ucx]'")],
+        marks=[
+            pytest.mark.ucx,
+            pytest.mark.skipif(UCX_MISSING, reason="UCX binding absent: pip install 'aiollm[ucx]'"),
+        ],
     ),
 ]
 # Seconds any single step of a test may take before it counts as a hang.

@@ -3,6 +3,7 @@
 Listens on URL (port 0 allowed), prints the bound address on one stdout line, then echoes every
 frame it receives back on the same connection until killed. Runs on uvloop, as nodes do.
 """
+
 import asyncio
 import sys
 

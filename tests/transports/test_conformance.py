@@ -1,4 +1,5 @@
 """The conformance suite every transport must pass unchanged (see conftest: per transport, per event loop)."""
+
 import asyncio
 import functools
 
@@ -47,7 +48,9 @@ async def transfer(sender, receiver, header, buffers, allocate=None):
     ],
     ids=["no-buffers", "one-empty", "three-empty", "mixed", "sizes"],
 )
-@pytest.mark.parametrize("header", [b"", b"hdr", bytes(range(256)) * 400], ids=["empty-header", "header", "100KB-header"])
+@pytest.mark.parametrize(
+    "header", [b"", b"hdr", bytes(range(256)) * 400], ids=["empty-header", "header", "100KB-header"]
+)
 async def test_round_trip_header_and_buffers(pair, header, buffers):
     p = await pair()
     frame = await transfer(p.client, p.server, header, buffers)
@@ -104,7 +107,7 @@ async def test_concurrent_senders_frames_stay_whole(pair):
             await p.client.send(bytes([sender, i]), [pattern(size, sender * 1000 + i), pattern(17, i)])
 
     tasks = [asyncio.create_task(produce(s)) for s in range(senders)]
-    seen = {s: 0 for s in range(senders)}
+    seen = dict.fromkeys(range(senders), 0)
     for _ in range(senders * per_sender):
         frame = await within(p.server.recv())
         sender, i = frame.header
@@ -261,7 +264,7 @@ async def test_allocate_callback_receives_into_caller_memory(pair):
         calls.append((header, list(sizes)))
         views, offset = [], 0
         for size in sizes:
-            views.append(memoryview(pool[offset:offset + size]))
+            views.append(memoryview(pool[offset : offset + size]))
             offset += size
         return views
 
@@ -269,8 +272,8 @@ async def test_allocate_callback_receives_into_caller_memory(pair):
     frame = await transfer(p.client, p.server, b"kv", buffers, allocate)
     assert calls == [(b"kv", [3 * MiB, 10, 0])]
     assert np.shares_memory(np.frombuffer(frame.buffers[0], np.uint8), pool)
-    assert np.array_equal(pool[:3 * MiB], buffers[0])
-    assert pool[3 * MiB:3 * MiB + 10].tobytes() == buffers[1].tobytes()
+    assert np.array_equal(pool[: 3 * MiB], buffers[0])
+    assert pool[3 * MiB : 3 * MiB + 10].tobytes() == buffers[1].tobytes()
 
 
 async def test_allocate_returning_wrong_sizes_is_a_value_error(pair):

@@ -1,4 +1,5 @@
 """Frames between two OS processes: a child echo peer (tests/transports/echo_peer.py) on 127.0.0.1."""
+
 import asyncio
 import os
 import signal
@@ -18,7 +19,10 @@ SCHEMES = [
     "tcp",
     pytest.param(
         "ucx",
-        marks=[pytest.mark.ucx, pytest.mark.skipif(UCX_MISSING, reason="UCX binding absent: pip install 'aiollm[ucx]'")],
+        marks=[
+            pytest.mark.ucx,
+            pytest.mark.skipif(UCX_MISSING, reason="UCX binding absent: pip install 'aiollm[ucx]'"),
+        ],
     ),
 ]
 

@@ -1,4 +1,5 @@
 """Push mode (`Connection.deliver`), part of the conformance suite: per transport, per event loop (see conftest)."""
+
 import asyncio
 
 import numpy as np
@@ -118,7 +119,7 @@ async def test_deliver_receives_into_allocated_memory(pair):
 
     def allocate(header, sizes):
         calls.append((bytes(header), list(sizes)))
-        return [memoryview(pool[:sizes[0]])]
+        return [memoryview(pool[: sizes[0]])]
 
     got = Collector()
     p.server.deliver(got.on_frame, got.on_end, allocate)

@@ -1,4 +1,5 @@
 """TCP-specific behaviour: malformed byte streams, socket options, listener lifetime."""
+
 import asyncio
 import socket
 import struct

@@ -1,4 +1,5 @@
 """UCX-specific behaviour: the message without the binding, idle CPU use, progress modes."""
+
 import asyncio
 import subprocess
 import sys

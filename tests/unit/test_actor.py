@@ -1,4 +1,5 @@
 """Actors on one node: handler table, one message at a time, errors, backpressure, streams, cancel, watch, stop."""
+
 import asyncio
 from contextlib import aclosing
 
@@ -88,11 +89,14 @@ async def test_unknown_message_and_wrong_kind_are_rejected() -> None:
 
 async def test_handler_table_is_checked_at_class_definition() -> None:
     with pytest.raises(TypeError, match="must be `async def`"):
+
         class Sync(Actor):
             @handler(Ping)
             def ping(self, msg):
                 return None
+
     with pytest.raises(TypeError, match="two handlers for Ping"):
+
         class Twice(Actor):
             @handler(Ping)
             async def a(self, msg):

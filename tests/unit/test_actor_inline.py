@@ -1,4 +1,5 @@
 """Handlers run inline from a transport callback (`ActorCell.run_now`) behave as if the actor's task ran them."""
+
 import asyncio
 import contextvars
 

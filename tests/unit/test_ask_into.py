@@ -1,4 +1,5 @@
 """`ref.ask(msg, into=buffers)`: a remote reply's tensors land in the asker's memory, over tcp and inproc."""
+
 import numpy as np
 import pytest
 

@@ -1,5 +1,6 @@
 """The turns two S-workers of the schedule trace take on one core (aiollm.calibrate.turns): who runs when, and each run's own
 clock."""
+
 import asyncio
 
 import pytest

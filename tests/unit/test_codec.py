@@ -1,4 +1,5 @@
 """The wire codec: tensors of every dtype and shape round-trip out of band without copies; bad input is refused."""
+
 from typing import Any
 
 import msgspec
@@ -71,8 +72,20 @@ def test_numpy_roundtrip_every_dtype_and_shape(dtype: str, shape: tuple) -> None
         assert base_address(out.a) == base_address(np.frombuffer(received[0], np.uint8))
 
 
-TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-                torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.float8_e4m3fn]
+TORCH_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.float8_e4m3fn,
+]
 
 
 @pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
@@ -81,8 +94,9 @@ def test_torch_roundtrip_every_dtype_and_shape(dtype: torch.dtype, shape: tuple)
     src = (torch.rand(shape, dtype=torch.float32) * 10).to(dtype)
     out, received = roundtrip(Arrays(a=np.zeros(1), t=src), copy_buffers=True)
     assert out.t.dtype == dtype and tuple(out.t.shape) == shape
-    assert torch.equal(out.t.view(torch.uint8) if dtype.itemsize == 1 else out.t, src.view(torch.uint8)
-                       if dtype.itemsize == 1 else src)
+    assert torch.equal(
+        out.t.view(torch.uint8) if dtype.itemsize == 1 else out.t, src.view(torch.uint8) if dtype.itemsize == 1 else src
+    )
     if src.numel():
         assert out.t.data_ptr() == base_address(np.frombuffer(received[1], np.uint8))
 
@@ -160,8 +174,9 @@ def test_hot_path_tuples_encode_exactly_as_the_envelopes() -> None:
 
     codec = Codec(lambda url: None)
     msg = Plain(7)
-    assert codec.encode((_REQUEST, PROTOCOL_VERSION, 9, ASK, "echo", 0, msg)) == \
-        codec.encode(Request(PROTOCOL_VERSION, 9, ASK, "echo", 0, msg))
+    assert codec.encode((_REQUEST, PROTOCOL_VERSION, 9, ASK, "echo", 0, msg)) == codec.encode(
+        Request(PROTOCOL_VERSION, 9, ASK, "echo", 0, msg)
+    )
     for value in (msg, None):
         header, buffers = codec.encode((_REPLY, PROTOCOL_VERSION, 9, value))
         assert (header, buffers) == codec.encode(Reply(PROTOCOL_VERSION, 9, value))

@@ -1,4 +1,5 @@
 """Incremental detokenisation: split multi-byte characters and stop strings across deltas."""
+
 from aiollm.frontend.detokenize import IncrementalText
 
 

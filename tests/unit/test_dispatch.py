@@ -1,4 +1,5 @@
 """DistServe dispatch, prefill batching to L_m and decode admission: the pure policies."""
+
 import pytest
 
 from aiollm.sched.decode_admission import DecodeAdmission, blocks_for

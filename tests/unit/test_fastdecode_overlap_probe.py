@@ -1,5 +1,6 @@
 """measure_overlap's rebalancing (aiollm.calibrate.fastdecode_probes), on a stand-in for probe_step whose CPU
 figures follow the context: the loss is read where the measured sides meet, not where the model expected them to."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -34,8 +35,7 @@ MODEL = SimpleNamespace(config=SimpleNamespace(n_layers=LAYERS))
 
 
 async def _overlap(context: int, longest: int):
-    return await fastdecode_probes.measure_overlap(None, MODEL, ["r0"], 8, context, COSTS, cores=2.0,
-                                                   longest=longest)
+    return await fastdecode_probes.measure_overlap(None, MODEL, ["r0"], 8, context, COSTS, cores=2.0, longest=longest)
 
 
 async def test_an_unbalanced_probe_is_followed_by_one_where_the_measured_sides_meet(probes):

@@ -1,5 +1,6 @@
 """FastDecode's pure parts: placement by expected length, the mini-batch split, the R-worker's sequence store
 (whole-life reservation, all-or-nothing refusal, release), and the S-worker's flags."""
+
 import argparse
 
 import numpy as np
@@ -102,9 +103,18 @@ def test_sizes_urls_and_config():
     with pytest.raises(ValueError, match="memory size"):
         parse_size("8 parsecs")
     assert r_worker_urls("tcp://127.0.0.1:7001,tcp://127.0.0.1:7002/rw") == [
-        "tcp://127.0.0.1:7001/r-worker", "tcp://127.0.0.1:7002/rw"]
-    args = argparse.Namespace(max_batch=64, no_pipeline=False, pipeline_min_batch=32, sls_interval=16,
-                              sls_seq_len=256, max_prefill_tokens=512, staging_tokens=1024)
+        "tcp://127.0.0.1:7001/r-worker",
+        "tcp://127.0.0.1:7002/rw",
+    ]
+    args = argparse.Namespace(
+        max_batch=64,
+        no_pipeline=False,
+        pipeline_min_batch=32,
+        sls_interval=16,
+        sls_seq_len=256,
+        max_prefill_tokens=512,
+        staging_tokens=1024,
+    )
     config = config_from_args(args)
     assert config.pipeline and config.pipeline_min_batch == 32 and config.schedule.micro_batch_size == 4
     with pytest.raises(ValueError, match="batch_size"):

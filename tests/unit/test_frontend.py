@@ -4,14 +4,23 @@ The backend here is a test double (one character per token, a fixed reply), so t
 the HTTP behaviour alone: shapes, streaming, stop strings, errors, metrics, and cancellation on
 disconnect. The real engine and the cluster are covered in tests/integration.
 """
+
 import asyncio
 
 import httpx
 import openai
 import pytest
 
-from aiollm.serving.backend import FINISH_LENGTH, FINISH_STOP, BackendStats, ModelInfo, Overloaded, TokenDelta, Unavailable
 from aiollm.frontend.app import Frontend, FrontendConfig, start_server
+from aiollm.serving.backend import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    BackendStats,
+    ModelInfo,
+    Overloaded,
+    TokenDelta,
+    Unavailable,
+)
 
 EOS = 3
 REPLY = "Hello, world! The end."
@@ -65,15 +74,25 @@ class ScriptedBackend:
             self.active.discard(request_id)
 
     async def stats(self):
-        return BackendStats(waiting=0, running=len(self.active), prefill_queues={"p0": 0},
-                            decode_queues={"d0": 0}, kv_blocks_used=7, kv_blocks_total=64)
+        return BackendStats(
+            waiting=0,
+            running=len(self.active),
+            prefill_queues={"p0": 0},
+            decode_queues={"d0": 0},
+            kv_blocks_used=7,
+            kv_blocks_total=64,
+        )
 
 
 @pytest.fixture
 async def served():
     backend = ScriptedBackend()
-    frontend = Frontend(backend, CharTokenizer(), ModelInfo("tiny", max_context=64),
-                        FrontendConfig(port=0, max_in_flight=4, vocab_size=256, default_max_tokens=40))
+    frontend = Frontend(
+        backend,
+        CharTokenizer(),
+        ModelInfo("tiny", max_context=64),
+        FrontendConfig(port=0, max_in_flight=4, vocab_size=256, default_max_tokens=40),
+    )
     server, task, port = await start_server(frontend.app, "127.0.0.1", 0)
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     try:
@@ -97,14 +116,16 @@ async def test_completion_and_usage(served):
 
 async def test_streaming_completion_and_chat(served):
     _, client, _ = served
-    stream = await client.completions.create(model="tiny", prompt="Hi", max_tokens=40, stream=True,
-                                             stream_options={"include_usage": True})
+    stream = await client.completions.create(
+        model="tiny", prompt="Hi", max_tokens=40, stream=True, stream_options={"include_usage": True}
+    )
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].text for c in chunks if c.choices) == REPLY
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage.completion_tokens == len(REPLY) + 1
-    stream = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hey"}],
-                                                  max_tokens=40, stream=True)
+    stream = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hey"}], max_tokens=40, stream=True
+    )
     chunks = [c async for c in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == REPLY
@@ -188,8 +209,11 @@ async def test_disconnect_cancels_the_request(served):
     backend, _, port = served
     backend.delay = 0.02
     async with httpx.AsyncClient() as http:
-        async with http.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
-                               json={"model": "tiny", "prompt": "Hi", "max_tokens": 40, "stream": True}) as response:
+        async with http.stream(
+            "POST",
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "tiny", "prompt": "Hi", "max_tokens": 40, "stream": True},
+        ) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
                     break
@@ -199,8 +223,11 @@ async def test_disconnect_cancels_the_request(served):
             await asyncio.sleep(0.02)
         assert len(backend.cancelled) == 1 and not backend.active
         with pytest.raises(httpx.ReadTimeout):
-            await http.post(f"http://127.0.0.1:{port}/v1/completions",
-                            json={"model": "tiny", "prompt": "Hi", "max_tokens": 40}, timeout=0.1)
+            await http.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                json={"model": "tiny", "prompt": "Hi", "max_tokens": 40},
+                timeout=0.1,
+            )
         for _ in range(100):
             if len(backend.cancelled) == 2:
                 break
@@ -216,7 +243,12 @@ async def test_models_health_metrics(served):
     async with httpx.AsyncClient() as http:
         assert (await http.get(f"http://127.0.0.1:{port}/health")).json() == {"status": "ok"}
         text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
-    for line in ("aiollm_time_to_first_token_seconds_count 1.0", "aiollm_time_per_output_token_seconds_count 1.0",
-                 'aiollm_prefill_queue_length{instance="p0"} 0.0', "aiollm_kv_blocks_used 7.0",
-                 "aiollm_generation_tokens_total 5.0", 'aiollm_requests_total{outcome="length"} 1.0'):
+    for line in (
+        "aiollm_time_to_first_token_seconds_count 1.0",
+        "aiollm_time_per_output_token_seconds_count 1.0",
+        'aiollm_prefill_queue_length{instance="p0"} 0.0',
+        "aiollm_kv_blocks_used 7.0",
+        "aiollm_generation_tokens_total 5.0",
+        'aiollm_requests_total{outcome="length"} 1.0',
+    ):
         assert line in text

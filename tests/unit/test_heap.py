@@ -1,5 +1,6 @@
 """aiollm.heap: with the thresholds fixed, a loop that allocates and frees the same large blocks stops faulting
 their pages in again each round (each case in a fresh process: the setting is process-wide)."""
+
 import subprocess
 import sys
 
@@ -27,8 +28,9 @@ print((faults() - before) / 20)
 
 
 def _faults_per_round(tuned: bool) -> float:
-    out = subprocess.run([sys.executable, "-c", _PATTERN, "1" if tuned else "0"], capture_output=True, text=True,
-                         check=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", _PATTERN, "1" if tuned else "0"], capture_output=True, text=True, check=True, timeout=60
+    )
     return float(out.stdout.strip())
 
 

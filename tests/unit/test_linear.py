@@ -1,9 +1,10 @@
 """aiollm.model.linear on whatever this CPU has: the native kernel, oneDNN, or plain F.linear."""
+
 import pytest
 import torch
 
-from aiollm.native import gemm
 from aiollm.model.linear import fastest_cpu_dtype, linear, linear_add, pack
+from aiollm.native import gemm
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

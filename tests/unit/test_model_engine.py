@@ -1,5 +1,6 @@
 """The colocated engine on a tiny random Llama: greedy tokens equal a plain transformers greedy loop,
 a mixed-length batch gives each prompt's solo tokens, stop rules, and every KV block comes back."""
+
 import pytest
 import torch
 
@@ -26,7 +27,7 @@ def hf_greedy(hf_model, prompt, n):
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(hf_model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_batched_greedy_equals_transformers(tiny):
@@ -70,9 +71,10 @@ def test_stop_token_string_and_length(tiny):
     free = generate(model, PROMPTS[:1], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0]
     stop_at = free.token_ids[5]
     first = free.token_ids.index(stop_at)
-    by_token = generate(model, PROMPTS[:1], SamplingParams(max_tokens=N_NEW, stop_token_ids=(stop_at,),
-                                                           ignore_eos=True))[0]
-    assert by_token.finish_reason == "stop" and by_token.token_ids == free.token_ids[:first + 1]
+    by_token = generate(
+        model, PROMPTS[:1], SamplingParams(max_tokens=N_NEW, stop_token_ids=(stop_at,), ignore_eos=True)
+    )[0]
+    assert by_token.finish_reason == "stop" and by_token.token_ids == free.token_ids[: first + 1]
     tail = model.tokenizer.decode(free.token_ids[6:9])
     assert tail.strip(), "the fixture's seed should give printable tokens here"
     by_string = generate(model, PROMPTS[:1], SamplingParams(max_tokens=N_NEW, stop=(tail,), ignore_eos=True))[0]
@@ -93,8 +95,23 @@ def test_generate_command_prints_greedy_completion(tiny, capsys, kv_dtype):
     model, _, directory = tiny
     text = "The quick brown fox"
     expected = generate(model, [model.tokenizer.encode(text)], SamplingParams(max_tokens=6), kv_dtype=kv_dtype)[0]
-    assert main(["--model", str(directory), "--prompt", text, "--max-tokens", "6", "--temperature", "0",
-                 "--kv-dtype", kv_dtype]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(directory),
+                "--prompt",
+                text,
+                "--max-tokens",
+                "6",
+                "--temperature",
+                "0",
+                "--kv-dtype",
+                kv_dtype,
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == expected.text + "\n"
     assert main(["--model", str(directory), "--prompt", text, "--chat", "--max-tokens", "2"]) == 0
     assert main(["--model", str(directory), "--prompt", text, "--top-p", "2"]) == 2
@@ -108,20 +125,30 @@ def test_one_call_decode_step_equals_the_per_layer_step(tiny, dtype, kv_dtype):
     import numpy as np
 
     from aiollm.native import gemm
+
     if not gemm.supported(dtype):
         pytest.skip(f"the one-call step needs the native {dtype} GEMM (AVX-512), which this CPU lacks")
 
     from aiollm.kv.blocks import BlockAllocator, BlockTable
     from aiollm.kv.pool import KVConfig, KVPool
     from aiollm.model.decode import decode_logits
+
     _, _, directory = tiny
     model = aiollm.model.load(directory, dtype=dtype)
     c = model.config
     lengths = [5, 37, 1, 11]  # tokens cached before the step
     results = []
     for fused in (True, False):
-        pool = KVPool(KVConfig(n_layers=c.n_layers, n_blocks=16, block_size=16, n_kv_heads=c.n_kv_heads,
-                               head_dim=c.head_dim, dtype=kv_dtype))
+        pool = KVPool(
+            KVConfig(
+                n_layers=c.n_layers,
+                n_blocks=16,
+                block_size=16,
+                n_kv_heads=c.n_kv_heads,
+                head_dim=c.head_dim,
+                dtype=kv_dtype,
+            )
+        )
         table = BlockTable(BlockAllocator(16), 16)
         ids = list(range(len(lengths)))
         slots = table.append_batch(ids, lengths)
@@ -132,14 +159,16 @@ def test_one_call_decode_step_equals_the_per_layer_step(tiny, dtype, kv_dtype):
         step_slots = table.append_batch(ids, [1] * len(ids))
         ran = []
         if fused:  # record that the one-call path really ran
-            model.decode_layers = lambda *args, real=model.decode_layers, ran=ran, **kwargs: \
+            model.decode_layers = lambda *args, real=model.decode_layers, ran=ran, **kwargs: (
                 ran.append(real(*args, **kwargs)) or ran[-1]
+            )
         else:
             model.decode_layers = lambda *args, **kwargs: None  # the per-layer path
         try:
             with torch.inference_mode():
-                logits = decode_logits(model, pool, [3, 50, 7, 99], lengths, step_slots, table.block_tables(ids),
-                                       table.seq_lens(ids))
+                logits = decode_logits(
+                    model, pool, [3, 50, 7, 99], lengths, step_slots, table.block_tables(ids), table.seq_lens(ids)
+                )
         finally:
             del model.decode_layers
         assert not fused or (len(ran) == 1 and ran[0] is not None)

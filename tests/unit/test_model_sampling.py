@@ -1,12 +1,24 @@
 """SamplingParams validation and the sampler: greedy, temperature, top-k, top-p, seeds."""
+
 import pytest
 import torch
 
 from aiollm.model.sampling import SamplingParams, filter_logits, new_generator, sample
 
 
-@pytest.mark.parametrize("field, value", [("max_tokens", 0), ("temperature", -0.1), ("top_k", -1), ("top_p", 0.0),
-                                          ("top_p", 1.5), ("stop", "abc"), ("stop", ("",)), ("stop_token_ids", (-1,))])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("temperature", -0.1),
+        ("top_k", -1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("stop", "abc"),
+        ("stop", ("",)),
+        ("stop_token_ids", (-1,)),
+    ],
+)
 def test_params_reject_bad_fields(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

@@ -1,4 +1,5 @@
 """The split Llama forward, both loaders and the tokenizer, on a tiny random Llama saved by transformers."""
+
 import json
 import shutil
 
@@ -13,9 +14,16 @@ from aiollm.testing.tiny_llama import write_gguf, write_hf_dir
 
 LOGIT_ATOL = 1e-4  # fp32, same op order as transformers: differences are GEMM summation order only
 PROMPTS = [[5, 17, 42, 99, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 200], [33]]
-TEXTS = ["The quick brown fox", "def add(a, b):\n    return a + b", "naïve café — 東京 🙂 2024!",
-         "  leading and trailing spaces  ", "tabs\tand\n\nnewlines\r\n", "<|im_start|>user\nhi<|im_end|>\n",
-         "unseen wörds ÆØÅ ∑∫ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢", ""]
+TEXTS = [
+    "The quick brown fox",
+    "def add(a, b):\n    return a + b",
+    "naïve café — 東京 🙂 2024!",
+    "  leading and trailing spaces  ",
+    "tabs\tand\n\nnewlines\r\n",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "unseen wörds ÆØÅ ∑∫ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    "",
+]
 
 
 @pytest.fixture(scope="module", params=[(True, 2), (False, 4)], ids=["tied-gqa", "untied-mha"])
@@ -84,6 +92,7 @@ def test_gguf_file_matches_transformers(tiny, tmp_path):
 
 def test_tokenizer_and_template_match_transformers(tiny):
     from transformers import AutoTokenizer
+
     directory, _ = tiny
     ours = aiollm.model.load(directory).tokenizer
     theirs = AutoTokenizer.from_pretrained(directory)
@@ -91,10 +100,14 @@ def test_tokenizer_and_template_match_transformers(tiny):
         ids = ours.encode(text)
         assert ids == theirs(text)["input_ids"], text
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
-    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
-                {"role": "user", "content": "And 3+3?"}]
-    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(messages, tokenize=False,
-                                                                              add_generation_prompt=True)
+    messages = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+    ]
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_bf16_weights_stay_close_to_fp32(tiny):

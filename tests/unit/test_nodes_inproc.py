@@ -1,4 +1,5 @@
 """Two nodes in one process over inproc: the full codec, authentication, bad frames, liveness, backpressure."""
+
 import asyncio
 from contextlib import aclosing
 
@@ -14,8 +15,8 @@ from aiollm.actors.echo import Count, Echo, EchoActor, Fail, GetStats, Ping, Pon
 from aiollm.actors.messages import ASK, PROTOCOL_VERSION, Failure, Reply, TensorMeta
 from aiollm.actors.ref import ActorRef
 from aiollm.errors import AuthenticationFailed, NodeUnreachable, ProtocolError, RemoteError
-from aiollm.transports import connect, listen
 from aiollm.testing.actor_helpers import SECRET, Watcher, started, wait_until
+from aiollm.transports import connect, listen
 from tests.unit.test_actor import Gate, Hold
 
 

@@ -1,6 +1,7 @@
 """The offloaded decode executor's bookkeeping, with stand-in R-worker refs: placement by expected length
 among R-workers with room, a sequence no single R-worker can hold fails its pull, freeing gives the booking
 back and sends `Release`, and R-workers whose KV format differs from the prefill instances' are refused."""
+
 import asyncio
 
 import pytest
@@ -33,8 +34,9 @@ class FakeNode:
 
 
 def _load(blocks: int, block_size: int = 16, dtype: str = "fp32") -> RLoad:
-    return RLoad(sequences=0, tokens=0, reserved_tokens=0, blocks_used=0, blocks_total=blocks,
-                 block_size=block_size, dtype=dtype)
+    return RLoad(
+        sequences=0, tokens=0, reserved_tokens=0, blocks_used=0, blocks_total=blocks, block_size=block_size, dtype=dtype
+    )
 
 
 def _seq(rid: str, prompt_len: int, max_tokens: int) -> runner.Sequence:

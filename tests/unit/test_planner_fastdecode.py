@@ -1,5 +1,6 @@
 """FastDecode sizing: P = B*S*R / (2*T(B)), the choice of B, and the step model with communication and
 core sharing."""
+
 import json
 
 import pytest
@@ -65,8 +66,7 @@ TRIP = {8: AskCost.even(0.0007), 128: AskCost(0.0010, 0.0008, 0.0007)}
 
 def test_step_is_the_largest_bound_with_communication_and_shared_cores():
     # B=256 pipelined on 2 R-workers: halves of 128, 64 rows per ask, 30 layers x 2 halves x 2 workers = 120 asks
-    p = predict_step(CURVE, 2e-6, TRIP, n_layers=30, batch=256, kv_tokens=131072, workers=2, pipelined=True,
-                     cores=2)
+    p = predict_step(CURVE, 2e-6, TRIP, n_layers=30, batch=256, kv_tokens=131072, workers=2, pipelined=True, cores=2)
     ask = interpolate_cost(TRIP, 64)
     assert ask.s == pytest.approx(interpolate({8: 0.00035, 128: 0.0010}, 64))
     s_part, attention = 2 * interpolate(CURVE, 128), 2e-6 * 131072
@@ -136,7 +136,9 @@ def test_sizing_with_communication_and_few_cores_takes_fewer_workers_than_the_fo
     classic = size(CURVE, r_per_token=2e-6, seq_len=1024)
     few = size(CURVE, 2e-6, 1024, round_trip={1: TRIP}, n_layers=30, cores=2)
     # near-free communication on dedicated cores: back to about the formula's P
-    ideal = size(CURVE, 2e-6, 1024, round_trip={1: {8: AskCost.even(1e-6), 128: AskCost.even(2e-6)}}, n_layers=30, cores=64)
+    ideal = size(
+        CURVE, 2e-6, 1024, round_trip={1: {8: AskCost.even(1e-6), 128: AskCost.even(2e-6)}}, n_layers=30, cores=64
+    )
     # with the step model B is the batch with the most predicted tokens/s (at its best P), not the S-part's knee
     assert classic.batch == 256 and few.batch == ideal.batch == 512
 
@@ -152,7 +154,14 @@ def test_sizing_with_communication_and_few_cores_takes_fewer_workers_than_the_fo
     assert size(CURVE, 2e-6, 1024, 0.030, round_trip={1: TRIP}, n_layers=30, cores=2).batch == 112
     assert "C(8)=0.70 ms" in few.explain() and "all work / cores" in few.explain()
     # a slower round trip measured with 2 R-workers (processes competing for cores) prices P >= 2 with it
-    dearer = size(CURVE, 2e-6, 1024, round_trip={1: TRIP, 2: {8: AskCost.even(0.005), 128: AskCost.even(0.01)}}, n_layers=30, cores=2)
+    dearer = size(
+        CURVE,
+        2e-6,
+        1024,
+        round_trip={1: TRIP, 2: {8: AskCost.even(0.005), 128: AskCost.even(0.01)}},
+        n_layers=30,
+        cores=2,
+    )
     assert dearer.workers == 1 and "with 2 R-worker(s): C(8)=5.00 ms" in dearer.explain()
     with pytest.raises(ValueError, match="n_layers"):
         size(CURVE, 2e-6, 1024, round_trip={1: TRIP})
@@ -165,8 +174,9 @@ def test_sizing_weighs_the_time_shared_mode():
     # (S-part, then attention) beats the pipelined one, and is the one reported at the chosen P
     fast = TimeShared({b: t / 4 for b, t in CURVE.items()}, {1: {8: AskCost.even(1e-5), 128: AskCost.even(2e-5)}})
     shared = size(CURVE, 2e-6, 1024, round_trip={1: TRIP}, n_layers=30, cores=2, time_shared=fast)
-    expected = predict_step(fast.t_of_b, 2e-6, fast.round_trip[1], 30, shared.batch, shared.batch * 512,
-                            shared.workers, False, 2)
+    expected = predict_step(
+        fast.t_of_b, 2e-6, fast.round_trip[1], 30, shared.batch, shared.batch * 512, shared.workers, False, 2
+    )
     assert shared.mode == "time-shared" and shared.predicted_step == pytest.approx(expected.step)
     assert shared.predicted_step < pipelined.predicted_step
     assert " time-shared:" in shared.explain() and "time-shared, the faster mode there" in shared.explain()
@@ -206,7 +216,9 @@ def test_pipelined_step_charges_the_overlap_loss_most_where_the_sides_balance():
         assert "overlap loss" in lossy.explain() and "overlap loss" not in plain.explain()
     # relative to the step, the loss is largest where the sides balance (0.3 of the CPU, 0.22 of a step that also
     # holds 42 ms of measured waits) and small where S dominates
-    assert at(256 * balanced, 0.3).idle / at(256 * balanced).step > 0.2 > 0.1 > at(256 * 16, 0.3).idle / at(256 * 16).step
+    assert (
+        at(256 * balanced, 0.3).idle / at(256 * balanced).step > 0.2 > 0.1 > at(256 * 16, 0.3).idle / at(256 * 16).step
+    )
     # one mini-batch has nothing to overlap
     assert at(256 * balanced, 0.3, pipelined=False) == at(256 * balanced, pipelined=False)
     with pytest.raises(ValueError, match="overlap"):
@@ -229,8 +241,7 @@ def test_sizing_prices_the_measured_overlap_loss():
     plain = size(CURVE, 2e-6, 1024, round_trip={1: TRIP}, n_layers=30, cores=2)
     probe = Overlap(0.25, 128, 640, 1, 0.2, 0.15, 0.14, 0.002)
     lossy = size(CURVE, 2e-6, 1024, round_trip={1: TRIP}, n_layers=30, cores=2, overlap={1: probe})
-    expected = predict_step(CURVE, 2e-6, TRIP, 30, lossy.batch, lossy.batch * 512, lossy.workers, True, 2,
-                            overlap=0.25)
+    expected = predict_step(CURVE, 2e-6, TRIP, 30, lossy.batch, lossy.batch * 512, lossy.workers, True, 2, overlap=0.25)
     assert lossy.predicted_step == pytest.approx(expected.step) and lossy.predicted_step > plain.predicted_step
     assert "overlap loss 0.250 of the lesser side" in lossy.explain() and "B=128 at context 640" in lossy.explain()
 

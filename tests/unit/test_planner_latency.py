@@ -1,4 +1,5 @@
 """The latency model: least-squares fits reproduce their points, DistServe's profile converts and scales."""
+
 import json
 
 import numpy as np
@@ -53,7 +54,7 @@ def test_fit_never_returns_negative_coefficients():
     # Points that an unconstrained fit would explain with a negative intercept.
     t = np.array([100.0, 200.0, 400.0, 800.0])
     times = np.array([0.009, 0.0195, 0.0405, 0.0825])
-    a, b, c = fit_prefill(t, t ** 2, times)
+    a, b, c = fit_prefill(t, t**2, times)
     assert min(a, b, c) >= 0
     with pytest.raises(ValueError, match=">= 3"):
         fit_prefill([1, 2], [1, 4], [0.1, 0.2])
@@ -85,8 +86,12 @@ def test_piecewise_treats_a_dip_as_noise():
 def test_local_profile_interpolates_its_measured_points(tmp_path):
     points = [{"batch": 1, "length": n, "seconds": s} for n, s in [(32, 0.12), (128, 0.27), (512, 1.02)]]
     decode = [{"batch": b, "context": 127, "seconds": s} for b, s in [(1, 0.075), (8, 0.19), (32, 0.26)]]
-    entry = {"prefill": [0.05, 0.0019, 1e-7], "decode": [0.08, 0.003, 1e-6], "prefill_points": points,
-             "decode_points": decode}
+    entry = {
+        "prefill": [0.05, 0.0019, 1e-7],
+        "decode": [0.08, 0.003, 1e-6],
+        "prefill_points": points,
+        "decode_points": decode,
+    }
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({"format": LOCAL_FORMAT, "hardware": "cpu", "models": {"smollm2": entry}}))
     model = load_local(path)["smollm2"]

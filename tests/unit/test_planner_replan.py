@@ -1,4 +1,5 @@
 """The workload monitor replans on a lasting shift, not on noise, and not twice within its cooldown."""
+
 import numpy as np
 import pytest
 
@@ -20,9 +21,11 @@ def feed(monitor, start, rate, n, prompt=500, output=200, seed=0):
 def test_replans_on_rate_shift_only():
     calls = []
     emitted = []
-    monitor = WorkloadMonitor(MonitorConfig(window_s=20, min_requests=20, threshold=0.25, cooldown_s=5),
-                              replan=lambda stats: calls.append(stats) or f"plan@{stats.rate:.1f}",
-                              on_plan=lambda plan, stats: emitted.append(plan))
+    monitor = WorkloadMonitor(
+        MonitorConfig(window_s=20, min_requests=20, threshold=0.25, cooldown_s=5),
+        replan=lambda stats: calls.append(stats) or f"plan@{stats.rate:.1f}",
+        on_plan=lambda plan, stats: emitted.append(plan),
+    )
     t, plans = feed(monitor, 0.0, rate=5.0, n=200)
     assert len(plans) == 1 and calls[0].rate == pytest.approx(5.0, rel=0.05)  # the first full window
     t, plans = feed(monitor, t, rate=5.0, n=200, seed=1)
@@ -34,8 +37,11 @@ def test_replans_on_rate_shift_only():
 
 def test_replans_on_length_shift_and_respects_cooldown():
     calls = []
-    monitor = WorkloadMonitor(MonitorConfig(window_s=10, min_requests=10, threshold=0.3, cooldown_s=100),
-                              replan=lambda stats: calls.append(stats) or "p", on_plan=lambda plan, stats: None)
+    monitor = WorkloadMonitor(
+        MonitorConfig(window_s=10, min_requests=10, threshold=0.3, cooldown_s=100),
+        replan=lambda stats: calls.append(stats) or "p",
+        on_plan=lambda plan, stats: None,
+    )
     t, _ = feed(monitor, 0.0, rate=5.0, n=100)
     t, _ = feed(monitor, t, rate=5.0, n=100, prompt=2000)
     assert len(calls) == 1  # the shift came within the 100 s cooldown

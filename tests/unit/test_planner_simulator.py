@@ -1,4 +1,5 @@
 """The simulator against hand-computed TTFT/TPOT on deterministic toy workloads."""
+
 import math
 import time
 from dataclasses import replace
@@ -18,9 +19,10 @@ def workload(prompts, outputs, times):
     return Workload(LengthSample("toy", np.array(prompts), np.array(outputs)), np.array(times, dtype=float))
 
 
-def config(mode, latency=TOY, prefill=InstanceSpec(1), kv=10 ** 6, bandwidth=math.inf, l_m=1000, kv_bytes=1):
-    return SimConfig(latency, mode, prefill, InstanceSpec(1), kv, kv, kv_bytes, link_bandwidth=bandwidth,
-                     max_batch_tokens=l_m)
+def config(mode, latency=TOY, prefill=InstanceSpec(1), kv=10**6, bandwidth=math.inf, l_m=1000, kv_bytes=1):
+    return SimConfig(
+        latency, mode, prefill, InstanceSpec(1), kv, kv, kv_bytes, link_bandwidth=bandwidth, max_batch_tokens=l_m
+    )
 
 
 def test_disaggregated_two_requests_by_hand():
@@ -101,8 +103,11 @@ def test_thousand_requests_simulate_fast():
     lat = LatencyModel("toy", "toy", "test", {1: StackLatency((0.015, 1e-4, 5e-9), (0.02, 1e-4, 6e-7))})
     w = Workload.build(LengthSample("r", rng.integers(10, 1500, 1000), rng.integers(2, 500, 1000)), 1000)
     start = time.perf_counter()
-    res = simulate(SimConfig(lat, "disaggregated", InstanceSpec(1), InstanceSpec(1), 10 ** 6, 60000, 800000,
-                             link_bandwidth=300e9), w, 5.0)
+    res = simulate(
+        SimConfig(lat, "disaggregated", InstanceSpec(1), InstanceSpec(1), 10**6, 60000, 800000, link_bandwidth=300e9),
+        w,
+        5.0,
+    )
     assert time.perf_counter() - start < 2.0
     assert np.isfinite(res.finish).all()
 
@@ -110,8 +115,16 @@ def test_thousand_requests_simulate_fast():
 def test_per_request_overheads_shift_each_arrival():
     latency = LatencyModel("toy", "cpu", "test", {1: StackLatency((0.1, 0.0, 0.0), (0.01, 0.0, 0.0))})
     workload = Workload(LengthSample("toy", np.array([10, 10]), np.array([2, 2])), np.array([0.0, 10.0]))
-    base = {"latency": latency, "mode": "disaggregated", "prefill": InstanceSpec(1), "decode": InstanceSpec(1),
-            "prefill_kv_tokens": 1000, "decode_kv_tokens": 1000, "kv_bytes_per_token": 1, "max_batch_tokens": 512}
+    base = {
+        "latency": latency,
+        "mode": "disaggregated",
+        "prefill": InstanceSpec(1),
+        "decode": InstanceSpec(1),
+        "prefill_kv_tokens": 1000,
+        "decode_kv_tokens": 1000,
+        "kv_bytes_per_token": 1,
+        "max_batch_tokens": 512,
+    }
     result = simulate(SimConfig(**base, request_overheads=(0.05, 0.5)), workload, 1.0)
     assert result.ttft == pytest.approx([0.15, 0.6])  # each request's own overhead before its 0.1 s prefill
     with pytest.raises(ValueError, match="request_overhead"):

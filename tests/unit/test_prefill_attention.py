@@ -1,5 +1,6 @@
 """prefill_attention batches runs of equal-length prompts into one SDPA call; each prompt must still see only
 its own tokens, causally, exactly as one call per prompt does."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,9 +11,10 @@ from aiollm.model.attention import prefill_attention
 def one_call_per_prompt(q, k, v, lens):
     out, start = torch.empty_like(q), 0
     for n in lens:
-        o = F.scaled_dot_product_attention(*(x[start:start + n].transpose(0, 1)[None] for x in (q, k, v)),
-                                           is_causal=True, enable_gqa=True)
-        out[start:start + n] = o[0].transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            *(x[start : start + n].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, enable_gqa=True
+        )
+        out[start : start + n] = o[0].transpose(0, 1)
         start += n
     return out
 

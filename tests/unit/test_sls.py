@@ -1,4 +1,5 @@
 """FastDecode's load-stabilising schedule: the paper's peak workload B*(S+F)/2 vs B*S without it."""
+
 import numpy as np
 import pytest
 
@@ -17,7 +18,9 @@ def _run(steps: int, use_sls: bool, prompt_len: int = 1) -> np.ndarray:
     for step in range(steps):
         if use_sls:
             while next_start <= step + S:  # keep the plan S steps ahead, as a full queue would
-                profile = schedule.micro_batch_load([prompt_len] * config.micro_batch_size, [S] * config.micro_batch_size)
+                profile = schedule.micro_batch_load(
+                    [prompt_len] * config.micro_batch_size, [S] * config.micro_batch_size
+                )
                 start = schedule.earliest_step(profile, not_before=next_start)
                 schedule.add_micro_batch(profile, start)
                 workload[start : start + len(profile)] += profile[: max(0, steps - start)]

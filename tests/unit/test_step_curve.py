@@ -1,6 +1,7 @@
 """The step curve the schedule trace places S by (aiollm.planner.fastdecode.fit_step_curve and
 aiollm.calibrate.fastdecode_probes.step_curve): the fit recovers a known bent line from its points, the S it
 balances moves past a rounded corner, and the probes visit the contexts from the middle outwards."""
+
 from types import SimpleNamespace
 
 import numpy as np

@@ -4,6 +4,7 @@ The roles themselves are the sibling modules `prefill`, `decode`, `controller`, 
 `add_arguments(parser)` and `async start(node, args) -> {actor name: url}`, as `aiollm.cli.node`'s role
 registry expects.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,5 +34,6 @@ def model_args(parser) -> None:
 
 def load_model(args: argparse.Namespace):
     from aiollm.model.loader import load
+
     torch.set_num_threads(args.threads)
     return load(args.model, dtype=args.dtype)

@@ -1,11 +1,12 @@
 """Role `controller`: DistServe's dispatcher over the given prefill and decode instances."""
+
 from __future__ import annotations
 
 import argparse
 
 from aiollm.actors.node import Node
-from aiollm.serving.distserve.controller import Controller, ControllerConfig
 from aiollm.deploy.roles.common import actor_arg
+from aiollm.serving.distserve.controller import Controller, ControllerConfig
 
 
 def instances(text: str) -> dict[str, str]:
@@ -23,9 +24,15 @@ def instances(text: str) -> dict[str, str]:
 
 def add_arguments(parser) -> None:
     actor_arg(parser, "controller")
-    parser.add_argument("--prefill", type=instances, required=True, help="prefill actors: [name=]tcp://host:port/actor,...")
-    parser.add_argument("--decode", type=instances, required=True, help="decode actors: [name=]tcp://host:port/actor,...")
-    parser.add_argument("--prefill-queue-limit", type=int, default=4, help="requests sent ahead to one prefill instance")
+    parser.add_argument(
+        "--prefill", type=instances, required=True, help="prefill actors: [name=]tcp://host:port/actor,..."
+    )
+    parser.add_argument(
+        "--decode", type=instances, required=True, help="decode actors: [name=]tcp://host:port/actor,..."
+    )
+    parser.add_argument(
+        "--prefill-queue-limit", type=int, default=4, help="requests sent ahead to one prefill instance"
+    )
     parser.add_argument("--max-waiting", type=int, default=4096, help="queued requests before HTTP 429")
 
 

@@ -5,6 +5,7 @@ frontend), so the frontend needs a mailbox; this actor routes each delta to the 
 HTTP request waiting for it. Errors from the controller become the frontend's exceptions
 (overloaded -> `Overloaded` -> HTTP 429; unavailable -> `Unavailable` -> HTTP 503).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,7 +43,9 @@ class ClusterClient(Actor):
         finished = False
         try:
             try:
-                await self.controller.tell(Generate(rid, list(request.prompt_ids), Sampling.of(request.sampling), self.ref))
+                await self.controller.tell(
+                    Generate(rid, list(request.prompt_ids), Sampling.of(request.sampling), self.ref)
+                )
             except Exception as exc:
                 raise Unavailable(f"controller unreachable: {exc}") from exc
             while True:
@@ -75,6 +78,11 @@ class ClusterClient(Actor):
             load: Load = await self.controller.ask(GetLoad(), timeout=5.0)
         except Exception as exc:
             raise Unavailable(f"controller unreachable: {exc}") from exc
-        return BackendStats(waiting=load.waiting, running=load.running, prefill_queues=load.prefill_queues,
-                            decode_queues=load.decode_queues, kv_blocks_used=load.kv_blocks_used,
-                            kv_blocks_total=load.kv_blocks_total)
+        return BackendStats(
+            waiting=load.waiting,
+            running=load.running,
+            prefill_queues=load.prefill_queues,
+            decode_queues=load.decode_queues,
+            kv_blocks_used=load.kv_blocks_used,
+            kv_blocks_total=load.kv_blocks_total,
+        )

@@ -23,6 +23,7 @@ asks each dead instance's last address for its load, so one declared dead after 
 that is in fact alive (a frozen process that resumed, a network blip) is taken back as well. Stale
 work of a taken-back instance (prefills and decodes already failed over) is cancelled on sight.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -130,8 +131,13 @@ class _Request:
 class Controller(Actor):
     """Dispatches requests over n prefill and m decode instances (given by URL)."""
 
-    def __init__(self, prefill_urls: dict[str, str], decode_urls: dict[str, str],
-                 config: ControllerConfig = ControllerConfig(), replan: ReplanHook | None = None) -> None:
+    def __init__(
+        self,
+        prefill_urls: dict[str, str],
+        decode_urls: dict[str, str],
+        config: ControllerConfig = ControllerConfig(),
+        replan: ReplanHook | None = None,
+    ) -> None:
         if not prefill_urls or not decode_urls:
             raise ValueError("the controller needs at least one prefill and one decode instance")
         self.config, self.replan = config, replan
@@ -157,8 +163,10 @@ class Controller(Actor):
             self._loads[name] = load
         for ref in self._refs.values():
             await self.watch(ref)
-        self._tasks = [asyncio.create_task(self._poll_loads(), name="controller-loads"),
-                       asyncio.create_task(self._probe_dead(), name="controller-revive")]
+        self._tasks = [
+            asyncio.create_task(self._poll_loads(), name="controller-loads"),
+            asyncio.create_task(self._probe_dead(), name="controller-revive"),
+        ]
 
     async def on_stop(self) -> None:
         for task in self._tasks:
@@ -265,8 +273,9 @@ class Controller(Actor):
         if name is None or not self._instance_alive(name):
             return
         # an orderly stop (the cluster shutting down) is not a fault worth a warning
-        (_log().info if msg.reason == "node stopped" else _log().warning)("instance lost", instance=name,
-                                                                          reason=msg.reason)
+        (_log().info if msg.reason == "node stopped" else _log().warning)(
+            "instance lost", instance=name, reason=msg.reason
+        )
         await self._lose(name, msg.reason)
         await self._dispatch()
 
@@ -405,8 +414,9 @@ class Controller(Actor):
 
     def _complete(self, req: _Request) -> None:
         self._requests.pop(req.request_id, None)
-        timing = RequestTiming(req.request_id, req.arrival, req.first_token_at, tuple(req.token_times),
-                               len(req.prompt), len(req.generated))
+        timing = RequestTiming(
+            req.request_id, req.arrival, req.first_token_at, tuple(req.token_times), len(req.prompt), len(req.generated)
+        )
         self.finished.append(timing)
         if self.replan is not None:
             try:
@@ -436,8 +446,9 @@ class Controller(Actor):
         while True:
             await asyncio.sleep(self.config.load_poll_s)
             live = [n for n in self._urls if self._instance_alive(n)]
-            results = await asyncio.gather(*(self._refs[n].ask(GetLoad(), timeout=2.0) for n in live),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(self._refs[n].ask(GetLoad(), timeout=2.0) for n in live), return_exceptions=True
+            )
             for name, result in zip(live, results):
                 if isinstance(result, Load):
                     self._loads[name] = result
@@ -447,8 +458,9 @@ class Controller(Actor):
         return table[name].alive
 
 
-async def register_with(node, controller_url: str, name: str, kind: str, instance: ActorRef,
-                        attempts: int = 30) -> Registered:
+async def register_with(
+    node, controller_url: str, name: str, kind: str, instance: ActorRef, attempts: int = 30
+) -> Registered:
     """Join a running controller from an instance's node (`--controller` of the prefill/decode roles).
 
     Retries for a while (the controller may still be starting); raises the last error after

@@ -12,6 +12,7 @@ process and uses the native kernel; an offloaded executor (S-part here, R-worker
 sequences' KV from the prefill instance) implements the same calls, so this actor does not change
 when the R-part moves to other processes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -102,8 +103,9 @@ class ColocatedExecutor:
     def _ingest(self, seq: runner.Sequence, block: KVBlock) -> None:
         if not 0 <= block.index < len(seq.blocks):
             raise ValueError(f"KV block {block.index} outside the {len(seq.blocks)} blocks of {seq.request_id}")
-        self.cache.pool.write_blocks(None, [seq.blocks[block.index]], block.k, block.v,
-                                     k_scale=block.k_scale, v_scale=block.v_scale)
+        self.cache.pool.write_blocks(
+            None, [seq.blocks[block.index]], block.k, block.v, k_scale=block.k_scale, v_scale=block.v_scale
+        )
 
     async def step(self, seqs: list[runner.Sequence]) -> list[int]:
         return await asyncio.to_thread(runner.decode_step, self.model, self.cache, seqs, self.config.attn_threads)
@@ -123,8 +125,9 @@ class _Entry:
 class DecodeInstance(Actor):
     """Admits, pulls KV, and decodes; tokens go to each request's controller."""
 
-    def __init__(self, model: LlamaModel, config: DecodeConfig = DecodeConfig(),
-                 executor: DecodeExecutor | None = None) -> None:
+    def __init__(
+        self, model: LlamaModel, config: DecodeConfig = DecodeConfig(), executor: DecodeExecutor | None = None
+    ) -> None:
         self.model, self.config = model, config
         self.executor = executor or ColocatedExecutor(model, config)
         self.admission = DecodeAdmission(self.executor.total_blocks, self.executor.block_size, config.max_running)
@@ -170,9 +173,13 @@ class DecodeInstance(Actor):
 
     @handler(GetLoad)
     async def on_get_load(self, msg: GetLoad) -> Load:
-        return Load(waiting=self.admission.waiting, running=self.admission.running,
-                    kv_blocks_used=self.executor.used_blocks, kv_blocks_total=self.executor.total_blocks,
-                    kv_block_size=self.executor.block_size)
+        return Load(
+            waiting=self.admission.waiting,
+            running=self.admission.running,
+            kv_blocks_used=self.executor.used_blocks,
+            kv_blocks_total=self.executor.total_blocks,
+            kv_block_size=self.executor.block_size,
+        )
 
     async def _loop(self) -> None:
         while True:

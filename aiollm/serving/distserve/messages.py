@@ -9,6 +9,7 @@ which forwards them to the frontend. `Cancel` travels the same way down. An inst
 restarted) after the controller joins it with the ask `Register`. Every message is a tell
 except the KV stream and the `GetLoad` and `Register` asks, so no handler ever waits on another actor.
 """
+
 from __future__ import annotations
 
 import msgspec
@@ -34,8 +35,14 @@ class Sampling(msgspec.Struct, frozen=True):
         return cls(params.max_tokens, params.temperature, params.top_k, params.top_p, params.seed, params.ignore_eos)
 
     def params(self, max_tokens: int | None = None) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens or self.max_tokens, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, seed=self.seed, ignore_eos=self.ignore_eos)
+        return SamplingParams(
+            max_tokens=max_tokens or self.max_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
 
 
 class Generate(Message, tag="ds.generate"):

@@ -11,6 +11,7 @@ is freed and the controller is told (`KVLost`), which fails the request over.
 Handlers only change state and wake the loop; the model runs in a thread, so KV pulls are served
 while the next batch computes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -84,8 +85,10 @@ class PrefillInstance(Actor):
         self._received: dict[str, float] = {}
 
     async def on_start(self) -> None:
-        self._tasks = [asyncio.create_task(self._loop(), name=f"{self.name}-loop"),
-                       asyncio.create_task(self._expire_leases(), name=f"{self.name}-leases")]
+        self._tasks = [
+            asyncio.create_task(self._loop(), name=f"{self.name}-loop"),
+            asyncio.create_task(self._expire_leases(), name=f"{self.name}-leases"),
+        ]
 
     async def on_stop(self) -> None:
         for task in self._tasks:
@@ -98,8 +101,15 @@ class PrefillInstance(Actor):
     async def on_prefill(self, msg: Prefill) -> None:
         seq = runner.new_sequence(msg.request_id, msg.prompt_ids, msg.sampling.params(), self.model)
         if self.cache.blocks_for(len(seq.prompt)) > self.cache.total_blocks:
-            await msg.reply_to.tell(Prefilled(msg.request_id, -1, None, self.name,
-                                              error=f"prompt of {len(seq.prompt)} tokens exceeds the KV buffer"))
+            await msg.reply_to.tell(
+                Prefilled(
+                    msg.request_id,
+                    -1,
+                    None,
+                    self.name,
+                    error=f"prompt of {len(seq.prompt)} tokens exceeds the KV buffer",
+                )
+            )
             return
         self._queue[msg.request_id] = (seq, msg.reply_to)
         if self._steps is not None:
@@ -139,9 +149,13 @@ class PrefillInstance(Actor):
 
     @handler(GetLoad)
     async def on_get_load(self, msg: GetLoad) -> Load:
-        return Load(waiting=len(self._queue) + len(self._computing), running=len(self._held),
-                    kv_blocks_used=self.cache.used_blocks, kv_blocks_total=self.cache.total_blocks,
-                    kv_block_size=self.cache.block_size)
+        return Load(
+            waiting=len(self._queue) + len(self._computing),
+            running=len(self._held),
+            kv_blocks_used=self.cache.used_blocks,
+            kv_blocks_total=self.cache.total_blocks,
+            kv_block_size=self.cache.block_size,
+        )
 
     def _release(self, request_id: str) -> None:
         held = self._held.pop(request_id, None)
@@ -181,8 +195,9 @@ class PrefillInstance(Actor):
                 for seq, reply_to in batch:
                     self._computing.discard(seq.request_id)
                     self.cache.free(seq)
-                    await self._tell(reply_to, Prefilled(seq.request_id, -1, None, self.name,
-                                                         error=f"prefill failed: {exc}"))
+                    await self._tell(
+                        reply_to, Prefilled(seq.request_id, -1, None, self.name, error=f"prefill failed: {exc}")
+                    )
                 continue
             deadline = time.monotonic() + self.config.lease_s
             self.prefilled += len(batch)
@@ -198,8 +213,13 @@ class PrefillInstance(Actor):
                 if not cancelled:
                     await self._tell(reply_to, Prefilled(rid, seq.output[0], seq.finish, self.name))
             if self._steps is not None:
-                self._steps.record("prefill", started, time.time(), lengths=[len(s.prompt) for s in seqs],
-                                   recv=[self._received.pop(s.request_id, started) for s in seqs])
+                self._steps.record(
+                    "prefill",
+                    started,
+                    time.time(),
+                    lengths=[len(s.prompt) for s in seqs],
+                    recv=[self._received.pop(s.request_id, started) for s in seqs],
+                )
 
     async def _expire_leases(self) -> None:
         while True:

@@ -9,6 +9,7 @@ with the DistServe stream `PullKV` -> `KVBlock` items from whoever holds it (the
 FastDecode issue, a prefill instance under DistServe) and acknowledge with `AckKV`; those three
 types live in aiollm.serving.distserve.messages and are reused as they are.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -13,6 +13,7 @@ aiollm.serving.fastdecode.pipeline.decode_step and samples here; `free` releases
 block count the instance's admission sees is the sum over R-workers; a sequence that fits that sum
 but no single R-worker fails its pull with KVCacheFull (blocks of one sequence cannot span workers).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,8 +60,13 @@ class _Placed:
 class OffloadedExecutor:
     """Places sequences on R-workers, has them pull their KV from the prefill instance, decodes through them."""
 
-    def __init__(self, model: LlamaModel, workers: list[ActorRef], loads: list[RLoad],
-                 config: OffloadedConfig = OffloadedConfig()) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        workers: list[ActorRef],
+        loads: list[RLoad],
+        config: OffloadedConfig = OffloadedConfig(),
+    ) -> None:
         kinds = {(load.block_size, load.dtype) for load in loads}
         if len(kinds) != 1:
             raise ValueError(f"R-workers disagree on KV block size / dtype: {sorted(kinds)}")
@@ -76,8 +82,15 @@ class OffloadedExecutor:
         self._releases: set[asyncio.Task] = set()
 
     @classmethod
-    async def connect(cls, node: Node, urls: list[str], model: LlamaModel, block_size: int, kv_dtype: str,
-                      config: OffloadedConfig = OffloadedConfig()) -> OffloadedExecutor:
+    async def connect(
+        cls,
+        node: Node,
+        urls: list[str],
+        model: LlamaModel,
+        block_size: int,
+        kv_dtype: str,
+        config: OffloadedConfig = OffloadedConfig(),
+    ) -> OffloadedExecutor:
         """Refs to the R-workers at `urls` (bound to `node`), checked to store KV as the prefill instances do."""
         if not urls:
             raise ValueError("r_workers: need at least one R-worker URL")
@@ -85,8 +98,10 @@ class OffloadedExecutor:
         loads: list[RLoad] = await asyncio.gather(*(w.ask(GetRLoad(), timeout=30.0) for w in workers))
         for url, load in zip(urls, loads):
             if (load.block_size, load.dtype) != (block_size, kv_dtype):
-                raise ValueError(f"R-worker {url} stores {load.dtype} KV in blocks of {load.block_size}; the "
-                                 f"prefill instances' KV is {kv_dtype} in blocks of {block_size} (must match)")
+                raise ValueError(
+                    f"R-worker {url} stores {load.dtype} KV in blocks of {load.block_size}; the "
+                    f"prefill instances' KV is {kv_dtype} in blocks of {block_size} (must match)"
+                )
         return cls(model, workers, loads, config)
 
     @property
@@ -112,14 +127,20 @@ class OffloadedExecutor:
             raise KVCacheFull(placed.blocks, free, max(self.capacity))
         # KV entries before the first decode step: the prompt (the first token is fed, not cached yet)
         await self.workers[placed.worker].ask(
-            Admit(placed.sid, seq.request_id, seq.length - 1, seq.max_length, source), timeout=60.0)
+            Admit(placed.sid, seq.request_id, seq.length - 1, seq.max_length, source), timeout=60.0
+        )
 
     async def step(self, seqs: list[runner.Sequence]) -> list[int]:
         placed = [self._placed[s.request_id] for s in seqs]
         rows = [StepRow(p.sid, p.worker, s.output[-1], s.length - 1) for p, s in zip(placed, seqs)]
         pipeline = self.config.pipeline and len(rows) >= self.config.pipeline_min_batch
-        return await decode_step(self.model, self.workers, rows, pipeline,
-                                 lambda indices, logits: runner.sample_next([seqs[i] for i in indices], logits))
+        return await decode_step(
+            self.model,
+            self.workers,
+            rows,
+            pipeline,
+            lambda indices, logits: runner.sample_next([seqs[i] for i in indices], logits),
+        )
 
     def free(self, seq: runner.Sequence) -> None:
         """Give back the booking and release the sequence on its R-worker (a tell sent in the background: a

@@ -18,6 +18,7 @@ A lost R-worker (its process died, its node unreachable) fails the step with `RW
 after the step's other work is cancelled, so the caller can re-place that worker's sequences and run
 the same step again (the positions sent at layer 0 make the repeat overwrite, not append).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -80,8 +81,9 @@ def minibatches(workers_of_rows: Sequence[int], pipeline: bool) -> list[list[int
 Sampler = Callable[[list[int], torch.Tensor], list[int]]
 
 
-async def decode_step(model: LlamaModel, workers: Sequence[ActorRef], rows: Sequence[StepRow], pipeline: bool,
-                      sample: Sampler) -> list[int]:
+async def decode_step(
+    model: LlamaModel, workers: Sequence[ActorRef], rows: Sequence[StepRow], pipeline: bool, sample: Sampler
+) -> list[int]:
     """One decode step over every row (rows in any worker order): the tokens `sample` chose, in row order."""
     groups = minibatches([r.worker for r in rows], pipeline)
     parts = await _all_or_cancel([_minibatch(model, workers, rows, g, n, sample) for n, g in enumerate(groups)])
@@ -92,8 +94,14 @@ async def decode_step(model: LlamaModel, workers: Sequence[ActorRef], rows: Sequ
     return tokens
 
 
-async def _minibatch(model: LlamaModel, workers: Sequence[ActorRef], all_rows: Sequence[StepRow],
-                     indices: list[int], group: int, sample: Sampler) -> list[int]:
+async def _minibatch(
+    model: LlamaModel,
+    workers: Sequence[ActorRef],
+    all_rows: Sequence[StepRow],
+    indices: list[int],
+    group: int,
+    sample: Sampler,
+) -> list[int]:
     """Every layer of one mini-batch (`indices` sorted by worker): S-part here, attention on the R-workers; then
     its tokens."""
     rows = [all_rows[i] for i in indices]
@@ -117,10 +125,17 @@ async def _minibatch(model: LlamaModel, workers: Sequence[ActorRef], all_rows: S
         h = model.embed([r.token for r in rows])
         qkv = _packed(*model.pre_attention(0, h, positions, rope))
     for layer in range(c.n_layers):
-        replies = await _all_or_cancel([
-            _attend(workers, w, Attend(group, layer, seqs[s] if layer == 0 else None, qkv[s],
-                                       held[s] if layer == 0 else None), into[i])
-            for i, (w, s) in enumerate(bounds)])
+        replies = await _all_or_cancel(
+            [
+                _attend(
+                    workers,
+                    w,
+                    Attend(group, layer, seqs[s] if layer == 0 else None, qkv[s], held[s] if layer == 0 else None),
+                    into[i],
+                )
+                for i, (w, s) in enumerate(bounds)
+            ]
+        )
         with torch.inference_mode():
             for reply, out, ptr in zip(replies, outs, ptrs):
                 if reply.o.data_ptr() != ptr:  # an R-worker in this process: its tensor as-is
@@ -142,8 +157,14 @@ def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     hk = k.shape[1]
     step = q.element_size() * d
     packed = ((hq + 2 * hk) * d, d, 1)
-    if (q.stride() == packed and k.stride() == packed and v.stride() == packed and q.dtype == k.dtype == v.dtype
-            and k.data_ptr() == q.data_ptr() + hq * step and v.data_ptr() == k.data_ptr() + hk * step):
+    if (
+        q.stride() == packed
+        and k.stride() == packed
+        and v.stride() == packed
+        and q.dtype == k.dtype == v.dtype
+        and k.data_ptr() == q.data_ptr() + hq * step
+        and v.data_ptr() == k.data_ptr() + hk * step
+    ):
         return q.as_strided((n, hq + 2 * hk, d), packed)
     return torch.cat((q, k, v), dim=1)
 

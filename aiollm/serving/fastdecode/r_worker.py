@@ -13,6 +13,7 @@ budget) leaves every admitted sequence untouched. The prompt's KV is pulled as a
 Threads: attention runs inline in the actor loop (the process has nothing else to do, and a
 thread hop per layer costs more than it gains); the native kernel uses `threads` pool threads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,14 +33,28 @@ from aiollm.model.config import ModelConfig
 from aiollm.model.gguf_file import GGUFFile
 from aiollm.model.hf_dir import HFDirectory
 from aiollm.model.loader import resolve
-from aiollm.serving.fastdecode.messages import Admit, Attend, Attended, GetRLoad, Release, RLoad
 from aiollm.serving.distserve.messages import AckKV, KVBlock, PullKV
+from aiollm.serving.fastdecode.messages import Admit, Attend, Attended, GetRLoad, Release, RLoad
 
 if TYPE_CHECKING:
     from aiollm.actors.node import Node
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
 
 
 def _log():
@@ -102,8 +117,9 @@ class SequenceStore:
         blocks = self.blocks[seq]
         if not 0 <= block.index < len(blocks):
             raise ValueError(f"KV block {block.index} outside the {len(blocks)} blocks of sequence {seq}")
-        self.pool.write_blocks(None, [int(blocks[block.index])], block.k, block.v,
-                               k_scale=block.k_scale, v_scale=block.v_scale)
+        self.pool.write_blocks(
+            None, [int(blocks[block.index])], block.k, block.v, k_scale=block.k_scale, v_scale=block.v_scale
+        )
 
     def begin_step(self, seqs: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Put each sequence's new entry at `positions[i]` (the entries it held before the step); returns
@@ -141,20 +157,42 @@ class SequenceStore:
 
     def load(self) -> RLoad:
         c = self.config
-        return RLoad(sequences=len(self.lengths), tokens=sum(self.lengths.values()),
-                     reserved_tokens=sum(self.max_lens.values()),
-                     blocks_used=c.n_blocks - self.allocator.n_free, blocks_total=c.n_blocks,
-                     block_size=c.block_size, dtype=c.dtype, cpu_s=time.process_time())
+        return RLoad(
+            sequences=len(self.lengths),
+            tokens=sum(self.lengths.values()),
+            reserved_tokens=sum(self.max_lens.values()),
+            blocks_used=c.n_blocks - self.allocator.n_free,
+            blocks_total=c.n_blocks,
+            block_size=c.block_size,
+            dtype=c.dtype,
+            cpu_s=time.process_time(),
+        )
 
 
 class RWorker(Actor):
     """Holds sequences' KV and answers per-layer attention for them."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, kv_memory: int, kv_dtype: str = "fp16",
-                 block_size: int = 16, threads: int = 1) -> None:
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        kv_memory: int,
+        kv_dtype: str = "fp16",
+        block_size: int = 16,
+        threads: int = 1,
+    ) -> None:
         self.kv_memory = int(kv_memory)
-        self.store = SequenceStore(KVConfig.from_budget(self.kv_memory, n_layers=n_layers, n_kv_heads=n_kv_heads,
-                                                        head_dim=head_dim, block_size=block_size, dtype=kv_dtype))
+        self.store = SequenceStore(
+            KVConfig.from_budget(
+                self.kv_memory,
+                n_layers=n_layers,
+                n_kv_heads=n_kv_heads,
+                head_dim=head_dim,
+                block_size=block_size,
+                dtype=kv_dtype,
+            )
+        )
         self.threads = int(threads)
         # mini-batch group -> (its row count, the step's checked index arrays: aiollm.kv DecodeStep)
         self._steps: dict[int, tuple] = {}
@@ -166,11 +204,13 @@ class RWorker(Actor):
             store.admit(msg.seq, msg.n_tokens, msg.max_len)
         except KVCacheFull as exc:
             free = store.allocator.n_free * store.config.bytes_per_block
-            raise AdmissionRefused(exc, f"R-worker {self.name} refuses sequence {msg.request_id}: its KV budget "
-                                   f"({self.kv_memory / 2**30:.3g} GiB of {store.config.dtype}) has "
-                                   f"{free / 2**20:.1f} MiB free, {msg.max_len} tokens need "
-                                   f"{store.blocks_for(msg.max_len) * store.config.bytes_per_block / 2**20:.1f} MiB"
-                                   ) from None
+            raise AdmissionRefused(
+                exc,
+                f"R-worker {self.name} refuses sequence {msg.request_id}: its KV budget "
+                f"({self.kv_memory / 2**30:.3g} GiB of {store.config.dtype}) has "
+                f"{free / 2**20:.1f} MiB free, {msg.max_len} tokens need "
+                f"{store.blocks_for(msg.max_len) * store.config.bytes_per_block / 2**20:.1f} MiB",
+            ) from None
         if msg.source is None:
             store.fill_zeros(msg.seq)
             return store.load()
@@ -191,21 +231,28 @@ class RWorker(Actor):
                 raise ValueError(f"Attend group {msg.group}: seqs without positions")
             # the step's index arrays are checked once here and serve every layer (checking them per layer
             # in pool.write/pool.attend cost ~0.5 ms of each layer's ~0.7 ms round trip at 8 rows)
-            self._steps[msg.group] = (len(msg.seqs),
-                                      self.store.pool.prepare_decode(*self.store.begin_step(msg.seqs, msg.positions)))
+            self._steps[msg.group] = (
+                len(msg.seqs),
+                self.store.pool.prepare_decode(*self.store.begin_step(msg.seqs, msg.positions)),
+            )
         qkv = msg.qkv
         step = self._steps.get(msg.group)
         if step is None or step[0] != qkv.shape[0]:
-            raise ValueError(f"Attend group {msg.group} layer {msg.layer}: no step begun for these "
-                             f"{qkv.shape[0]} rows (send seqs with layer 0)")
+            raise ValueError(
+                f"Attend group {msg.group} layer {msg.layer}: no step begun for these "
+                f"{qkv.shape[0]} rows (send seqs with layer 0)"
+            )
         kv_heads = self.store.config.n_kv_heads
         q_heads = qkv.shape[1] - 2 * kv_heads if qkv.dim() == 3 else 0
         if q_heads <= 0:
-            raise ValueError(f"Attend qkv: expected [rows, q heads + 2 x {kv_heads} KV heads, head_dim], got "
-                             f"{list(qkv.shape)}")
+            raise ValueError(
+                f"Attend qkv: expected [rows, q heads + 2 x {kv_heads} KV heads, head_dim], got {list(qkv.shape)}"
+            )
         # the kernel writes fp32 or bf16 directly: bf16 in, bf16 back (half the bytes)
-        out = torch.empty((qkv.shape[0], q_heads, qkv.shape[2]),
-                          dtype=torch.bfloat16 if qkv.dtype == torch.bfloat16 else torch.float32)
+        out = torch.empty(
+            (qkv.shape[0], q_heads, qkv.shape[2]),
+            dtype=torch.bfloat16 if qkv.dtype == torch.bfloat16 else torch.float32,
+        )
         step[1].write_attend(msg.layer, qkv, out, n_threads=self.threads)
         return Attended(out)
 
@@ -241,7 +288,15 @@ async def start(node: Node, args: argparse.Namespace) -> dict[str, str]:
     """Spawn the R-worker as `r-worker`; returns {name: url} for the ready line."""
     torch.set_num_threads(1)  # torch only reshapes here; its OpenMP team must not compete with the kernel's
     config = model_config(args.model)
-    ref = await node.spawn(RWorker, "r-worker", n_layers=config.n_layers, n_kv_heads=config.n_kv_heads,
-                           head_dim=config.head_dim, kv_memory=parse_size(args.kv_memory), kv_dtype=args.kv_dtype,
-                           block_size=args.block_size, threads=args.threads)
+    ref = await node.spawn(
+        RWorker,
+        "r-worker",
+        n_layers=config.n_layers,
+        n_kv_heads=config.n_kv_heads,
+        head_dim=config.head_dim,
+        kv_memory=parse_size(args.kv_memory),
+        kv_dtype=args.kv_dtype,
+        block_size=args.block_size,
+        threads=args.threads,
+    )
     return {"r-worker": ref.url}

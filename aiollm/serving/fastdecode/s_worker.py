@@ -24,6 +24,7 @@ staging and pulled by its new R-worker, then the interrupted step runs again (po
 repeat overwrite what survivors already appended). Greedy output is unchanged; a sequence that no
 survivor has room for fails with an error that says so.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,8 @@ from aiollm.model.llama import LlamaModel
 from aiollm.model.sampling import SamplingParams
 from aiollm.sched.sls import LoadSchedule, SLSConfig
 from aiollm.serving import runner
-from aiollm.serving.fastdecode.messages import Admit, GetRLoad, GetTrace, Release, RLoad, Synthetic, Trace
 from aiollm.serving.distserve.messages import AckKV, Cancel, Delta, Generate, GetLoad, KVBlock, Load, PullKV, Tokens
+from aiollm.serving.fastdecode.messages import Admit, GetRLoad, GetTrace, Release, RLoad, Synthetic, Trace
 from aiollm.serving.fastdecode.pipeline import RWorkerLost, StepRow, decode_step, place
 
 if TYPE_CHECKING:
@@ -79,13 +80,21 @@ class SWorkerConfig:
     trace_len: int = 100_000
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "pipeline_min_batch", "max_prefill_tokens", "staging_tokens", "max_waiting",
-                     "trace_len"):
+        for name in (
+            "max_batch",
+            "pipeline_min_batch",
+            "max_prefill_tokens",
+            "staging_tokens",
+            "max_waiting",
+            "trace_len",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SWorkerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.schedule is not None and self.schedule.batch_size != self.max_batch:
-            raise ValueError(f"SWorkerConfig.schedule.batch_size ({self.schedule.batch_size}) must equal "
-                             f"max_batch ({self.max_batch})")
+            raise ValueError(
+                f"SWorkerConfig.schedule.batch_size ({self.schedule.batch_size}) must equal "
+                f"max_batch ({self.max_batch})"
+            )
 
 
 @dataclass
@@ -141,8 +150,9 @@ class SWorker(Actor):
         self.reserved = [0] * len(loads)
         # expected total length (prompt + max_tokens) of the sequences on each R-worker: the balancing key
         self.expected = [0] * len(loads)
-        self.staging = runner.PagedCache(self.model, -(-self.config.staging_tokens // self.block_size),
-                                         self.block_size, self.kv_dtype)
+        self.staging = runner.PagedCache(
+            self.model, -(-self.config.staging_tokens // self.block_size), self.block_size, self.kv_dtype
+        )
         for worker in self.workers:
             await self.watch(worker)
         self._task = asyncio.create_task(self._loop(), name=f"{self.name}-loop")
@@ -182,8 +192,12 @@ class SWorker(Actor):
     async def on_synthetic(self, msg: Synthetic) -> None:
         # + 1: the placeholder token fed at the first step counts as output, and each must decode max_tokens steps
         params = SamplingParams(max_tokens=msg.max_tokens + 1, ignore_eos=True)
-        reqs = [_Request(runner.new_sequence(f"synthetic-{next(self._ids)}", [0] * n, params, self.model), None,
-                         synthetic=True) for n in msg.context_lens]
+        reqs = [
+            _Request(
+                runner.new_sequence(f"synthetic-{next(self._ids)}", [0] * n, params, self.model), None, synthetic=True
+            )
+            for n in msg.context_lens
+        ]
         for req in reqs:
             req.seq.output.append(0)  # the token fed at the first step
             self._check_fits(req.seq)
@@ -199,17 +213,28 @@ class SWorker(Actor):
 
     @handler(GetLoad)
     async def on_get_load(self, msg: GetLoad) -> Load:
-        return Load(waiting=len(self._waiting), running=len(self._live), kv_blocks_used=sum(self.reserved),
-                    kv_blocks_total=sum(self.capacity), kv_block_size=self.block_size)
+        return Load(
+            waiting=len(self._waiting),
+            running=len(self._live),
+            kv_blocks_used=sum(self.reserved),
+            kv_blocks_total=sum(self.capacity),
+            kv_block_size=self.block_size,
+        )
 
     @handler(GetTrace)
     async def on_get_trace(self, msg: GetTrace) -> Trace:
         steps = list(self._trace)
         if msg.reset:
             self._trace.clear()
-        return Trace(step_s=[s[0] for s in steps], batch=[s[1] for s in steps], tokens=[s[2] for s in steps],
-                     started=[s[3] for s in steps], ended=[s[4] for s in steps], recovered=self.recovered,
-                     cpu_s=[s[5] for s in steps])
+        return Trace(
+            step_s=[s[0] for s in steps],
+            batch=[s[1] for s in steps],
+            tokens=[s[2] for s in steps],
+            started=[s[3] for s in steps],
+            ended=[s[4] for s in steps],
+            recovered=self.recovered,
+            cpu_s=[s[5] for s in steps],
+        )
 
     @handler(Terminated)
     async def on_terminated(self, msg: Terminated) -> None:
@@ -354,8 +379,9 @@ class SWorker(Actor):
             if seq.request_id not in self._live:  # a synthetic sequence being added: its Synthetic ask fails
                 self._unplace(req)
                 raise
-            await self._finish(req, error=f"failed: admission on R-worker {self.r_urls[req.worker]}: {exc}",
-                               admitted=False)
+            await self._finish(
+                req, error=f"failed: admission on R-worker {self.r_urls[req.worker]}: {exc}", admitted=False
+            )
             return
         finally:
             self.staging.free(seq)
@@ -371,8 +397,11 @@ class SWorker(Actor):
         self.capacity[worker] = 0
         # an orderly stop (the cluster shutting down) is not a fault worth a warning
         (_log().info if reason == "node stopped" else _log().warning)(
-            "R-worker lost; re-placing its sequences", worker=self.r_urls[worker], reason=reason,
-            sequences=sum(r.worker == worker for r in self._live.values()))
+            "R-worker lost; re-placing its sequences",
+            worker=self.r_urls[worker],
+            reason=reason,
+            sequences=sum(r.worker == worker for r in self._live.values()),
+        )
 
     async def _recover(self) -> None:
         """Re-place every sequence of a lost R-worker on a survivor with room, re-prefilling its KV (prompt and
@@ -387,18 +416,26 @@ class SWorker(Actor):
                     break
                 batch.append(req)
                 tokens, free = tokens + n, free - need
-            lost = lost[len(batch):]
+            lost = lost[len(batch) :]
             placed = []
             for req in batch:
                 self._unplace(req)
                 if not self._place(req):
                     alive = len(self.workers) - len(self._dead)
-                    await self._finish(req, admitted=False, error=f"failed: its R-worker was lost and none of the "
-                                       f"{alive} surviving R-workers has room for {req.seq.max_length} tokens")
+                    await self._finish(
+                        req,
+                        admitted=False,
+                        error=f"failed: its R-worker was lost and none of the "
+                        f"{alive} surviving R-workers has room for {req.seq.max_length} tokens",
+                    )
                 elif not req.synthetic and self.staging.blocks_for(req.seq.length - 1) > self.staging.free_blocks:
-                    await self._finish(req, admitted=False, error=f"failed: its R-worker was lost and its "
-                                       f"{req.seq.length - 1} tokens exceed the staging pool "
-                                       f"({self.config.staging_tokens} tokens)")
+                    await self._finish(
+                        req,
+                        admitted=False,
+                        error=f"failed: its R-worker was lost and its "
+                        f"{req.seq.length - 1} tokens exceed the staging pool "
+                        f"({self.config.staging_tokens} tokens)",
+                    )
                 else:
                     placed.append(req)
             await self._restage(placed)
@@ -414,8 +451,7 @@ class SWorker(Actor):
             self.staging.reserve(req.seq, req.staged)
         if not real:
             return
-        slots = torch.tensor([slot for r in real for slot in self.staging.slots(r.seq, 0, r.staged)],
-                             dtype=torch.int64)
+        slots = torch.tensor([slot for r in real for slot in self.staging.slots(r.seq, 0, r.staged)], dtype=torch.int64)
         tokens = [r.seq.prompt + r.seq.output[:-1] for r in real]
 
         def prefill() -> None:
@@ -430,8 +466,13 @@ class SWorker(Actor):
         held = sum(r.seq.length for r in live)
         started, cpu = time.perf_counter(), time.process_time()
         pipeline = self.config.pipeline and len(rows) >= self.config.pipeline_min_batch
-        await decode_step(self.model, self.workers, rows, pipeline,
-                          lambda indices, logits: runner.sample_next([live[i].seq for i in indices], logits))
+        await decode_step(
+            self.model,
+            self.workers,
+            rows,
+            pipeline,
+            lambda indices, logits: runner.sample_next([live[i].seq for i in indices], logits),
+        )
         ended = time.perf_counter()
         self._trace.append((ended - started, len(live), held, self._started_now, ended, time.process_time() - cpu))
         self._started_now = 0
@@ -448,7 +489,7 @@ class SWorker(Actor):
         for req in reqs:
             output = req.seq.output
             if req.reply_to is not None and len(output) > req.sent:
-                by_dest[req.reply_to].append(Delta(req.seq.request_id, output[req.sent:], req.seq.finish))
+                by_dest[req.reply_to].append(Delta(req.seq.request_id, output[req.sent :], req.seq.finish))
             req.sent = len(output)
         for dest, deltas in by_dest.items():
             await dest.tell(Tokens(deltas, self.name))
@@ -497,8 +538,9 @@ class SWorker(Actor):
         if need > max(self.capacity):
             raise ValueError(f"prompt + max_tokens = {seq.max_length} tokens exceed every R-worker's KV budget")
         if self.staging.blocks_for(len(seq.prompt)) > self.staging.total_blocks:
-            raise ValueError(f"prompt of {len(seq.prompt)} tokens exceeds the staging pool "
-                             f"({self.config.staging_tokens} tokens)")
+            raise ValueError(
+                f"prompt of {len(seq.prompt)} tokens exceeds the staging pool ({self.config.staging_tokens} tokens)"
+            )
 
 
 # --- the role, for `python -m aiollm.node --role s-worker` ---------------------------------------
@@ -509,14 +551,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
     g.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="weight dtype of the S-part")
     g.add_argument("--threads", type=int, default=1, help="torch threads of the S-part")
-    g.add_argument("--r-workers", required=True,
-                   help="R-worker nodes or actors, comma-separated: tcp://127.0.0.1:7001[/r-worker],...")
+    g.add_argument(
+        "--r-workers",
+        required=True,
+        help="R-worker nodes or actors, comma-separated: tcp://127.0.0.1:7001[/r-worker],...",
+    )
     g.add_argument("--max-batch", type=int, default=256, help="B: most sequences decoding at once")
     g.add_argument("--no-pipeline", action="store_true", help="one mini-batch per step (no S/R overlap)")
-    g.add_argument("--pipeline-min-batch", type=int, default=64,
-                   help="split into two mini-batches only from this batch on (smaller S-parts are weight-bound)")
-    g.add_argument("--sls-interval", type=int, default=0,
-                   help="F: start a micro-batch every F steps (load-stabilising schedule); 0: off")
+    g.add_argument(
+        "--pipeline-min-batch",
+        type=int,
+        default=64,
+        help="split into two mini-batches only from this batch on (smaller S-parts are weight-bound)",
+    )
+    g.add_argument(
+        "--sls-interval",
+        type=int,
+        default=0,
+        help="F: start a micro-batch every F steps (load-stabilising schedule); 0: off",
+    )
     g.add_argument("--sls-seq-len", type=int, default=1024, help="S the schedule plans for (prompt + completion)")
     g.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens per prefill batch")
     g.add_argument("--staging-tokens", type=int, default=16384, help="prompt KV waiting to be pulled, in tokens")
@@ -531,11 +584,19 @@ def r_worker_urls(text: str) -> list[str]:
 
 
 def config_from_args(args: argparse.Namespace) -> SWorkerConfig:
-    schedule = (SLSConfig(batch_size=args.max_batch, seq_len=args.sls_seq_len, interval=args.sls_interval)
-                if args.sls_interval else None)
-    return SWorkerConfig(max_batch=args.max_batch, pipeline=not args.no_pipeline,
-                         pipeline_min_batch=args.pipeline_min_batch, schedule=schedule,
-                         max_prefill_tokens=args.max_prefill_tokens, staging_tokens=args.staging_tokens)
+    schedule = (
+        SLSConfig(batch_size=args.max_batch, seq_len=args.sls_seq_len, interval=args.sls_interval)
+        if args.sls_interval
+        else None
+    )
+    return SWorkerConfig(
+        max_batch=args.max_batch,
+        pipeline=not args.no_pipeline,
+        pipeline_min_batch=args.pipeline_min_batch,
+        schedule=schedule,
+        max_prefill_tokens=args.max_prefill_tokens,
+        staging_tokens=args.staging_tokens,
+    )
 
 
 async def start(node: Node, args: argparse.Namespace) -> dict[str, str]:
