@@ -33,7 +33,7 @@ T256 INLINE __m256 exp256(__m256 x) {
  * [-0.5, 0.5] by its degree-3 polynomial. n comes from one add of M = 1.5 * 2^23 + 127, which rounds x log2 e to an
  * integer and leaves n + 127 in the sum's low mantissa bits, to shift into the exponent of 2^n (n + 127 lies in
  * 1..127 here). Used on the int8 / int4 dot-product path only, where the weights are quantised to 7 bits per chunk
- * next: the full exp256 took ~18 % of a SmolLM2 int8 item in L2 on a Zen 4 core (1 thread, AVX2). */
+ * next: the full exp256 costs ~18 % of a SmolLM2 int8 item in L2 (1 thread, AVX2 on a Zen 4 core). */
 T256 INLINE __m256 exp256_fast(__m256 x) {
     const __m256 magic = _mm256_set1_ps(12582912.0f + 127.0f);
     const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(1.44269504088896341f));
@@ -63,14 +63,14 @@ T256 INLINE float hsum8(__m256 v) {
 /* Software prefetch as on the AVX-512 path (attn_avx512_impl.h): each line of the tile PF_NEAR tiles ahead in the
  * item's order asked into L1 while the same line of the current tile is read, so the requests are spread over
  * the chunk's compute, and for fp16/fp32, where attn_args.far_prefetch says so, the tile PF_FAR_BYTES of one tile
- * array ahead into L2. This path's earlier scheme, the whole next tile asked for at once at the start of each
- * tile, left the memory idle during the compute: on an AMD Zen 3 host (no AVX-512; paired in-process runs against
- * the read kernel from DRAM, 2 threads) fp16 SmolLM2 256 x 1024 went from 0.52 to 0.66-0.82 of the read kernel
- * and Llama 64 x 1024 from 0.55 to 0.82-0.98. There the far level cost more than it gave (off / on, three
- * alternating pairs: SmolLM2 256 x 1024 0.72-0.82 / 0.64-0.76, Llama 64 x 1024 0.82-0.98 / 0.80-0.83; an int8 far
- * level, whole tiles 16 ahead once per tile as on AVX-512, took int8 from 1.51-1.70x fp16 to 1.10-1.20x), so
- * without AVX-512 it defaults off (native/cpu.c), except on a Zen 4 core whose AVX-512 a hypervisor hides, where it
- * lifted fp16 a lot; int8 / int4 dot products take only the line form below, on items of many heads. */
+ * array ahead into L2. Asking for the whole next tile at once at the start of each tile instead leaves the memory
+ * idle during the compute: on a core without AVX-512 (Zen 3 class, from DRAM, 2 threads) the spread requests read
+ * fp16 SmolLM2 256 x 1024 at 0.66-0.82 of the read kernel against 0.52, Llama 64 x 1024 at 0.82-0.98 against 0.55.
+ * On such a core the far level costs more than it gives (SmolLM2 256 x 1024 0.64-0.76 of the read kernel with it,
+ * 0.72-0.82 without; an int8 far level of whole tiles, 16 ahead once per tile as on AVX-512, brings int8 from
+ * 1.51-1.70x fp16's tokens/s down to 1.10-1.20x), so without AVX-512 it defaults off (native/cpu.c), except on a Zen
+ * 4 core whose AVX-512 a hypervisor hides, whose memory it keeps busy (fp16 up to twice as fast); int8 / int4 dot
+ * products take only the line form below, on items of many heads. */
 #ifndef PF_NEAR
 #define PF_NEAR 1
 #endif
@@ -80,10 +80,10 @@ T256 INLINE float hsum8(__m256 v) {
 /* int8 / int4 far level, AIOLLM_FAR_QUANTISED_LINES on items of many heads (Llama): each K and V line this many bytes
  * of int8 tiles ahead into L2 as the score loop reads the same line, as on the AVX-512 kernel. Items of few heads
  * (SmolLM2's 3) never take it: their int8 arithmetic binds, and requests are pure cost there. On a Zen 4 core whose
- * AVX-512 a hypervisor hides (2026-12-07, paired in-process A/B from DRAM, int8 / fp16 tokens/s without / with the
- * lines): Llama 64 x 1024 1.28 / 1.84, 32 x 4096 1.54 / 1.85, 128 x 1024 0.90 / 1.54 (1 thread 1.09 / 1.41, 0.87 /
- * 1.50, 1.14 / 1.73). Whole tiles 16 ahead once per tile on every item (AVX-512's other form) gave Llama as much but
- * took SmolLM2 256 x 1024 from 1.22 to 1.04 (1 thread 1.18 to 1.01). */
+ * AVX-512 a hypervisor hides the lines lift Llama's int8 from 0.9-1.55x fp16's tokens/s to 1.4-1.85x (from DRAM, 1
+ * and 2 threads). Whole tiles 16 ahead once per tile on every item (the AVX-512 kernel's other form) give Llama as
+ * much but slow SmolLM2 256 x 1024 by ~15 % (int8 1.04x fp16 against 1.22x), hence the lines, on items of many
+ * heads only. */
 #define PF_FAR_I8_LINES 16384
 #define MANY_HEADS_I8_BYTES 4096 /* items whose int8 K tiles of one chunk pass this are of many heads */
 
@@ -352,8 +352,8 @@ T256 INLINE void vaccum_madd(const char *vt, int64_t row0, int D, int dv, int VC
  * for dims [32 L, 32 L + 32) of each packed 4-token row holds (attn_internal.h): dims 32 L + 8 h .. + 8 in its low
  * nibbles, 32 L + 16 + 8 h .. + 8 in its high ones, made signed again (- 8) for vpmaddubsw's signed operand. The
  * four rows' int16 pair sums are added before one vpmaddwd (|sum| <= 4 * 2 * 127 * 7, no saturation): against 32
- * dims for 2 heads at a time with vpmaddwd per row, SmolLM2 int4 in L2 (1 thread, AMD EPYC without AVX-512, two
- * alternating runs) read 6.6 -> 7.5-7.7 GB/s; Llama (one q head) stayed at 20.1-20.5. */
+ * dims for 2 heads at a time with vpmaddwd per row, SmolLM2 int4 in L2 reads ~15 % faster (1 thread, a core without
+ * AVX-512: 7.5-7.7 against 6.6 GB/s); Llama (one q head) reads the same either way. */
 T256 INLINE void vaccum_madd4(const char *vt, int64_t row0, int D, int L, int h, const int32_t *pw, const float *psc,
                               const float *alpha, float *acc, int GB) {
     const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);

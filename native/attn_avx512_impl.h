@@ -38,36 +38,32 @@ T512 INLINE __m512 exp512_fast(__m512 x) {
  * line asked for while the same line of the current tile is read (K lines in the score loop, V lines in the
  * V loop, so the requests are spread over the whole chunk): PF_NEAR tiles ahead into L1 and PF_FAR_BYTES of
  * each tile array ahead into L2 (in tiles: 4 for SmolLM2's 2 KiB fp16 tiles, 2 for Llama's 4 KiB ones). The L2
- * requests keep many more lines in flight than L1's fill buffers allow, and the L1 requests then
- * hit L2. Against one level (2 tiles ahead into L1, K and V lines both during the score loop), alternating
- * in-process A/B from DRAM, medians of paired ratios to the read kernel (itself with the same two-level
- * prefetch, attn_avx512.c), 1 / 2 threads: SmolLM2 64 x 4096 0.85 -> 0.89 / 0.79 -> 0.86, 256 x 1024
- * 0.84 -> 0.93 / 0.83 -> 0.92, Llama 32 x 2048 0.81 -> 0.95 / 0.77 -> 0.86 (far 4 and 8 within noise; a burst
- * of far prefetches at each item's start gained nothing).
+ * requests keep many more lines in flight than L1's fill buffers allow, and the L1 requests then hit L2. Against one
+ * level (2 tiles ahead into L1, K and V lines both during the score loop) the two levels read 5-17 % more of the read
+ * kernel's bandwidth from DRAM (the read kernel itself prefetches on the same two levels, attn_avx512.c; 1 and 2
+ * threads, e.g. Llama 32 x 2048 0.95 against 0.81 of it on 1 thread). Far 4 and 8 tiles read alike, and a burst of
+ * far prefetches at each item's start gains nothing.
  * int8 spreads its L1 requests attn_args.near_i8_bytes of int8 tiles ahead (whole tiles, at least one; per CPU,
- * aiollm_cpu_int8_near_bytes in native/cpu.c: 4 KiB, 8 KiB on Zen 4) over the score loop (below) and asks L2 for the whole K
- * and V tiles PF_FAR_I8 ahead (the same bytes ahead as fp16's far level) once per tile. On a host whose memory
- * gave a core ~14 GB/s the far level measured slower (SmolLM2 64 x 4096 int8 / fp16 1.97 -> 1.82: compute-bound,
- * the prefetches were extra instructions); on one giving a core 22-31 GB/s the L1 level alone kept int8 at
- * 1.0-1.3x fp16, latency-bound far below its in-L2 rate (~1.8x fp16), and the far level lifted it to 1.5-1.9x
- * (alternating in-process A/B, 2 threads, SmolLM2 64 x 1024 / 256 x 1024 / 64 x 4096: 1.33 / 1.01 / 1.02 ->
- * 1.93 / 1.50 / 1.55; far 8-32 tiles within noise of each other).
- * Block tables that jump between single blocks (a shuffled pool) read ~20-25 % slower than contiguous ones on the
- * Zen 4 host (SmolLM2, 32 x 1600, 1 thread: 1.32 vs 1.61-1.84 us per entry over 30 layers; runs of 2 blocks
- * already recover most); far 16 / 32 or near 2 did not help (alternating builds: 8 was fastest). PF_NEAR and
- * PF_FAR_BYTES may be set at build time for such tuning runs (CFLAGS=-DPF_FAR_BYTES=n with build_ext --force: a
- * changed flag alone rebuilds nothing).
- * The far distance is in bytes, not tiles: 8 tiles (the earlier constant) put Llama 32 KiB ahead, and on the Zen 4
- * host 8 KiB read faster there (paired in-process A/B against the read kernel, Llama 64 x 1024, fp16: 2 threads
- * 0.86-0.92 -> 0.97-1.11 of the read, 1 thread 0.79-0.98 -> 1.05-1.24; 16 KiB like 32); for SmolLM2 8 and 16 KiB
- * measured within noise of each other (0.83-1.00 of the read over four shapes, shuffled tables too) and 4 KiB
- * 5-20 % slower. int8's far level stays in tiles: 8 and 16 tiles read alike, 4 up to 25 % slower.
+ * aiollm_cpu_int8_near_bytes in native/cpu.c: 4 KiB, 8 KiB on Zen 4) over the score loop (below) and asks L2 for the
+ * whole K and V tiles PF_FAR_I8 ahead (the same bytes ahead as fp16's far level) once per tile. Whether that far level
+ * pays depends on the memory a core gets. Where it gives a core ~14 GB/s int8 is compute-bound and the prefetches are
+ * extra instructions (SmolLM2 64 x 4096 int8 1.82x fp16's tokens/s with them, 1.97x without). Where it gives a core
+ * 22-31 GB/s the L1 level alone leaves int8 latency-bound at 1.0-1.3x fp16, far below its in-L2 rate (~1.8x fp16),
+ * and the far level lifts it to 1.5-1.9x (2 threads; 8-32 tiles ahead read alike).
+ * Block tables that jump between single blocks (a shuffled pool) read ~20-25 % slower than contiguous ones (Zen 4,
+ * SmolLM2 32 x 1600, 1 thread: 1.61-1.84 against 1.32 us per entry over 30 layers); runs of 2 blocks already recover
+ * most, and prefetching farther or nearer does not help. PF_NEAR and PF_FAR_BYTES may be set at build time
+ * for tuning (CFLAGS=-DPF_FAR_BYTES=n with build_ext --force: a changed flag alone rebuilds nothing).
+ * The far distance is in bytes, not tiles, so that one distance suits both tile sizes: 8 tiles would put Llama 32 KiB
+ * ahead, and 8 KiB reads 10-30 % faster there (Zen 4, Llama 64 x 1024 fp16, 1 and 2 threads; 16 KiB reads like 32).
+ * For SmolLM2 8 and 16 KiB read alike (0.83-1.00 of the read over four shapes, shuffled tables too) and 4 KiB 5-20 %
+ * slower. int8's far level stays in tiles: 8 and 16 tiles read alike, 4 up to 25 % slower.
  * The far level is issued only where it pays (attn_args.far_prefetch, aiollm_far_prefetch: per CPU, native/cpu.c).
- * On an AMD Zen 5 host (2 zmm FMAs per cycle, the two vCPUs two cores) it cost more than it gave: paired
- * in-process A/B from DRAM, 2 threads, without / with it, fp16 SmolLM2 256 x 4096 1.08 / 1.03 of the read kernel,
- * Llama 64 x 1024 1.06 / 0.98 (1 thread 1.16 / 1.00); int8 SmolLM2 256 x 4096 1.03 / 0.83 (a far request every
- * 128 / 256 / 1024 bytes instead of every line: 0.93 / 0.97 / 1.01, so the requests themselves were the cost) and
- * in L2 the int8 burst alone took ~15 % of an item. The near level stays: without it int8 fell to 0.79. */
+ * On AMD Zen 5 (2 zmm FMAs per cycle) it costs more than it gives: from DRAM, 2 threads, fp16 reads 1.06-1.08 of the
+ * read kernel without it and 0.98-1.03 with it (Llama 1 thread 1.16 against 1.00), int8 SmolLM2 256 x 4096 1.03
+ * against 0.83. A far request every 128 / 256 / 1024 bytes instead of every line reads 0.93 / 0.97 / 1.01, so the
+ * requests themselves are the cost; in L2 the int8 burst alone takes ~15 % of an item. The near level stays: without
+ * it int8 falls to 0.79. */
 #ifndef PF_NEAR
 #define PF_NEAR 1
 #endif
@@ -81,8 +77,9 @@ T512 INLINE __m512 exp512_fast(__m512 x) {
 #define PHASE_I8_BYTES 4096 /* int8 items phase scores and V per chunk while their heads' K tiles fit (item) */
 
 /* int8: each score-loop iteration that consumes `bytes` of this K tile asks for the same share of the K tile and
- * (pv set: unphased items) the V tile the near distance ahead, so one chunk's loop covers both next tiles. Asking for a whole tile at once at the
- * start of each tile left the memory idle during the compute (time = memory time + compute time). */
+ * (pv set: unphased items) the V tile the near distance ahead, so one chunk's loop covers both next tiles. Asking
+ * for a whole tile at once at the start of each tile would leave the memory idle during the compute (time = memory
+ * time + compute time). */
 static inline void spread_prefetch(const char **pk, const char **pv, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) {
         _mm_prefetch(*pk + o, _MM_HINT_T0);
@@ -93,7 +90,7 @@ static inline void spread_prefetch(const char **pk, const char **pv, int64_t byt
 }
 
 /* Scores of 16 tokens (chunk column `col` of a K tile) for GB q heads, NP partial sums each to hide FMA
- * latency (4 cycles, 2 ports: GB * NP >= 8 chains, else the chunk is latency-bound; 12 for GQA 3 measured
+ * latency (4 cycles, 2 ports: GB * NP >= 8 chains, else the chunk is latency-bound; 12 for GQA 3 run
  * faster than 6). Pointer walks, not index arithmetic: the loop body is loads and FMAs only. pk / pkf: the K
  * tiles PF_NEAR / PF_FAR ahead (NULL: none), walked in step with this tile's rows. */
 T512 INLINE void scores(int dt, const char *kt, int64_t col, int64_t BS, int D, const float *qs, int GB, int NP,
@@ -359,8 +356,8 @@ T512 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const 
             sc = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), sc);
             /* The max rarely moves after a few chunks: one compare decides, and only then the horizontal max
              * and the rescale run. l is kept as 16 lane sums (reduced once per item), so the common path has
-             * no horizontal reduction at all (measured: hot-cache compute 23 -> 26 GB/s, DRAM-bound 1 thread
-             * 8.9 -> 10.0 GB/s, 2 threads 16.2 -> 19.0 GB/s for SmolLM2 256 x 4096). */
+             * no horizontal reduction at all (SmolLM2 256 x 4096: hot-cache compute 26 GB/s against 23 with a
+             * reduction per chunk, DRAM-bound 10.0 against 8.9 GB/s on 1 thread, 19.0 against 16.2 on 2). */
             const float mo = m[g0 + g];
             float mn = mo, al = 1.0f;
             __m512 lv = _mm512_load_ps(l + (g0 + g) * 16);
@@ -387,10 +384,10 @@ T512 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int 
                               float *acc, int vnni, const char *pv, const char *pvf) {
 /* call(VC, GB) over dims in slabs of 4 x 16 (8 x 16 for a single q head, then NW x 16: 1 for int8, 2 for int4,
  * whose lines hold slabs in pairs) and q heads in blocks of 4.
- * One q head takes 8: a 4-wide slab read each 4-token row of an int8 V tile in two passes (bytes 0-255 of the 4
- * rows, then 256-511 at head_dim 128), which the hardware prefetcher followed badly: Llama int8 64 x 1024 from
- * DRAM (2 threads, paired A/B on the Zen 5 host) 0.78 -> 0.89 of the read kernel, 0.92 with the near distance
- * of 4 KiB below (in L2 ~5 % slower, within that host's noise). */
+ * One q head takes 8: a 4-wide slab would read each 4-token row of an int8 V tile in two passes (bytes 0-255 of the
+ * 4 rows, then 256-511 at head_dim 128), which the hardware prefetcher follows badly: with 8, Llama int8 64 x 1024
+ * reads 0.89 of the read kernel from DRAM instead of 0.78 (Zen 5, 2 threads), 0.92 with the near distance of 4 KiB
+ * below (in L2 up to ~5 % slower, within noise). */
 #define VSLABS(call, NW)                                                                                         \
     for (int g0 = 0; g0 < G; g0 += 4) {                                                                          \
         const int gb = G - g0 < 4 ? G - g0 : 4;                                                                  \
@@ -461,7 +458,7 @@ T512 INLINE void chunk_values(int dt, const char *vt, int c, int nv, int G, int 
 /* q rows as int8 for the int8 dot products: per row scale max|q| / 127, 4 dims packed per int32, and
  * corr = offset * sum(q_int8) (the K bytes are offset to be unsigned: int8 by 128, int4's codes by 8). */
 T512 INLINE void quantise_q(const float *qs, int rows, int D, int32_t offset, int32_t *q4, int32_t *corr, float *qsc) {
-    /* Vectorised (16 dims at a time, D is a multiple of 16): the scalar lrintf / fmaxf loop went through libm
+    /* Vectorised (16 dims at a time, D is a multiple of 16): a scalar lrintf / fmaxf loop goes through libm
      * calls, ~4 % of an item at context 1024. cvtps_epi32 rounds to nearest even, as lrintf does. */
     for (int r = 0; r < rows; r++) {
         const float *x = qs + r * D;
@@ -509,21 +506,22 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
     /* int8 (compute-bound: half the bytes of fp16 per token) runs per chunk the scores of every head of the
      * item first, then every head's V accumulation: each head's V work waits on a softmax finished several heads
      * earlier, so the out-of-order core overlaps the heads' dependency chains (dot products -> max -> exp ->
-     * weights -> V); in-cache SmolLM2 1 thread +24 %. fp16/fp32 keep each head's scores and V together: phased,
-     * they ran ~5 % slower from DRAM (the K and V reads of a block no longer alternate head by head). Only while
-     * the item's K tiles of one chunk fit in PHASE_I8_BYTES: the V lines the score loop asks L1 for must survive
-     * the other heads' K reads until the V phase. Zen 4 host, paired in-process A/B from DRAM, 2 threads: Llama
-     * (32 heads x 2 KiB) 64 x 1024 / 64 x 4096 0.73 / 0.82 of the read phased, 0.81 / 0.90 not (groups of 2 heads
-     * 0.79 / 0.88, of 4 0.75 / 0.83); SmolLM2 (3 x 1 KiB) phased stays 0-6 % faster (in L2 and from DRAM).
-     * int4 (kv_quantised) is laid out and run as int8 is, in half the bytes. Running each chunk's V phase one chunk
-     * later (after the next chunk's scores, two chunks' weights kept) gave the same results bit for bit and no speed
-     * (Zen 4 host, in L2, SmolLM2 1 thread: 26.0 against 27.0 GB/s; fp16 with each head's V after the next head's
-     * scores 30.2-30.7 both ways): the core already overlaps these chains, issue throughput binds. */
+     * weights -> V); so SmolLM2 in cache runs ~24 % faster on 1 thread. fp16/fp32 keep each head's scores and V
+     * together: phased, they run ~5 % slower from DRAM (the K and V reads of a block would no longer alternate head
+     * by head). Only while the item's K tiles of one chunk fit in PHASE_I8_BYTES: the V lines the score loop asks L1
+     * for must survive the other heads' K reads until the V phase. Past that, phasing costs: Llama (32 heads x 2
+     * KiB) 64 x 1024 / 64 x 4096 reads 0.73 / 0.82 of the read kernel phased against 0.81 / 0.90 not (Zen 4, from
+     * DRAM, 2 threads; groups of 2 or 4 heads fall between), while SmolLM2 (3 x 1 KiB) phased is 0-6 % faster (in L2
+     * and from DRAM). int4 (kv_quantised) is laid out and run as int8 is, in half the bytes. Running each chunk's V
+     * phase one chunk later (after the next chunk's scores, two chunks' weights kept) would give the same results bit
+     * for bit and no speed (in L2, SmolLM2 1 thread: 26.0 GB/s that way against 27.0; fp16 with each head's V after
+     * the next head's scores reads the same both ways): the core already overlaps these chains, issue throughput
+     * binds. */
     const int phased = kv_quantised(dt) && NH * tile_bytes <= PHASE_I8_BYTES;
-    /* Phased items ask for each head's V tile ahead during its V phase (like fp16), not in the score loop:
-     * Zen 5 host, paired A/B from DRAM, SmolLM2 256 x 4096 / 256 x 1024 int8, 2 threads, 0.90 / 0.95 -> 0.98 /
-     * 1.04 of the read kernel (1 thread +1 %); unphased Llama items keep both in the score loop (this way round
-     * 3 % slower on 2 threads). */
+    /* Phased items ask for each head's V tile ahead during its V phase (like fp16), not in the score loop: from
+     * DRAM, SmolLM2 int8 256 x 4096 / 256 x 1024 then reads 0.98 / 1.04 of the read kernel against 0.90 / 0.95
+     * (Zen 5, 2 threads; 1 thread +1 %); unphased Llama items keep both in the score loop (the other way round is 3 %
+     * slower for them on 2 threads). */
     const char *vnext[PHASE_I8_BYTES / 16] = {0}; /* phased: NH * 16 * 16 <= NH * tile_bytes, D >= 16 (int4: 32) */
     /* fp16/fp32 far prefetch distance in tiles: PF_FAR_BYTES of one tile array ahead, past the near level */
     const int32_t far_tiles = (int32_t)(PF_FAR_BYTES / (D * BS * es));

@@ -1,8 +1,8 @@
 /* AVX-512 int8 and int4 with VNNI (Cascade Lake and later): K scores and P x V as int8 dot products (vpdpbusd) on a
  * per-row int8 copy of q and per-chunk u8 weights, 4 bytes per lane instead of one convert + FMA per element; int4
  * unpacks each line of codes into two int8-layout lines with two masks and runs the same way.
- * AMX-INT8 tiles for the group's QK^T (one TDPBSSD per 64 dims) and P x V (one TDPBUSD per 16 dims) were tried
- * and measured slower here: SmolLM2 64 x 1024, 1 thread 2.36 ms vs 1.52 ms with vpdpbusd (2 threads 1.24 vs
+ * AMX-INT8 tiles for the group's QK^T (one TDPBSSD per 64 dims) and P x V (one TDPBUSD per 16 dims) are slower
+ * for this work: SmolLM2 64 x 1024 takes 2.36 ms with them on 1 thread against 1.52 ms with vpdpbusd (2 threads 1.24 vs
  * 0.88): with 3 q rows per tile and the scores needed back in zmm registers for the softmax every 16 tokens,
  * the tile store -> vector load round trips and serialised tile registers cost more than the dot products. */
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))

@@ -96,16 +96,14 @@ int aiollm_set_int8_path(int32_t path) {
 
 /* Whether one int8 call runs the AVX2 kernel's MADD dot products instead of the probed AVX-512 VNNI ones: on Zen 5
  * (aiollm_cpu_int8_group1_madd) for a GQA group of 1, unless an ISA or an int8 path was forced. From DRAM the
- * AVX-512 kernel's VNNI path read slower there at group 1, although in L2 it computes ~2.6x faster than fp32
- * math (110 against 42 GB/s a core); why is not located. Zen 5 host, paired in one process against fp16 and the
- * read kernel, Llama (32 / 32 heads, d 128), int8 / fp16 tokens/s, AVX-512 VNNI / AVX-512 fp32 math / AVX2 MADD:
- * - 2 threads, 64 x 1024: 1.64 / 1.86 / 1.86, 1.68 / 1.82 / 1.90, 1.64 / 1.80 / 1.98, 1.68 / 1.83 / 1.94;
- *   256 x 1024: 1.67 / 1.90 / 1.85, 1.74 / 1.91 / 2.07, 1.57 / 1.90 / 1.95, 1.72 / 1.85 / 1.90;
- *   64 x 4096: 1.59 / 1.83 / 2.09, 1.74 / 1.90 / 1.95, 1.73 / 1.89 / 1.97, 1.65 / 1.82 / 1.94;
- *   32 x 2048: 1.63 / 1.77 / 1.90. Of the read kernel MADD read 0.91-1.00, fp32 math 0.84-0.93, VNNI 0.72-0.86.
- * - 1 thread: 64 x 1024 1.81 / 1.55 / 1.84, 256 x 1024 1.84 / 1.55 / 1.88, 64 x 4096 1.85 / 1.60 / 1.86.
- * - Larger groups keep VNNI: SmolLM2 (group 3, d 64) 2 threads 256 x 1024 2.13 / 1.62 / 1.42, 64 x 4096
- *   1.99 / 1.55 / 1.35; earlier d 64 group 2 2.07 against fp32 math's 1.54. */
+ * AVX-512 kernel's VNNI path reads slower there at group 1, although in L2 it computes ~2.6x faster than fp32
+ * math (110 against 42 GB/s a core); the cause is not known. Llama (32 / 32 heads, d 128), int8 tokens/s over
+ * fp16's on Zen 5:
+ * - 2 threads: AVX2 MADD 1.85-2.09x, AVX-512 fp32 math 1.77-1.91x, AVX-512 VNNI 1.57-1.74x; of the read kernel MADD
+ *   reads 0.91-1.00, fp32 math 0.84-0.93, VNNI 0.72-0.86.
+ * - 1 thread: MADD 1.84-1.88x, VNNI 1.81-1.85x, fp32 math 1.55-1.60x.
+ * - Larger groups keep VNNI: SmolLM2 (group 3, d 64) on 2 threads runs 1.99-2.13x with VNNI, 1.55-1.62x with fp32
+ *   math, 1.35-1.42x with MADD; a group of 2 at d 64 favours VNNI as well (2.07x against fp32 math's 1.54x). */
 static int int8_group1_madd(int isa, int path, int32_t group) {
     return group1_madd && isa == AIOLLM_ISA_AVX512 && group == 1 && path == AIOLLM_INT8_VNNI &&
            !atomic_load(&int8_forced) && !atomic_load(&isa_forced);
@@ -154,12 +152,12 @@ int aiollm_set_isa(int32_t isa) {
 /* ---- which threads run attention: the library's pool, or the calling thread's OpenMP team ----
  *
  * In a step that also runs GEMMs and torch ops on this thread, torch's libgomp workers spin after each of
- * them, so attention on the pool shared its cores with spinning threads (SmolLM2 fp32 batch 64: ~20-24 ms
+ * them, so attention on the pool shares its cores with spinning threads (SmolLM2 fp32 batch 64: ~20-24 ms
  * of attention per step, 12.6 with OMP_WAIT_POLICY=PASSIVE). On the GEMMs' team (gemm_run) the spinning
- * workers do the work: timed around the 30 calls of a colocated step, fp32 batch 64 58-62 -> 34 ms, batch 8
- * 9 -> 5 ms, bf16 batch 64 26-32 -> 15-17 ms. Opt-in per thread (aiollm_set_attn_team), since a thread that runs no torch ops
- * (an R-worker) has no busy team and the sleeping pool suits it; AIOLLM_ATTN_POOL=1 (read once) keeps every
- * call on the pool. */
+ * workers do the work: the 30 calls of a colocated step take 34 ms there instead of 58-62 on the pool at fp32
+ * batch 64, 5 instead of 9 at batch 8, 15-17 instead of 26-32 at bf16 batch 64. Opt-in per thread
+ * (aiollm_set_attn_team), since a thread that runs no torch ops (an R-worker) has no busy team and the sleeping
+ * pool suits it; AIOLLM_ATTN_POOL=1 (read once) keeps every call on the pool. */
 static _Thread_local int attn_team;
 static int attn_pool_forced;
 static pthread_once_t attn_pool_once = PTHREAD_ONCE_INIT;

@@ -1,7 +1,7 @@
 /* The decode step's small ops that are not matrix products: RMSNorm, RoPE, SiLU(gate) * up, greedy argmax.
  *
  * Why native: at decode batch sizes each of these touches a few hundred KB at most, so through PyTorch
- * their cost was dispatch, temporaries and an OpenMP fork/join per op (RMSNorm in fp32 is six ATen ops),
+ * their cost is dispatch, temporaries and an OpenMP fork/join per op (RMSNorm in fp32 is six ATen ops),
  * ~3x their arithmetic. Here each is one call on the calling thread (argmax, the one op that reads MBs,
  * runs on the library's pool), no allocation, the GIL released by cffi.
  *
@@ -291,7 +291,7 @@ int aiollm_argmax_rows(const float *x, int64_t row_stride, int64_t n_rows, int32
 
 /* ---- one decode layer's S-part in one call: the ops above and the GEMM back to back ----
  *
- * Through Python a layer's S-part was ~12 calls (each with argument checks, a tensor allocation and a
+ * Through Python a layer's S-part would be ~12 calls (each with argument checks, a tensor allocation and a
  * cffi crossing): ~0.15 ms per layer, 4-5 ms of a 30-layer step, more than the norms, RoPE and SiLU
  * themselves. Here it is two calls per layer. The row-wise ops run on the GEMM's threads (torch's OpenMP
  * team, see gemm_team.c) when the batch is large enough to pay for the fork, split by rows, so every
@@ -483,7 +483,7 @@ int aiollm_layer_post(const void *h, const void *attn, void *h_out, int64_t n_ro
 
 /* ---- a decode step's layers in one call: pre-attention half, attention, post-attention half, per layer ----
  *
- * Through Python each layer was three calls (layer_pre_kv, decode_attention, layer_post) with their argument
+ * Through Python each layer would be three calls (layer_pre_kv, decode_attention, layer_post) with their argument
  * checks, views and a tensor allocation each: ~8-11 ms of Python and ATen per SmolLM2 fp32 step at batch 64
  * (~8 % of the step) during which the OpenMP team waits. The same three functions run here in the same order
  * on the same buffers, so the results are the same bits. seconds (optional) accumulates the wall time of the

@@ -129,10 +129,10 @@ int aiollm_gemm(const void *x, int64_t ldx, int32_t m, const void *packed, int32
         .panel_bytes = kp * GEMM_NB * elem,
     };
     /* fp32 at small m: one or two tiles a block, so the weights stream straight into the FMAs. A prefetch of
-     * the next block (spread over this block's few k steps) then left memory idle between blocks: SmolLM2's
-     * step at batch 8 read ~20 GB/s that way, ~26 with each tile prefetching its own panels 64 lines ahead
-     * (paired in-process A/B, step time 1.3x at batch 8, 1.1x at 16, 0.92x at 32 where tiles reuse the
-     * block from L2 and the next-block prefetch pays). */
+     * the next block (spread over this block's few k steps) then leaves memory idle between blocks: SmolLM2's
+     * step at batch 8 reads ~20 GB/s that way, ~26 with each tile prefetching its own panels 64 lines ahead.
+     * The own-panel prefetch makes the step 1.3x faster at batch 8 and 1.1x at 16, but 0.92x at 32, where tiles
+     * reuse the block from L2 and the next-block prefetch pays. */
     if (dtype == AIOLLM_DT_F32 && m <= GEMM_SMALL_M) job.args.pf_ahead = GEMM_PF_AHEAD;
     job.block_bytes = job.panel_bytes * GEMM_NR;
     job.n_blocks = (job.args.n_panels + GEMM_NR - 1) / GEMM_NR;

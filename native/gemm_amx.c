@@ -6,7 +6,7 @@
  * 3 C tiles (fp32 16 x 16), tmm0-2 = C, tmm3 = A, tmm4-6 = B. Per 32-wide k step: 4 tile loads, 3
  * TDPBF16PS. The C tiles go through a stack buffer to be rounded to bf16 (plus the residual) under the
  * column mask of a partial last panel. Like the AVX-512 blocks, each tile prefetches its share of the
- * next block's weights into L2. vdpbf16ps runs at half the fp32 FMA rate on this CPU; AMX is what makes
+ * next block's weights into L2. vdpbf16ps runs at half the fp32 FMA rate on these CPUs; AMX is what makes
  * bf16 faster than fp32 beyond a few rows. */
 #define _GNU_SOURCE /* syscall() */
 #include <immintrin.h>

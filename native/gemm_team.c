@@ -2,7 +2,7 @@
  *
  * A decode step interleaves GEMMs with small torch ops. After each torch op, libgomp's idle workers spin
  * (unless OMP_WAIT_POLICY=PASSIVE), so on a machine with as many cores as threads a GEMM on the library's
- * own pool shares its cores with spinning OpenMP threads: SmolLM2's S-part step at batch 32 took 68 ms
+ * own pool shares its cores with spinning OpenMP threads: SmolLM2's S-part step at batch 32 takes 68 ms
  * that way against 51 ms with PASSIVE. Running the GEMM on those very threads (torch's libgomp, found
  * among the loaded objects, entered through its GOMP_parallel) costs no wake-up and leaves nothing
  * spinning beside it. The same runtime torch uses, so no second OpenMP runtime enters the process.

@@ -10,12 +10,12 @@
  *
  * Each head's row is first converted to floats without a per-element dtype switch, then stored; int8 is
  * quantised with SSE2 on x86-64, whose results equal the portable loop's bit for bit. (An R-worker writes every
- * layer's new K/V once per step: at 256 rows the int8 write took ~0.8 ms a layer, a quarter of that layer's
- * attention; now ~0.2 hot, ~0.5 with cold lines, as in a real step.) The scalar fp16 conversions cost ~2 ns an
- * element; the F16C path converts 8 at once: SmolLM2, 256 tokens into 256 blocks, hot 0.50 -> 0.21 us a token.
- * With cold lines (an R-worker's step) 0.97 -> 0.85 us a token: each token's K touches every line of
- * its transposed K tile, and the read-for-ownership of those lines binds (software prefetch a few tokens ahead
- * measured no gain). */
+ * layer's new K/V once per step: at 256 rows the int8 write takes ~0.2 ms a layer hot, ~0.5 with cold lines as in
+ * a real step, against ~0.8 ms hot, a quarter of that layer's attention, for the portable loop with a per-element
+ * dtype switch.) The scalar fp16 conversions cost ~2 ns an element; the F16C path converts 8 at once: SmolLM2, 256
+ * tokens into 256 blocks, 0.21 us a token hot against 0.50 scalar. With cold lines (an R-worker's step) it is 0.85
+ * against 0.97 us a token: each token's K touches every line of its transposed K tile, and the read-for-ownership
+ * of those lines binds (software prefetch a few tokens ahead gains nothing). */
 #include <float.h>
 
 #include "attn_internal.h"
