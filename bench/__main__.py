@@ -19,6 +19,10 @@ BENCHMARKS = {
     "serve": "bench.serve",
     "planner": "bench.planner",
 }
+# other commands -> module with add_arguments(parser) and main(args) -> exit status
+COMMANDS = {
+    "table": "bench.table",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +39,14 @@ def main(argv: list[str] | None = None) -> int:
         child.add_argument("--json", type=Path, help="write the figures to this JSON file")
         module.add_arguments(child)
         child.set_defaults(module=module)
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        child = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        module.add_arguments(child)
+        child.set_defaults(command=module)
     args = parser.parse_args(argv)
+    if getattr(args, "command", None) is not None:
+        return args.command.main(args)
     keep_freed_memory()  # as the roles' processes run (aiollm.heap): the bench hosts S-workers and baselines
     figures = args.module.run(args)
     print_figures(args.name, figures)
