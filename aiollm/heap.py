@@ -4,9 +4,9 @@ Why: a decode step allocates the same large tensors every time (SmolLM2's logits
 6.3 MB of bf16 and 12.6 MB of fp32). By default glibc hands the top of its heap back to the kernel once more than
 its trim threshold is free there, and that threshold follows the largest block freed (twice its size), so a step
 that frees a few such blocks at once gives their pages back and the next step faults them in, zeroed by the kernel,
-again. Measured on the S-worker of the FastDecode schedule trace's placement (B=128 in two mini-batches, one
-R-worker process on the other core, context 1280): ~18.8 K page faults/s (~3,800 a step), ~2.2 K/s with the
-thresholds fixed as below, and 7-11 ms less S-worker CPU per ~235 ms step. The cost: up to `trim` bytes freed at
+again. On the S-worker of the FastDecode schedule trace's placement (B=128 in two mini-batches, one R-worker
+process on the other core, context 1280) that is ~18.8 K page faults/s (~3,800 a step); with the thresholds fixed
+as below ~2.2 K/s, and 7-11 ms less S-worker CPU per ~235 ms step. The cost: up to `trim` bytes freed at
 the heap's top stay with the process.
 
 Process-wide and effective for allocations made after the call, so each entry point (a node, the bench, the CLIs)

@@ -1,8 +1,8 @@
 """Running a handler straight from the transport's receive callback, as if the actor's own task ran it.
 
-Why: on these VMs a task wake-up in a process that was asleep costs far more than in a tight loop
-(cold caches, one more event-loop turn with its epoll call), and a remote ask used to pay two on
-the serving side. When an actor is idle (its loop task parked on an empty mailbox), `ActorCell`
+Why: on small VMs a task wake-up in a process that was asleep costs far more than in a tight loop
+(cold caches, one more event-loop turn with its epoll call), and without this a remote ask pays two
+on the serving side. When an actor is idle (its loop task parked on an empty mailbox), `ActorCell`
 runs the handler's first step right where the request frame was decoded, so a handler that does
 not suspend (most asks) has replied before the callback returns.
 

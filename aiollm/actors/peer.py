@@ -2,7 +2,7 @@
 
 Frames arrive by push (`Connection.deliver`): over tcp `_on_frame` runs inside the transport's
 receive callback, so a reply settles the asker's future and a request lands in its actor's
-mailbox with no reader task in between (one task wake-up less per frame, measured as the
+mailbox with no reader task in between (one task wake-up less per frame, the
 largest avoidable cost of an ask). Asks, stream items and requests are handled there directly;
 when a mailbox is full `_on_frame` returns the wait, the transport delivers nothing more until
 it is done and stops reading, and the sender's transport backs up — backpressure across the

@@ -5,7 +5,7 @@ decode steps of an S-worker and R-worker processes, each side timed by its own p
 inputs, so the model can be tested with given numbers and `python -m aiollm.plan fastdecode --t-of-b PATH
 --r-per-token R` runs without a model loaded. The probes drive real actors (an S-worker spawned on the caller's
 driver, R-workers wherever their URLs point) because every term they read, a wake-up, a KV write, the cores two
-processes share, is one a synthetic ping-pong misses (it measured 2-3x less here).
+processes share, is one a synthetic ping-pong misses (it reads 2-3x less).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from aiollm.planner.fastdecode import (
 
 # threads of the S-part and of each R-worker's attention while measuring: the roles' defaults (`--role s-worker
 # --threads 1`, `--role r-worker --threads 1`), the placement the model prices. Left at torch's default (every
-# core), the sizing CLI measured the S-part on 2 threads, whose CPU per step then read ~1.7x its wall time, and
-# priced B=256 on one R-worker at 499 ms where `bench fastdecode` measures ~220
+# core), the S-part would run on every core (on 2 cores its CPU per step reads ~1.7x its wall time), and the sizing
+# would price B=256 on one R-worker at ~2x the step `bench fastdecode` measures (~500 against ~220 ms)
 S_THREADS = 1
 R_THREADS = 1
 
@@ -247,14 +247,15 @@ async def measure_overlap(
     """The pipeline's overlap loss (`overlap_loss`) from a pipelined probe of `batch` sequences at `context`
     entries on the R-workers at `r_workers` (choose it with `balanced_context`), each side timed by its own CPU
     clock, the waits per ask taken from the pipelined `costs` (`step_costs`) as `predict_step` takes them. Median
-    of 8 steps: on a machine whose speed drifts, the loss of a 4-step probe read 0.007 and 0.178 in two runs.
+    of 8 steps: on a machine whose speed drifts, the loss of a 4-step probe can read 0.007 in one run and 0.178 in
+    the next.
 
     The loss shows only where the sides balance, and `context` is where the model expects them to. With `longest`
     > 0, a probe whose sides came out more than 15 % apart is followed by one at the context where the measured
     sides meet (the busiest R-worker's CPU beyond its asks taken as proportional to the context; at most
-    `longest`), and the better balanced of the two is kept. (A trace's sizing probed the model's balance at 832
-    entries, measured S-worker 104.5 against R-worker 150.9 ms of CPU and a loss of 0.007, so the model expected
-    a perfect overlap; the held step then ran 163 ms where it priced 122.)"""
+    `longest`), and the better balanced of the two is kept. (A probe off balance shows almost no loss: with the
+    S-worker at 104.5 and the R-worker at 150.9 ms of CPU it can read 0.007, so the model would expect a perfect
+    overlap and price at 122 ms a step that runs 163.)"""
     p = len(r_workers)
     layers = model.config.n_layers
     ask = interpolate_cost(costs, max(1.0, batch / (2 * p)))
@@ -285,8 +286,8 @@ async def step_curve(
 ) -> list[tuple[float, float]]:
     """(W, step seconds) of pipelined decode steps of `batch` synthetic sequences at each of `contexts`, for
     `fit_step_curve`: W is the mean KV entries the steps held, the step the median of `steps` (`probe_step`),
-    the fastest of `passes` passes (a slow phase of this machine only ever adds time: one pass scattered 20 ms rms
-    about its fit where the pass before had 6.6, and placed S at 1792 where the other placed it at 2016). The
+    the fastest of `passes` passes (a slow phase of a shared machine only ever adds time: a pass that meets one can
+    scatter 20 ms rms about its fit where a calm one scatters 6.6, and move the placed S by ~10 %). The
     first pass visits the contexts from the middle outwards, alternating sides, the next in the reverse order, and
     so on, so that a slow phase seconds long falls on different W each pass."""
     if passes < 1:
@@ -305,7 +306,7 @@ async def step_curve(
 
 async def _s_part_off_loop(s_part_now: Callable[[int], float], rows: int) -> float:
     """s_part_now(rows) in a worker thread: a large T(B) takes seconds on a slow host, and the event loop must keep
-    the R-workers' heartbeats going meanwhile (blocked 5 s, they dropped this node as dead)."""
+    the R-workers' heartbeats going meanwhile (blocked 5 s, they drop this node as dead)."""
     import asyncio
 
     return await asyncio.to_thread(s_part_now, rows)
@@ -331,13 +332,13 @@ async def step_costs(
     T(P*b)) / asks), the busiest R-worker's CPU beyond its attention, and the wait: the part of the step the
     busier side does not compute. Pipelined steps cost the S-worker more per ask than two unpipelined halves
     (two coroutines interleaving, a loop wake-up per reply), so each mode is priced with its own. An idle
-    ping-pong with the same tensors measured 2-3x less here: it misses the wake-ups, the KV write and block
+    ping-pong with the same tensors reads 2-3x less: it misses the wake-ups, the KV write and block
     tables, and the competition for cores.
 
     s_part_now(b): the S-part's seconds at b rows measured now; given, it is read right before and right after
     each probe and the mean subtracted instead of `t_of_b`'s: the S share of an ask is the small difference of
-    two large numbers, and this machine's speed drifts by up to 2x in phases of seconds (T(128) alone read 66-137
-    ms within 25 s here), which put 0-8 ms per ask into it from a T(B) measured minutes earlier."""
+    two large numbers, and a shared machine's speed drifts by up to 2x in phases of seconds (T(128) alone can read
+    66-137 ms within 25 s), which puts 0-8 ms per ask into it from a T(B) measured minutes earlier."""
     out = {}
     p = len(r_workers)
     groups = 2 if pipeline else 1

@@ -47,7 +47,7 @@ _TARGET_POINTS = 2.0
 def read_serve_results(path: Path) -> dict | None:
     """A real serving run to compare with, or None if the file does not exist.
 
-    The file this reads (written by `python -m bench serve --json PATH`, issue 7) is JSON with
+    The file this reads (written by `python -m bench serve --json PATH`) is JSON with
       "model": "smollm2", "ttft_slo": seconds, "tpot_slo": seconds, "kv_tokens": decode KV capacity,
       optional "max_running" (default 128), "max_batch_tokens" (default: L_m of the local profile) and
       "prefill_queue_limit" (default 4, the controller's),

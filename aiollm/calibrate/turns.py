@@ -1,8 +1,8 @@
 """S-workers taking turns on one core, so that runs of two configurations are measured side by side.
 
-On the shared 2-vCPU hosts the memory bandwidth drifts by a quarter over minutes, more than the load-stabilising
-schedule's whole predicted gain. Two runs one after the other (the schedule trace's old pairs) therefore compare two
-phases of the host as much as two configurations. Here both S-workers live at once, each with its own R-worker, and
+On a shared 2-vCPU host the memory bandwidth can drift by a quarter over minutes, more than the load-stabilising
+schedule's whole predicted gain. Two runs one after the other therefore compare two phases of the host as much as
+two configurations. Here both S-workers live at once, each with its own R-worker, and
 take turns of a few seconds: every configuration samples the same minutes. Each worker's steps are then read on its
 own clock, the wall clock with the other workers' turns cut out (`active_clock`).
 """

@@ -18,11 +18,10 @@ class BlockAllocator:
     all-or-nothing.
 
     Why runs: attention reads a sequence's blocks in table order, and the hardware prefetchers stream a run of
-    adjacent blocks but restart at every jump. Zen 5 host, SmolLM2 fp16 256 x 4096, 2 threads, paired against the
-    read kernel: tables of single scattered blocks read 0.66-0.69 of it, runs of 8 blocks 0.85, of 16 0.92-0.95,
-    whole sequences 0.95-0.98 (`python -m bench kvalloc`). A LIFO free list (this class until 2026-12-03) hands
-    out contiguous ids only to a fresh pool: after a few thousand admissions and frees of mixed lengths its
-    sequences averaged 1.1 blocks per run. Here a request takes the smallest free run that holds it whole (best
+    adjacent blocks but restart at every jump. SmolLM2 fp16 256 x 4096, 2 threads, against the read kernel (Zen 5):
+    tables of single scattered blocks read 0.66-0.69 of it, runs of 8 blocks 0.85, of 16 0.92-0.95, whole sequences
+    0.95-0.98 (`python -m bench kvalloc`). A LIFO free list hands out contiguous ids only to a fresh pool: after a
+    few thousand admissions and frees of mixed lengths its sequences average 1.1 blocks per run. Here a request takes the smallest free run that holds it whole (best
     fit, which leaves the large runs for large requests), else the largest runs until it is covered; either way the
     ids come back ascending. Each call scans the free map (numpy, ~30 us for 20k blocks): allocations are per
     admission or per batch of steps, not per token."""
@@ -88,8 +87,8 @@ class BlockTable:
 
     A sequence that needs a new block takes `extent` blocks at once (one run from the allocator) and keeps the
     ones it has not reached yet as a reservation. Without it, sequences growing in lockstep (a decode batch, one
-    token each per step) took one block each per round from the same run, so every sequence's table jumped at
-    every block: the scattered tables that read ~0.7 of the memory's speed (BlockAllocator). When the allocator
+    token each per step) would take one block each per round from the same run, so every sequence's table would jump
+    at every block: the scattered tables that read ~0.7 of the memory's speed (BlockAllocator). When the allocator
     cannot pad every request, the other sequences' reservations go back to it first, so padding never makes an
     append fail that would fit without it. Every method that allocates checks first and allocates all-or-nothing,
     so a KVCacheFull leaves every sequence's blocks and length unchanged."""

@@ -4,7 +4,7 @@ colocated engine (`aiollm.model.engine`) and the serving runner (`aiollm.serving
 Each sequence feeds one token; every layer runs its S-part (`pre_attention`, `post_attention`) and its
 R-part (attend with the native kernel, on the same OpenMP team as the GEMMs). On the fused CPU path all the
 layers run in one native call (`model.decode_layers`, same bits as the per-layer calls, which remain the path
-elsewhere): per layer through Python they cost ~8 % of a SmolLM2 fp32 batch-64 step while the team waited. `pre_attention` also stores the
+elsewhere): per layer through Python they cost ~8 % of a SmolLM2 fp32 batch-64 step while the team waits. `pre_attention` also stores the
 new K/V: on the fused path inside its native call, each row by the thread that just rotated it. The step's
 index arrays are checked once (`KVPool.prepare_decode`), the positions once (`model.rope`), and two buffers
 serve all layers: RoPE writes each layer's q straight into the fp32 buffer the attention kernel reads (no

@@ -3,8 +3,8 @@
 On a CPU with AVX-512 (fp32) or AVX512_BF16 (bf16) the weight becomes an aiollm.native.gemm.PackedWeight
 and products run on the native skinny GEMM, which streams the weights at close to the machine's read
 bandwidth at small batch and reuses them from L2 across the rows of larger ones. oneDNN's packed GEMMs
-(the path before it, kept as the fallback) read SmolLM2's weights at ~15 GB/s at batch 8 and reached
-140-200 GFLOPS at batch 32-64 here; `F.linear` (MKL sgemm) re-packs the weight on every call and is
+(the fallback) read SmolLM2's weights at only ~15 GB/s at batch 8 and reach 140-200 GFLOPS at batch 32-64;
+`F.linear` (MKL sgemm) re-packs the weight on every call and is
 slower still. Elsewhere (CUDA, no oneDNN) weights stay dense and `F.linear` is used.
 """
 
@@ -43,7 +43,7 @@ def _onednn_bf16() -> bool:
 @functools.cache
 def fastest_cpu_dtype() -> str:
     """'bf16' where this CPU multiplies bf16 natively (the native kernel or oneDNN), else 'fp32': on a CPU
-    without either (an AVX2-only AMD Zen 3 here) bf16 products are converted element by element and run
+    without either (an AVX2-only AMD Zen 3, say) bf16 products are converted element by element and run
     several times slower than fp32."""
     native = gemm.supported(torch.bfloat16) or (torch.backends.mkldnn.is_available() and _onednn_bf16())
     return "bf16" if native else "fp32"

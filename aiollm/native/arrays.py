@@ -37,8 +37,9 @@ CACHE_LINE = 64
 
 def aligned_full(shape: tuple[int, ...], fill, dtype) -> np.ndarray:
     """An array whose data starts on a cache line. numpy's large allocations start 16 bytes past one, so every
-    64-byte load of the AVX-512 kernels (and every other 32-byte AVX2 load) spanned two lines; aligned, the kernels
-    read ~4-8 % faster with the KV in L2 (Zen 5 host, 1 thread, fp16 SmolLM2 45 -> 47.6 GB/s, Llama 108 -> 118).
+    64-byte load of the AVX-512 kernels (and every other 32-byte AVX2 load) would span two lines; aligned, the
+    kernels read ~4-8 % faster with the KV in L2 (1 thread, fp16: SmolLM2 47.6 against 45 GB/s, Llama 118 against 108
+    on a Zen 5 core).
     Zero-filled arrays stay lazily zero-paged, as np.zeros is."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -51,8 +52,8 @@ def aligned_full(shape: tuple[int, ...], fill, dtype) -> np.ndarray:
 
 
 class Arr(NamedTuple):
-    """One array as the kernels see it; `obj` keeps the memory alive for the duration of the call. (A NamedTuple,
-    immutable like the frozen dataclass it was, at a third of its construction cost: ~10 per kernel call.)"""
+    """One array as the kernels see it; `obj` keeps the memory alive for the duration of the call. (A NamedTuple:
+    immutable like a frozen dataclass, at a third of its construction cost, and there are ~10 per kernel call.)"""
 
     ptr: int
     dtype: str

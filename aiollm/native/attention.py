@@ -16,7 +16,7 @@ entries and slots again and returns a status code, turned into the same exceptio
 Threads: the library has its own persistent pthread pool (not OpenMP). `n_threads` (or the process-wide
 default from `set_num_threads`, initially the CPUs this process may run on) sets how many threads one call
 uses; the pool's workers sleep between calls. PyTorch's libgomp team spin-waits after each parallel region
-instead, which slowed attention running next to torch GEMMs ~2x here unless OMP_WAIT_POLICY=PASSIVE. The rule
+instead, which slows attention running next to torch GEMMs ~2x unless OMP_WAIT_POLICY=PASSIVE. The rule
 (README, "Native attention kernels"): never run both concurrently on the same cores, and in a process that
 runs both set OMP_WAIT_POLICY=PASSIVE before importing torch. A thread that interleaves attention with its
 own torch ops (the colocated decode step) instead runs it on its OpenMP team inside `on_gemm_team()`.

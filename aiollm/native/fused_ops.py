@@ -1,18 +1,18 @@
 """Python side of native/fused_ops.c: the decode step's RMSNorm, RoPE, SiLU(gate)*up and greedy argmax.
 
 Through PyTorch these small ops cost several ATen calls each (fp32 RMSNorm is six), every one with its
-dispatch, a temporary and an OpenMP fork/join: measured in a SmolLM2 decode step, fp32 batch 64, norms
-+ RoPE + SiLU*up + argmax took ~15 ms of a ~170 ms step. Natively each is one call on the calling
+dispatch, a temporary and an OpenMP fork/join: in a SmolLM2 decode step, fp32 batch 64, norms + RoPE +
+SiLU*up + argmax take ~15 ms of a ~170 ms step that way. Natively each is one call on the calling
 thread (argmax on the GEMMs' OpenMP team), writing into a buffer the caller may reuse.
 
 `layer_pre` / `layer_post` run a whole half-layer (norm, GEMMs, RoPE or SiLU, residuals) as one call: through
-Python a layer was ~12 calls with their checks and allocations (~0.1 ms a layer, a few ms a 30-layer step).
+Python a layer would be ~12 calls with their checks and allocations (~0.1 ms a layer, a few ms a 30-layer step).
 
 `native(x)` says whether a tensor can take this path (CPU, fp32 or bf16); callers keep PyTorch otherwise
 (CUDA, fp16). Every argument is checked here before the C call (ValueError naming it); C checks sizes
 and positions again and returns a status code. The half-layer calls check their weights and RoPE tables
-once per combination (fixed after load) and only the activations on every call: their generic checks were
-~50 us of Python a layer, about what a small-batch layer's GEMMs take.
+once per combination (fixed after load) and only the activations on every call: generic checks of every argument
+would be ~50 us of Python a layer, about what a small-batch layer's GEMMs take.
 """
 
 import math
@@ -520,8 +520,8 @@ def decode_layers(
     """Every layer of a decode step in one native call: per layer `layer_pre` (q into `q`, k and v stored by
     `kv_step`), decode attention over `kv_step`'s pool into `attn_out`, and `layer_post` updating h in place.
 
-    Per layer through Python these were three calls with their checks, views and allocations: ~8-11 ms of a
-    SmolLM2 fp32 batch-64 step (~8 %), while the OpenMP team waited. Same functions, same order, same bits.
+    Per layer through Python these would be three calls with their checks, views and allocations: ~8-11 ms of a
+    SmolLM2 fp32 batch-64 step (~8 %), while the OpenMP team waits. Same functions, same order, same bits.
     h [n, hidden] contiguous of the weights' dtype (updated and returned); layers: per layer (attn_norm, w_qkv,
     w_o, mlp_norm, w_gate_up, w_down); positions, cos, sin as for `layer_pre`; kv_step a `KVPool.prepare_decode`
     step over these n rows (its checked block tables and lengths are the attention's); q fp32 [n, n_q_heads, head_dim] and attn_out [n, n_q_heads, head_dim] of h's dtype, contiguous.

@@ -2,7 +2,7 @@
 
 The kernel streams each weight panel from memory once per call and reuses it from L2 across all rows of
 the batch, prefetching the next panel while it computes; that is what decode batches (1 to a few hundred
-rows) need and what oneDNN's packed GEMMs do not reach here (see aiollm.model.linear). fp32 runs fp32
+rows) need and what oneDNN's packed GEMMs do not reach (see aiollm.model.linear). fp32 runs fp32
 math on AVX-512; bf16 runs bf16 products with fp32 accumulation (AVX512_BF16), y rounded once.
 
 Every argument is checked here (TypeError for a wrong dtype or type, ValueError for a wrong shape or
@@ -53,11 +53,10 @@ _MADV_HUGEPAGE = 14
 
 
 class _Slabs:
-    """Packed weights placed in 2 MiB-aligned slabs marked MADV_HUGEPAGE (this machine's transparent huge
-    pages are on for madvised memory only), so a step's streaming read of every weight is served by 2 MiB
-    pages: with 4 KiB pages each of SmolLM2's fp32 step's ~130 k weight pages costs a TLB miss and a page
-    walk. Paired in-process A/B of the step's products, same code, huge vs 4 KiB pages: ~1.08x at batch 1,
-    ~1.12x at 8, ~1.04x at 32 and 64. A slab lives while any weight in it does; the pages past the last
+    """Packed weights placed in 2 MiB-aligned slabs marked MADV_HUGEPAGE (transparent huge pages are commonly
+    on for madvised memory only), so a step's streaming read of every weight is served by 2 MiB pages: with 4 KiB
+    pages each of SmolLM2's fp32 step's ~130 k weight pages costs a TLB miss and a page walk. Huge pages make the
+    step's products ~1.08x faster at batch 1, ~1.12x at 8, ~1.04x at 32 and 64. A slab lives while any weight in it does; the pages past the last
     weight are never touched, so they take no memory."""
 
     MIN_BYTES = 256 << 10

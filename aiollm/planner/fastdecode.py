@@ -7,8 +7,8 @@ so neither side waits when the R time per step equals the S time T(B): B*S*R / (
 B itself is the largest batch whose T(B) meets the latency target, or, without one, the smallest batch that
 reaches 90 % of the best measured S-part throughput B/T(B) (past it, more batch adds latency, not tokens/s).
 
-That formula ignores costs that dominate on a small CPU box (measured on 2 shared vCPUs: the formula
-predicted 0.60x the real step). `predict_step` adds them, each measured in real steps of S-worker and
+That formula ignores costs that dominate on a small CPU box (on 2 shared vCPUs it predicts 0.60x the real
+step). `predict_step` adds them, each measured in real steps of S-worker and
 R-worker processes with their CPU clocks (`step_costs`, `long_step_terms` in
 `aiollm.calibrate.fastdecode_probes`, which measures every input this module prices), not assumed:
 - communication and bookkeeping: every layer sends each R-worker one `Attend` per mini-batch and waits for the
@@ -16,13 +16,13 @@ R-worker processes with their CPU clocks (`step_costs`, `long_step_terms` in
   spread over the asks), the R-worker's CPU beyond the attention (decoding, KV write, block tables, reply),
   and the time neither computes (wire, wake-ups): `AskCost`;
 - the R-part in situ: attention CPU per KV entry in a real R-worker while its peers attend too, and the
-  S-worker's CPU that grows with the KV the R-workers stream (measured 0.05-0.4 us per entry on this box:
-  their streaming evicts its weights from the shared cache);
+  S-worker's CPU that grows with the KV the R-workers stream (0.05-0.4 us per entry on a 2-core box: their
+  streaming evicts its weights from the shared cache);
 - core sharing: when the S-worker and the P R-workers have fewer cores than processes, no part overlaps for
   free: the step is at least all the CPU work over the cores.
 - the pipeline's overlap loss: two mini-batches overlap S-side and R-side only as far as each side's per-layer
   work arrives in time for the other; where the two sides balance, every layer's jitter leaves one waiting
-  (measured here: pipelined steps 14-31 % above the busier side's CPU, most where the sides are equal). One
+  (on a 2-core box pipelined steps run 14-31 % above the busier side's CPU, most where the sides are equal). One
   balanced probe (`measure_overlap`: a pipelined step whose S-side and R-side CPU the model prices equal) gives
   the idle beyond the bounds as a fraction of the lesser side (`overlap_loss`), and a pipelined step is charged
   that fraction of its own lesser side: nothing where one side dominates, the most where they balance.
@@ -195,7 +195,7 @@ def predict_step(
     # R-workers on cores of their own run side by side only as far as those cores go; sharing, see all_over_cores.
     # A fractional effective count means slower cores, not fewer: R in situ is measured with the R-workers attending
     # at once, so their slow-down side by side is in it already (dividing by 1.49 effective cores instead of 2
-    # priced a time-shared step at 1.29x its measured time)
+    # would price a time-shared step ~1.3x too long)
     side_by_side = min(workers, r_cores or math.ceil(cores - 1e-9))
     r_worker = r_each * workers / min(workers, r_cores) if r_cores else r_each
     # a mini-batch waits for its own S-side work, then per layer for its R-workers (side by side as far as there
@@ -311,9 +311,9 @@ class StepCurve:
     max of the two sides), the bend rounded over `width` entries (a softplus; 0: a sharp corner).
 
     The schedule's balanced S comes from this rather than from the step model, whose inputs drift run to run and
-    whose shape is off: on the Zen 4 host it priced the gain still rising at S = 2880 and placed the traces' S at
-    2256-2864, while the unscheduled runs' own steps bent at W ~110-160 K (S ~1700-2500 at B=128). The rounding
-    is what the pipeline loses where the sides balance (held steps sat 1.02-1.19x the S-bound floor): a held W
+    whose shape is off: it can price the gain still rising at S = 2880 where real steps at B=128 already bend at
+    W ~110-160 K (S ~1700-2500). The rounding is what the pipeline loses where the sides balance (held steps sit
+    1.02-1.19x above the S-bound floor): a held W
     at a sharp corner would look free, so the rounding moves the best S past the corner."""
 
     base: float
@@ -583,8 +583,8 @@ def effective_cores(cores: int, alone: list[float], together: list[list[float]])
     """How many of `cores` a run gets right now, from paired rounds of a fixed single-threaded job: round i timed
     alone (`alone[i]`, seconds) and as `cores` copies at once (`together[i]`, each copy's own time). Per round
     cores * alone / mean(together), capped at `cores`; the median over rounds, so one disturbed round (the
-    machine's speed drifts in phases of seconds) moves it less than a single reading (one ~3 s reading read 1.49
-    here while the rounds around it read ~2)."""
+    machine's speed drifts in phases of seconds) moves it less than a single reading (one ~3 s reading can
+    read 1.49 while the rounds around it read ~2)."""
     if (
         cores <= 0
         or not alone

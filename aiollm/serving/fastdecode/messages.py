@@ -5,8 +5,8 @@ One decode step, per layer, is one `Attend` ask to every R-worker holding sequen
 attention output `Attended.o` comes back. A sequence's id list travels only with layer 0 of a step (the step's
 static part); the other layers name the mini-batch `group` and the R-worker reuses the block
 tables it built at layer 0. Admission (`Admit`) makes the R-worker pull the prompt's KV itself
-with the DistServe stream `PullKV` -> `KVBlock` items from whoever holds it (the S-worker in the
-FastDecode issue, a prefill instance under DistServe) and acknowledge with `AckKV`; those three
+with the DistServe stream `PullKV` -> `KVBlock` items from whoever holds it (the S-worker under
+FastDecode, a prefill instance under DistServe) and acknowledge with `AckKV`; those three
 types live in aiollm.serving.distserve.messages and are reused as they are.
 """
 
