@@ -1,8 +1,7 @@
 """TCP transport (`tcp://host:port`): frames over asyncio streams, payloads received in place.
 
-Why it is shaped this way (measured on the foundation issue): `asyncio.BufferedProtocol` on uvloop
-moves 90-98 % of what raw sockets do, while `StreamReader.readexactly` copies and falls to a
-fraction of that for large payloads. So:
+Why it is shaped this way: `asyncio.BufferedProtocol` on uvloop moves 90-98 % of what raw sockets do,
+while `StreamReader.readexactly` copies and falls to a fraction of that for large payloads. So:
 
 - Receiving: small data (prefixes, headers, small buffers) is read into one scratch buffer and
   parsed from there; once a frame's sizes and header are known, its buffers are allocated (the

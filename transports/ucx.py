@@ -1,7 +1,6 @@
 """UCX transport (`ucx://host:port`): the same frames as `tcp`, moved by UCX (shared memory, tcp, RDMA).
 
-Binding: `ucxx` (RAPIDS, PyPI `ucxx-cu12`, the maintained successor of ucx-py, whose PyPI package
-only downloads from a host this network cannot reach). Only its low-level layer is used (context,
+Binding: `ucxx` (RAPIDS, PyPI `ucxx-cu12`, the maintained successor of ucx-py). Only its low-level layer is used (context,
 worker, endpoints, tagged messages), so another binding could replace it inside this module.
 
 Design, and why:
@@ -18,8 +17,8 @@ Design, and why:
 - Progress: one UCX worker per event loop, progressed from the loop. `ucx.progress=event` (default)
   progresses when the worker's event fd fires or an operation is posted, then re-arms the worker,
   so an idle process sleeps in epoll and never spins — on a machine with more processes than cores
-  a spinning peer turns each round trip into a scheduler slice (8 ms measured with both processes
-  on one core). `ucx.spin_us` (50) keeps polling briefly after activity, yielding the core between
+  a spinning peer turns each round trip into a scheduler slice (8 ms with both processes on one
+  core). `ucx.spin_us` (50) keeps polling briefly after activity, yielding the core between
   polls, so a prompt reply skips a sleep/wake-up pair without starving a peer on the same core.
   `ucx.progress=polling` progresses on every loop iteration while connections are open: lowest
   latency on dedicated cores, a full core per process otherwise. ucxx's own progress modes are not
