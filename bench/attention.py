@@ -7,8 +7,9 @@ One layer of each shape is measured: SmolLM2 (9 q heads / 3 kv heads, d=64) and 
 a group folded into the query-length axis; never repeat_interleave). The read bandwidth comes from the
 library's own STREAM-like read kernel (with the same two-level software prefetch as the fp16 kernel, so the
 kernel is never compared with a read it can outrun) on a 1 GiB array, on 1 and 2 threads of the same pool,
-measured interleaved with each kernel figure (`paired`): on this shared VM it drifts by up to 2x within minutes,
-so a reference taken once at the start made the ratios swing with the neighbours' load rather than the kernel.
+measured interleaved with each kernel figure (`paired`): on a shared VM it drifts by up to 2x within minutes,
+so a reference taken once at the start would make the ratios swing with the neighbours' load rather than the
+kernel.
 Each round times every entry once (the read and each kernel, in alternating order, each over ~1 GiB of calls
 with the per-call overhead inside); pct_read is the median over rounds of the kernel / read ratio of the same
 round, pct_read_best the best kernel round over the best read round (both in the JSON, the headline from the
@@ -21,21 +22,20 @@ whose tables name the same blocks), on 1 thread (hot_fp16_1t_gbs, hot_int8_1t_gb
 and divides the 1-thread read bandwidth by it (alu_share_fp16 / _int8): the share of a core's time the kernel's
 arithmetic needs to keep up with memory. Near 1 the kernel cannot reach the read bandwidth whatever the prefetch
 does; at 0.5-0.6 it reaches it only while the memory work and the arithmetic overlap almost perfectly, and loses
-first when a neighbour slows the core. The fp16 floor depends on the host. GQA 3 at d=64 needs 384 zmm FMAs per 16
+first when a neighbour slows the core. The fp16 floor depends on the CPU. GQA 3 at d=64 needs 384 zmm FMAs per 16
 tokens of one kv head (3 per K and per V vector of 16 values, 1.5 multiply-adds per KV byte) and 128 vcvtph2ps. On
-the Intel hosts (AMX) of earlier sessions vcvtph2ps took both FMA ports for a cycle per 16 values, as 2 FMAs do:
-640 port slots, ~32 GB/s per core at 2.4 GHz against ~14 GB/s of memory per core. On the AMD Zen 4 host of
-2026-12-01 (3.5 GHz, one zmm FMA per cycle, 22-31 GB/s of memory per core) the conversions ride beside the FMAs
-(a loop of 12 independent zmm FMAs ran at the same speed with 0-3 vcvtph2ps added per 12 FMAs and ~10 % slower
-with 4, the kernel's mix): ~37 GB/s per core before the softmax, about one core's read bandwidth with it.
+Intel Xeons with AMX vcvtph2ps takes both FMA ports for a cycle per 16 values, as 2 FMAs do: 640 port slots, ~32
+GB/s per core at 2.4 GHz against ~14 GB/s of memory per core. On AMD Zen 4 (one zmm FMA per cycle; at 3.5 GHz with
+22-31 GB/s of memory per core) the conversions ride beside the FMAs (a loop of 12 independent zmm FMAs runs at
+the same speed with 0-3 vcvtph2ps added per 12 FMAs and ~10 % slower with 4, the kernel's mix): ~37 GB/s per core before the softmax, about one core's read bandwidth with it.
 On 1 thread `ceiling_fp16_1t_vs_read_bw_1t` is the same bound for the row that sets `ratio_fp16_1t_vs_read_bw_1t`:
-min(1, hot_fp16_1t_gbs / read_1t_gbs), what a perfect overlap of memory and arithmetic would reach there (on the
-Zen 4 host's SmolLM2 rows 0.86-0.93, below the 0.90 target on most of them).
+min(1, hot_fp16_1t_gbs / read_1t_gbs), what a perfect overlap of memory and arithmetic would reach there (on such
+a Zen 4 host SmolLM2's rows reach 0.86-0.93, below the 0.90 target on most of them).
 The same figures on all the bench's threads (hot_*_2t_gbs) bound the DRAM figures: ceil_pct_read (the fp16
 arithmetic's rate over the row's read, capped at 100 %; `ceiling_fp16_vs_read_bw` on the row that sets
 `ratio_fp16_vs_read_bw`) and ceil_int8_x_fp16 (int8 tokens/s at its arithmetic rate over the measured fp16
 tokens/s; `ceiling_int8_vs_fp16`, the lowest row). They are taken at another moment than the DRAM figures, and
-on that host the two vCPUs gave 1.1-1.9x one core's arithmetic between moments of one run, so they show where
+on a shared host two vCPUs can give 1.1-1.9x one core's arithmetic between moments of one run, so they show where
 the arithmetic binds rather than an exact bound.
 
 The hardware's own bound: fp16 KV needs 2 * group * head_dim multiply-adds per token and kv head against 4 *
@@ -44,14 +44,14 @@ FMA chains of the kernel's vector width and nothing else, the best over the run)
 any kernel that does those multiply-adds in fp32, whatever its prefetch: fma_bound_1t_gbs (one core) and
 fma_bound_*t_gbs per row, and in the summary `ceiling_fp16_1t_fma_vs_read_bw_1t` / `ceiling_fp16_fma_vs_read_bw`,
 the lowest over rows with context >= 1024 of that bound over the row's read bandwidth. Below 0.90 the fp16 target
-is out of reach on that host for that shape. On a Zen 4 core whose AVX-512 a hypervisor hides (two ymm FMAs a
+is out of reach on that CPU for that shape. On a Zen 4 core whose AVX-512 a hypervisor hides (two ymm FMAs a
 cycle at 2.8 GHz, 45 G multiply-adds/s) SmolLM2's bound is 30 GB/s, one core's read.
 
 Far prefetch: the AVX-512 kernel's far (L2) software prefetch level is on or off per CPU and storage class
 (native/cpu.c: off on AMD Zen 5, where the hardware prefetchers read faster without it, and for int8 / int4 on
 Intel). Each row also runs fp16 and int8 with their own class the other way round in the same rounds
 (pct_read_far_alt: fp16 so over the read; int8_x_fp16_far_alt: int8 so over fp16 as chosen; the summary's
-ratio_*_far_alt), so every run shows whether the default still suits the host it ran on.
+ratio_*_far_alt), so every run shows whether the default suits the host it runs on.
 
 int4 (two codes a byte, the same fp16 scales) reads 68 bytes per token and kv head at d=64 against int8's 132 and
 fp16's 256 (d=128: 132, 260, 512): at one rate of bytes it would reach ~1.9x int8's tokens/s and ~3.8x fp16's.
@@ -62,18 +62,17 @@ hot_int4_*_gbs and alu_share_int4 show whether its arithmetic binds.
 Block tables are contiguous per sequence (what a freshly admitted batch gets from BlockAllocator); the
 fp16 2-thread figure is also given for shuffled tables (single scattered blocks: the worst case of a fragmented pool; `python -m bench kvalloc` measures the tables a churned pool really hands out). Shapes whose fp16 KV exceeds
 --max-gib are run with a smaller batch (marked "capped"): the Llama shapes at 4096 x 256 need 17 GiB per
-copy, more than this machine's RAM.
+copy, more than a small host's RAM.
 
 SDPA is measured in the same paired rounds as the kernel (an entry like the others, its faster GQA form picked
 first by a best-of-reps probe): x_sdpa_* is the median over rounds of the same round's tokens/s ratio. Measured
-apart (as up to 2026-12-02), the two sides could fall in different phases of the memory's drift: one run put the
-kernel's Llama 64x4096 row in a slow phase (90 % of a read that was itself low) and gave 2.95x SDPA fp32 where the
-other Llama rows gave 4.0-5.7x.
+apart, the two sides could fall in different phases of the memory's drift: a kernel row caught in a slow phase (90 %
+of a read that is itself low) can read 2.95x SDPA fp32 where the other Llama rows read 4.0-5.7x.
 
 Ceilings: SDPA reads the same KV bytes (bf16) or twice as many (fp32), so a kernel reading at the full measured
 read bandwidth reaches at most ceil_x_sdpa_* = (read bandwidth / fp16 KV bytes per sequence) / SDPA tokens/s
 on a row. When SDPA itself reads near the read bandwidth (sdpa_*_gbs), the x_sdpa targets are out of reach for
-any kernel here; the table and the JSON (`ceiling_fp16_vs_sdpa_*`, the lowest over rows, the bound on
+any kernel on that host; the table and the JSON (`ceiling_fp16_vs_sdpa_*`, the lowest over rows, the bound on
 `ratio_fp16_vs_sdpa_*`) show it.
 """
 
@@ -173,7 +172,7 @@ SETTLE_S = 0.02  # pause before each paired entry (libgomp's spin after a torch 
 def paired(entries, rounds: int) -> list[list[float]]:
     """GB/s per round of each (fn, nbytes) entry, all measured the same way and interleaved: each round times
     every entry once, as back-to-back calls covering ~WINDOW bytes (the per-call overhead inside), in forward
-    order on even rounds and reverse order on odd ones. Within a round all see the same machine state (this VM's
+    order on even rounds and reverse order on odd ones. Within a round all see the same machine state (a shared VM's
     memory bandwidth drifts by up to 2x within minutes while other tenants run). Each entry starts SETTLE_S after
     the one before, untimed: torch's OpenMP workers spin-wait for a while after an SDPA entry, and the next entry
     must not share the cores with them."""

@@ -7,8 +7,8 @@ natively, else fp32 (`fastest_cpu_dtype`), fp16 KV):
   load-stabilising schedule keeps), so a step's attention covers ~B*S/2 entries without first generating
   them; the S-worker runs in this process (one torch thread), the R-workers in their own. At B >= 256 also
   time-shared rows: no pipeline and the S-part on every core, so the S-part and the attention each have the
-  whole machine in turn instead of three processes competing for it (on these 2 vCPUs work slows by 30-50 %
-  when all run at once).
+  whole machine in turn instead of three processes competing for it (on 2 vCPUs work slows by 30-50 % when
+  all run at once).
 - beside it transformers `generate` at its best batch and dtype and the colocated `generate()` engine,
   both decoding from prompts of S/2 tokens (the same mean context), prefill excluded from their rate, each
   at its best of 1 and all torch threads.
@@ -53,8 +53,8 @@ from bench.fastdecode_trace import trace_part
 
 # libgomp (torch's OpenMP) reads OMP_WAIT_POLICY once, when torch loads: setting it later reaches the R-worker
 # processes started afterwards but not this process's own S-part threads, which then spin ~20 ms after every
-# parallel region (measured: a 2-thread bf16 GEMM loop with 5 ms sleeps used 0.55-0.65 s CPU without, 0.30 s
-# with passive set before torch loaded), i.e. through every attention wait of a time-shared step, on the core the
+# parallel region (a 2-thread bf16 GEMM loop with 5 ms sleeps uses 0.55-0.65 s CPU that way, 0.30 s with
+# passive set before torch loads), i.e. through every attention wait of a time-shared step, on the core the
 # R-workers need. So the throughput part runs in a process started with it (`_throughput_in_child`).
 OMP_PASSIVE_AT_START = os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive"
 
@@ -80,9 +80,9 @@ def add_arguments(parser) -> None:
         "--trace-budget",
         type=float,
         help="seconds the trace runs may take by the step model; caps the balanced S (default 2000: "
-        "on the Zen 5 host the balanced S=1856 at B=128 took ~520-590 s a pair; on the Zen 4 host, "
-        "whose S-part is ~2x slower, 900 capped S at 1440 below the balance at 2080, 1500 at 2048 "
-        "(~950 s a pair; the model's estimate is conservative) below balances at 2128-2432; quick 120)",
+        "enough for the balanced S of ~1850 at B=128 on a fast 2-core host, ~520-590 s a pair; where the "
+        "S-part is ~2x slower the balance lies at ~2100-2400 and 1500 caps S at ~2048, ~950 s a pair, "
+        "as the model's estimate is conservative; quick 120)",
     )
     parser.add_argument(
         "--trace-repeats",

@@ -31,8 +31,8 @@ def baselines_part(model, seq_len: int, cores: int, quick: bool, no_transformers
     figures.update(colocated=colocated_rows, colocated_best_tokens_per_s=colocated["tokens_per_s"])
     if no_transformers:
         return
-    # both dtypes at both batches: which is faster depends on the host (bf16 1.4x faster at B=64 with AMX; on an
-    # AVX-512 host without AMX fp32 led bf16 at B=16 by 1.2x, 80 vs 67 tokens/s)
+    # both dtypes at both batches: which is faster depends on the host (with AMX bf16 is 1.4x faster at B=64; on an
+    # AVX-512 host without AMX fp32 leads bf16 at B=16 by 1.2x)
     configs = [(fastest_cpu_dtype(), 16)] if quick else [("bf16", 16), ("bf16", 64), ("fp32", 16), ("fp32", 64)]
     hf_rows = _transformers(seq_len, configs, threads)
     torch.set_num_threads(1)

@@ -43,8 +43,8 @@ def t_fastest(model, sizes: list[int], repeats: int = 5) -> dict[int, float]:
 
 def _t_runs(model, sizes: list[int], rounds: int, warm: bool, out: dict[int, list[float]]):
     """S-part step times (bench.model.s_part_step) per batch size into `out`, `rounds` rounds over all sizes (after
-    a warm-up of each unless `warm` is False): interleaved, so a slow phase of this machine (up to 2x, lasting
-    seconds) falls on every size alike. Yields after each run (see `t_samples_async`)."""
+    a warm-up of each unless `warm` is False): interleaved, so a slow phase of a shared machine (up to 2x,
+    lasting seconds) falls on every size alike. Yields after each run (see `t_samples_async`)."""
     with torch.inference_mode():
         inputs = {
             b: (torch.randint(0, model.config.vocab, (b,)), model.rope(torch.arange(b) % 1024 + 64)) for b in sizes
@@ -80,8 +80,8 @@ async def t_samples_async(model, sizes: list[int], rounds: int, warm: bool = Tru
 
 
 def t_median(model, sizes: list[int], rounds: int = 5) -> dict[int, float]:
-    """T(B) as the median of interleaved rounds (`t_samples`): the min of one size's back-to-back repeats took
-    the fastest phase, or a whole slow one, while a row's median step sits at the typical speed."""
+    """T(B) as the median of interleaved rounds (`t_samples`): the min of one size's back-to-back repeats would
+    take the fastest phase, or a whole slow one, while a row's median step sits at the typical speed."""
     return {b: statistics.median(t) for b, t in t_samples(model, sizes, rounds).items()}
 
 

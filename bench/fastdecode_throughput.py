@@ -296,10 +296,10 @@ async def _chosen_row(
     """The sizing model's configuration (B, P, pipelined or time-shared), run as it chose it, and the step model's
     other inputs read again right beside it on its own R-workers (the ask cost at its rows per ask, R in situ and the
     S-worker's CPU per streamed entry, and for a pipelined row the overlap loss), as T(B) is for every row: the
-    host's phases last seconds to minutes, and the group's inputs were read minutes before (session 20's check row
-    was priced with 1.07 us of R per entry while its R-worker spent ~2 us). Both predictions are reported; the key
-    stays on the group's inputs, as for every other row, until the local reading shows that it tracks better (its
-    first two runs: 1.09 and 0.90 where the group's gave 0.93 and 1.02)."""
+    host's phases last seconds to minutes, and the group's inputs are read minutes before (a row priced with 1.07 us
+    of R per entry can see its R-worker spend ~2 us). Both predictions are reported; the key stays on the group's
+    inputs, as for every other row, since the local reading tracks the measured step no better (both land within
+    ~10 % of it)."""
     async with Graph(startup_timeout=120.0) as graph:
         urls = await start_r_workers(graph, workers)
         threads = len(os.sched_getaffinity(0)) if time_shared else 1
@@ -362,8 +362,8 @@ async def _chosen_row(
             )
             local.update(trips=piped, loss=overlap.loss)
         # median of 6 steps and T(B) of 8 readings around them, and the effective cores read before and after: this
-        # row is the sizing's check, and the machine's slow phases last seconds (one reading of 1.6 before it, where
-        # the other rows read 1.8-2.0, priced its "cores" bound a quarter high)
+        # row is the sizing's check, and the machine's slow phases last seconds (a single reading of 1.6 where the
+        # other rows read 1.8-2.0 would price its "cores" bound a quarter high)
         row = await synthetic_step(
             graph, model, urls, batch, seq_len, "s-chosen", steps=6, t_rounds=4, pipeline=pipeline, s_threads=threads
         )

@@ -67,7 +67,7 @@ def trace_part(model, args, quick: bool, figures: dict) -> None:
         curve = t_fastest(model, sorted({1, batch, *(max(1, batch // d) for d in (2, 4))}))
         beside_read = _s_part_beside_read(model, max(1, batch // 2), r_cpus)
         # the longest S searched: at B=128 and S=2560 the R-worker holds ~7 GiB of fp16 KV of its 8 GiB (a given S may
-        # lie past it); the Zen 4 host's balance lay at 2128-2432, past the 2048 searched before
+        # lie past it); where the S-part is slow the balance lies at ~2100-2400, so the search goes past 2048
         longest = max(512 if quick else 2560, args.trace_seq_len or 0)
         out = uvloop.run(_traces(model, batch, args, curve, r_cpus, longest, len(earlier) // 2))
     finally:
@@ -325,8 +325,8 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
         )
         touched = [await touch_kv(graph, model, url, batch, seq) for url in runs]
         print(
-            "   both R-workers wrote zeros over the runs' whole reservation first (fresh memory here costs ~20 ms "
-            "per 2 MiB on its first touch): " + ", ".join(f"{t:.1f} s" for t in touched),
+            "   both R-workers wrote zeros over the runs' whole reservation first (on a VM fresh memory can cost "
+            "~20 ms per 2 MiB on its first touch): " + ", ".join(f"{t:.1f} s" for t in touched),
             flush=True,
         )
         traces, windows = [], []

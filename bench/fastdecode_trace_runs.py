@@ -51,9 +51,9 @@ def trace_schedule(batch: int, seq_len: int, micro_batch: int) -> SLSConfig:
 
 async def touch_kv(graph: Graph, model, url: str, batch: int, seq_len: int) -> float:
     """Have the R-worker at `url` write zeros over what `batch` sequences of `seq_len` entries reserve, then release
-    them; the seconds it took. On this VM a page a process touches for the first time is slow (1 GiB page by page
+    them; the seconds it took. On a VM a page a process touches for the first time can be slow (1 GiB page by page
     11 s, the same again 0.21 s), so without this the run whose R-worker grows into fresh memory pays seconds
-    the other does not: on a fresh R-worker each admission of 8 prompts took ~1 s instead of 0.1."""
+    the other does not: on a fresh R-worker each admission of 8 prompts then takes ~1 s instead of 0.1."""
     started = time.perf_counter()
     s = await graph.driver.spawn(SWorker(model, [url], SWorkerConfig(max_batch=batch)), "s-touch")
     await s.ask(Synthetic([PROMPT_LEN] * batch, seq_len - PROMPT_LEN - 1), timeout=600.0)

@@ -8,11 +8,11 @@ in the same rounds with the library's read kernel (bench.attention.paired):
 - fresh: each sequence one run (a pool nothing was freed from yet);
 - churned: the pool first lives through an R-worker's admissions and frees of mixed lengths (4-128 blocks,
   filled to 95 %, ~4 % freed per round), then the batch is admitted, once with aiollm's BlockAllocator (best-fit
-  runs) and once with a LIFO free list, sorted per sequence (the R-worker's allocation until 2026-12-03), from the
-  same sequence of requests;
+  runs) and once with a LIFO free list, sorted per sequence (the simplest allocator, the baseline), from the same
+  sequence of requests;
 - lockstep: the batch grows from one block each, one block per sequence per round (a decode batch), through
-  BlockTable with its default extent (16 blocks per growth) and with extent 1 (every round's blocks interleaved,
-  the colocated engine until 2026-12-03).
+  BlockTable with its default extent (16 blocks per growth) and with extent 1 (every round's blocks interleaved:
+  no reservation).
 Figures: blocks per run of the batch's tables, GB/s of KV read, the share of the read kernel (pct_read, median
 over rounds of the same round's ratio), and the ratios between table kinds (`ratio_churned_vs_lifo`,
 `ratio_lockstep_extent_vs_single`, `ratio_churned_vs_fresh`). A histogram of blocks per run goes to --plot.
@@ -45,7 +45,7 @@ def add_arguments(parser) -> None:
 
 
 class LifoFreeList:
-    """The peer: a LIFO free list (BlockAllocator until 2026-12-03), each request's ids sorted as the R-worker did."""
+    """The peer: a LIFO free list (the simplest allocator), each request's ids sorted per sequence."""
 
     def __init__(self, n_blocks: int) -> None:
         self._free = list(range(n_blocks - 1, -1, -1))

@@ -245,8 +245,8 @@ def decode(
 
     Ours and transformers' generate calls alternate in `rounds` rounds per batch (batch >= 8; one round at
     batch 1, outside the target), the order swapped every round (ours first, then theirs first, ...), and
-    `ratio` is the median of the rounds' own ratios (theirs / ours of the same round): this machine's speed
-    drifts by up to +-30 % over seconds to minutes, so two rows timed minutes apart could land in different
+    `ratio` is the median of the rounds' own ratios (theirs / ours of the same round): a shared machine's
+    speed drifts by up to +-30 % over seconds to minutes, so two rows timed minutes apart could land in different
     phases. `tokens_per_s` and `transformers_tokens_per_s` are the medians of each side's rounds."""
     rows = []
     # KV in 16 bits for a bf16 model, as transformers keeps its cache in the model dtype (fp32 KV read 2x the bytes)

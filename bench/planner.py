@@ -33,7 +33,7 @@ PAPER_SLOS = {"opt-13b": (0.25, 0.1), "opt-66b": (2.5, 0.15), "opt-175b": (4.0, 
 # DistServe's artifact scripts (evaluation/ae-scripts/e2e/_plot.py, Fig. 8) agree for OPT-13B and OPT-175B
 # but plot OPT-66B on ShareGPT at TTFT 0.4 s / TPOT 0.1 s, tighter than Table 1; that case is planned too.
 AE_SLOS = {"opt-66b": (0.4, 0.1)}
-# The DistServe simulator README example and the range the issue reports for it.
+# The DistServe simulator README example and the per-GPU goodput range expected of it.
 DISTSERVE_EXAMPLE = {
     "config": "tp_prefill=2, pp=1, tp_decode=1",
     "per_gpu": (1.41, 1.88),

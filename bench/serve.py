@@ -12,13 +12,13 @@ dataset's output length) go to one setup, then the other, so background load on 
 hits both alike. It reports TTFT/TPOT p50/p90/p99, SLO attainment, goodput and the cores busy
 (the servers, this client, other processes) during each rate.
 
-The headline `ratio_goodput_disagg_vs_colocated` follows the issue's rule: without a TPOT SLO in
+The headline `ratio_goodput_disagg_vs_colocated` follows this rule: without a TPOT SLO in
 --goodput, the TPOT SLO is colocated's p90 TPOT at the lowest rate (where colocated then attains
 90 %), and the ratio is disaggregated's goodput over colocated's at that SLO (DistServe's goodput:
 the highest rate, interpolated, at which >= 90 % of requests meet both SLOs). Its sampling noise
 (requests resampled, the rule re-applied) is printed beside it; under 2x the bench prints the
 measurements that say why. The default sweep starts at 1 req/s because at 0.5 req/s colocated's p90
-TPOT (84 ms measured, 2 threads, little interference) equals the disaggregated decode instance's own
+TPOT (~84 ms on 2 threads with little interference) equals the disaggregated decode instance's own
 floor on one core (p90 85 ms): an SLO taken there sits on that floor and the ratio is ~1 at any load
 (measured 1.1, resampling 0-1.5). The ratio with the SLO taken at each rate of the sweep is in the
 JSON too (`ratio_by_slo_reference_rate`). The JSON also holds "runs" in the format bench/planner.py reads for its

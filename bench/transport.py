@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
         figures[f"ratio_tcp_vs_raw_{label}"] = by_name["tcp"][f"GBps_{label}"] / by_name["raw"][f"GBps_{label}"]
         if "ucx" in by_name:
             figures[f"ratio_ucx_vs_tcp_{label}"] = by_name["ucx"][f"GBps_{label}"] / by_name["tcp"][f"GBps_{label}"]
-            # Why ucx < tcp here: the binding alone (busy polling, no asyncio) against tcp, and our layer against it.
+            # Why ucx can trail tcp: the binding alone (busy polling, no asyncio) against tcp, and our layer against it.
             ucxx = by_name["ucxx_raw_polling"][f"GBps_{label}"]
             figures[f"ratio_ucxx_raw_vs_tcp_{label}"] = ucxx / by_name["tcp"][f"GBps_{label}"]
             figures[f"ratio_ucx_vs_ucxx_raw_{label}"] = by_name["ucx"][f"GBps_{label}"] / ucxx
@@ -174,7 +174,7 @@ def _add_ask(figures: dict, quick: bool, rounds: int | None) -> list[dict]:
     median over rounds of p50 and p99 unpinned, pinned (every process on one CPU) and split (client
     and servers on two CPUs: every round trip crosses vCPUs), and the CPU time per round trip of each
     process; the differences between rows are what each layer adds. Unpinned, the scheduler decides
-    whether a round trip crosses vCPUs, which alone moves raw sockets between ~9 and ~20 µs here.
+    whether a round trip crosses vCPUs, which alone moves raw sockets between ~9 and ~20 µs on a small VM.
     """
     try:
         from bench.transport_ask import (

@@ -52,7 +52,7 @@ def measure_interleaved(placement: str, rounds: int, iterations: int) -> dict:
     each round's p50 and p99, and the CPU time (user + system, from /proc/PID/schedstat, in ns) that
     this process and the server process spent per round trip. `placement`: one of PLACEMENTS
     (unpinned, the scheduler may or may not put the two ends of a round trip on one vCPU; that
-    choice alone moves raw sockets between ~9 and ~20 µs here). Runs its own event loop (uvloop),
+    choice alone moves raw sockets between ~9 and ~20 µs on a small VM). Runs its own event loop (uvloop),
     so call it from synchronous code.
     """
     if rounds <= 0 or iterations <= 0:
