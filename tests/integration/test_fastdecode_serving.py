@@ -186,7 +186,8 @@ async def test_killed_r_worker_its_sequences_resume_on_the_survivor_with_the_sam
 async def test_a_prefill_longer_than_the_heartbeat_timeout_loses_no_r_worker(tiny_fd, monkeypatch):
     """The S-worker prefills off its event loop: with each prefill slowed past the cluster's heartbeat timeout its
     node keeps answering heartbeats, so the R-worker processes keep it and the tokens are generate()'s. (Run on
-    the loop, a 4096-token prefill on a slow host kept it silent for seconds, and the R-workers dropped it.)"""
+    the loop, a 4096-token prefill on a slow host would keep it silent for seconds, and the R-workers would drop
+    it.)"""
     model, directory = tiny_fd
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS[:3]]
     expected = [c.token_ids for c in generate(model, PROMPTS[:3], params)]

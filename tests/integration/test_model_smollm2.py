@@ -49,9 +49,9 @@ TOKENIZER_TEXTS = (
 # Largest gap allowed between transformers' top logit and its logit for our token, per step, with a lossy
 # KV cache, and how many steps of a completion may have any gap at all. Measured on these prompts (48
 # tokens each): fp16 picks transformers' top token at every step; int8 at all but one, 0.009 below the top.
-# int4 (one scale per token per head, 7 levels a side) is much coarser: on 2026-12-03 its largest gaps were 2.2-7.3
-# and 4-14 of each completion's steps left the top token, while the text stayed on topic (France: "Paris. Paris is
-# the largest city..."). A wrong or degenerate continuation costs several logits at most steps.
+# int4 (one scale per token per head, 7 levels a side) is much coarser: its largest gaps are 2.2-7.3 and 4-14 of
+# each completion's steps leave the top token, while the text stays on topic (France: "Paris. Paris is the largest
+# city..."). A wrong or degenerate continuation costs several logits at most steps.
 KV_MARGIN = {"fp16": 0.1, "int8": 0.3, "int4": 10.0}
 KV_STEPS_OFF_TOP = {"fp16": 2, "int8": 4, "int4": 24}
 

@@ -57,7 +57,7 @@ def test_allocator_covers_a_request_no_run_holds_with_the_largest_runs_ascending
 
 def test_allocator_keeps_sequences_in_long_runs_under_churn():
     # an R-worker's life: sequences of 4-128 blocks admitted while 5 % stays free, a random few freed each round;
-    # a LIFO free list gave 1.1 blocks per run here (every table scattered), best fit keeps whole runs
+    # a LIFO free list gives 1.1 blocks per run here (every table scattered), best fit keeps whole runs
     rng = np.random.default_rng(0)
     alloc, live, ratios, single = BlockAllocator(4000), {}, [], 0
     for step in range(600):

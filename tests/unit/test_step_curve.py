@@ -10,7 +10,7 @@ import pytest
 from aiollm.calibrate import fastdecode_probes
 from aiollm.planner.fastdecode import StepCurve, balanced_seq_len, fit_step_curve, schedule_gain
 
-# a step like the Zen 4 host's at B=128: ~190 ms while the S-part binds, ~0.9 us per entry once the R-part does
+# a step shaped like a small CPU host's at B=128: ~190 ms while the S-part binds, ~0.9 us per entry once the R-part does
 SHARP = StepCurve(base=0.190, slope_before=40e-9, slope_after=900e-9, knee=120_000)
 CONTEXTS = [160, 480, 800, 1120, 1440, 1760, 2080, 2400]
 
