@@ -133,7 +133,7 @@ async def synthetic_step(
     t_rounds: int = 2,
 ) -> dict:
     """Median step time of B sequences with contexts spread over [16, S - steps) (or all at `context`), of 5 steps
-    by default (of 3, one configuration read 403 and 635 ms in one run) after a warm-up step
+    by default (the median of 3 can swing between 403 and 635 ms for one configuration) after a warm-up step
     (aiollm.planner.fastdecode.probe_step); the S-worker (this process) runs its S-part on
     `s_threads` torch threads. With each side's CPU per step: where a step is longer than its CPU over the
     cores, cores sat idle (a side waiting on the other), which no bound of the step model prices."""

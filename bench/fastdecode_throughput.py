@@ -84,8 +84,8 @@ def throughput_part(model, batches: list[int], seq_len: int, cores: int, figures
     figures["overlap"] = {str(p): {**vars(o)} for p, o in overlap.items()}
     print("\n-- the pipeline's overlap loss: " + "; ".join(o.explain() for o in overlap.values()))
     loss = {p: o.loss for p, o in overlap.items()}
-    # the sizing's cores: the median of every reading so far (the first and one per group of rows): one reading in a
-    # slow phase (0.89 at 23:50 UTC while the groups read 1.7-2.0) priced every pipelined option a core short
+    # the sizing's cores: the median of every reading so far (the first and one per group of rows): a single reading
+    # in a slow phase (0.89 while the groups read 1.7-2.0) would price every pipelined option a core short
     readings = [c_eff, *sorted({r["cores_local"] for r in rows})]
     c_size = statistics.median(readings)
 

@@ -246,8 +246,8 @@ async def _traces(model, batch: int, args, curve: dict[int, float], r_cpus: list
         urls = runs[:1]
         r_kernel = kernel_r(model, 1024)
         plain = await step_costs(graph.driver, model, urls, [batch], curve, r_kernel)
-        # the median of 3 probes, as the throughput part takes: one probe read 1274 ns per entry where the traces
-        # around it read 770-836, and the trace then ran at an S far below the balance it went on to show
+        # the median of 3 probes, as the throughput part takes: a single probe can read 1274 ns per entry where the
+        # traces around it read 770-836, and would put the trace at an S far below the balance its steps show
         r_situ, s_per_token = await long_step_terms(
             graph.driver, model, urls, batch, longest // 2, curve, plain, r_kernel, repeats=3
         )

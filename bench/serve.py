@@ -20,7 +20,7 @@ the highest rate, interpolated, at which >= 90 % of requests meet both SLOs). It
 measurements that say why. The default sweep starts at 1 req/s because at 0.5 req/s colocated's p90
 TPOT (~84 ms on 2 threads with little interference) equals the disaggregated decode instance's own
 floor on one core (p90 85 ms): an SLO taken there sits on that floor and the ratio is ~1 at any load
-(measured 1.1, resampling 0-1.5). The ratio with the SLO taken at each rate of the sweep is in the
+(~1.1, resampling 0-1.5). The ratio with the SLO taken at each rate of the sweep is in the
 JSON too (`ratio_by_slo_reference_rate`). The JSON also holds "runs" in the format bench/planner.py reads for its
 simulator-vs-real check.
 """

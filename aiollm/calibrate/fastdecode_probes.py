@@ -374,10 +374,10 @@ async def long_step_terms(
     holds (a real R-worker's blocks, its peers attending at the same time), and the S-worker's CPU beyond T(B) and
     its asks per entry all R-workers hold (T(B) read right before and after each probe with `s_part_now`, as in
     `step_costs`); each the median over `repeats` probes (both are small residues of large CPU totals: one probe
-    read 3.3 us per entry and 345 ns of S-worker CPU per entry where the run before read 1.3 us and 0). With
+    can read 3.3 us per entry and 345 ns of S-worker CPU per entry where the one before read 1.3 us and 0). With
     `floor` the kernel alone on a fresh pool, `r_kernel`, bounds R from below; without, it only stands in where
-    the probes give no positive value (the fresh pool read 1945-2548 ns per entry over six runs here, and real
-    R-workers' steps 1.9-2.3 us, so in four of them the floor replaced the in-situ value)."""
+    the probes give no positive value (the fresh pool and real R-workers' steps read about the same per entry,
+    ~1.9-2.5 us on a small host, so with `floor` the kernel often replaces the in-situ value)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     p = len(r_workers)

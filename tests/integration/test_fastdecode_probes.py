@@ -75,7 +75,7 @@ async def test_probes_read_real_steps_and_give_every_sequence_back(tiny_fd):
 
 def test_t_of_b_and_r_are_measured_on_the_roles_threads(tiny_fd, monkeypatch):
     """The S-part on the S-worker role's torch threads and R on the R-worker role's attention threads (1 each by
-    default), whatever this process uses otherwise: on torch's default the sizing priced a 2-thread S-part."""
+    default), whatever this process uses otherwise: on torch's default the sizing would price a 2-thread S-part."""
     import torch
 
     from aiollm.calibrate import fastdecode_probes
