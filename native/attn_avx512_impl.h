@@ -20,7 +20,7 @@ T512 INLINE __m512 exp512(__m512 x) { return exp512_clamped(x, -87.0f); }
 /* exp for x <= 0 with ~1e-4 relative error: 2^(x log2 e) as 2^round * 2^frac, frac in [-0.5, 0.5] by a
  * degree-3 polynomial (least-squares fit of the relative error). Used on the int8 dot-product path only, where
  * the weights meet 8-bit V values and are themselves quantised to 8 bits per chunk (error 1/510 of the chunk's
- * largest weight): the full exp512 there cost ~7 % of an item. */
+ * largest weight): the full exp512 there costs ~7 % of an item. */
 T512 INLINE __m512 exp512_fast(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));

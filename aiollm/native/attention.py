@@ -80,8 +80,8 @@ def get_num_threads() -> int:
 def on_gemm_team():
     """Within the block, this thread's attention calls run on its OpenMP team (the threads its GEMMs and torch
     ops run on) instead of the library's pool: in a step that interleaves them, torch's workers spin after each
-    op and attention on the pool shared the cores with them (SmolLM2 fp32 batch 32: ~13 vs ~7 ms of attention
-    per step). Where there is no team the pool runs them anyway; AIOLLM_ATTN_POOL=1 keeps them on the pool."""
+    op and attention on the pool would share the cores with them (SmolLM2 fp32 batch 32: ~13 vs ~7 ms of
+    attention per step). Where there is no team the pool runs them anyway; AIOLLM_ATTN_POOL=1 keeps them on the pool."""
     prev = lib.aiollm_set_attn_team(1)
     try:
         yield
@@ -376,7 +376,7 @@ class DecodeStep:
     """One decode step's slot_mapping, block_tables and seq_lens, checked once and reused by every layer.
 
     They are identical across a model's layers; re-checking them in each layer's `kv_write` and
-    `decode_attention` cost ~8 ms per step at batch 8 for a 30-layer model. The step keeps its own
+    `decode_attention` would cost ~8 ms per step at batch 8 for a 30-layer model. The step keeps its own
     contiguous copies (a caller changing its arrays later cannot make C read out of bounds) and the
     layers' C descriptors; per layer only q, k, v and out are checked. Build it with
     `KVPool.prepare_decode`; all layers share one geometry (n_blocks, block_size, heads, head_dim).
@@ -463,7 +463,7 @@ class DecodeStep:
         k, then v; rows may be strided, heads contiguous), the form an R-worker receives; returns out.
 
         Why: an R-worker's ask is ~0.5 ms of Python around a kernel that takes ~0.1 ms at short contexts, and the
-        three views of qkv, their checks and the fp32 `.float()` were a fifth of it. Here qkv is checked once
+        three views of qkv, their checks and the fp32 `.float()` would be a fifth of it. Here qkv is checked once
         and its k, v and (fp32) q are pointer offsets into it. bf16 / fp16 q heads are converted to fp32 first
         (the kernel takes fp32 queries). Everything is checked before anything is stored."""
         desc = self._desc(layer)

@@ -362,8 +362,8 @@ def layer_pre(
     [n, n_q_heads * head_dim] contiguous (fp32 or h's dtype) receives q (None: q stays in place in qkv).
     kv_target (optional): `DecodeStep.native_write_target(layer)` of a step over these n rows; each row's
     rotated k and its v are then also stored in that cache layer, as `DecodeStep.write` stores them, by the
-    thread that rotated the row while it is in cache (a separate write reached the rows from memory, ~5 ms
-    of a SmolLM2 fp32 batch-64 step).
+    thread that rotated the row while it is in cache (a separate write would reach the rows from memory, ~5
+    ms of a SmolLM2 fp32 batch-64 step).
     Returns (qkv [n, n_qkv], q_out or None). Bits equal rms_norm, gemm and rope_qk called one by one.
     The weights and tables are checked on their first call (they must not be resized or moved afterwards);
     h, positions and q_out on every call."""
