@@ -8,7 +8,8 @@ scheduled through the mailbox's system lane, so their code, too, runs one piece 
 other handlers, and a generator at zero credit is simply not resumed.
 
 A request from a peer that finds the actor idle does not even cost that wake-up: `run_now` runs
-the handler from the transport's receive callback as the loop task would (see `inline.py`).
+the handler from the transport's receive callback as the loop task would (see `inline.py`; on the
+Pythons it was verified on, unless AIOLLM_INLINE_STEPS=0).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import traceback
 from collections.abc import AsyncIterator, Awaitable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+from aiollm.actors import inline
 from aiollm.actors.actor import Actor
 from aiollm.actors.inline import Resume, enter_task, first_step, in_task, leave_task
 from aiollm.actors.mailbox import Mailbox, MailboxClosed
@@ -92,11 +94,13 @@ class ActorCell:
         handler runs as that task (`inline.py`): its first step here, with no coroutine of the
         runtime around it, so a handler that does not suspend has been answered (`Reply.answer`)
         before this returns. One that suspends is wrapped in `_complete` and continued by the loop task.
+        Never where `inline.enabled` is False (an unverified Python, or AIOLLM_INLINE_STEPS=0).
         """
         task = self._task
         loop = self._loop
         if (
-            task is None
+            not inline.enabled
+            or task is None
             or self._resume is not None
             or not self.mailbox.parked()
             or (reply is not None and reply.kind == STREAM)

@@ -10,21 +10,37 @@ To the handler nothing changes: the step runs in the actor task's context (conte
 task as `asyncio.current_task()` (so `asyncio.timeout`, task groups and cancellation work), and
 if it suspends, the rest of it is handed to the actor's loop task as a `Resume`, which that task
 awaits: the waiting, waking and cancelling from then on are plain asyncio.
+
+This drives private asyncio names, so it runs only on the CPython versions it was checked on
+(`VERIFIED`); elsewhere, or with AIOLLM_INLINE_STEPS=0 in the environment, `enabled` is False and
+the actor's own task runs every handler (the plain path: one wake-up more per remote request).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
+import sys
 from collections.abc import Coroutine
 from typing import Any
 
-# asyncio's own bookkeeping of the running task (what Task.__step does around each step); the
-# only private names used, and only here.
-enter_task = asyncio.tasks._enter_task
-leave_task = asyncio.tasks._leave_task
-# event loop -> its running task; `in_task(loop)` is `asyncio.current_task(loop) is not None` minus a call.
-in_task = asyncio.tasks._current_tasks.__contains__
+# CPython versions this module's use of asyncio's internals was checked on (the actor tests pass
+# inline there). 3.14 keeps the running task on the thread state, no longer in `_current_tasks`.
+VERIFIED_ON = ((3, 11), (3, 12), (3, 13))
+VERIFIED = sys.implementation.name == "cpython" and sys.version_info[:2] in VERIFIED_ON
+# Whether `ActorCell.run_now` runs handlers inline; read at each call, so tests can switch it.
+enabled = VERIFIED and os.environ.get("AIOLLM_INLINE_STEPS", "1") != "0"
+
+if VERIFIED:
+    # asyncio's own bookkeeping of the running task (what Task.__step does around each step); the
+    # only private names used, and only here.
+    enter_task = asyncio.tasks._enter_task
+    leave_task = asyncio.tasks._leave_task
+    # event loop -> its running task; `in_task(loop)` is `asyncio.current_task(loop) is not None` minus a call.
+    in_task = asyncio.tasks._current_tasks.__contains__
+else:  # never called: `enabled` stays False
+    enter_task = leave_task = in_task = None
 
 
 def first_step(

@@ -11,6 +11,8 @@ from aiollm.actors.echo import Count, Echo, EchoActor, Fail, GetStats, Ping, Pon
 from aiollm.errors import ActorDied, ProtocolError, RemoteError
 from aiollm.testing.actor_helpers import Watcher, started, wait_until
 
+pytestmark = pytest.mark.usefixtures("inline_steps")  # every test on the inline and the plain path
+
 
 class Hold(Message, tag="test.actor.hold"):
     """Handled by waiting on the actor's gate."""

@@ -10,6 +10,14 @@ from aiollm.actors.echo import EchoActor, Ping, Pong, Sleep
 from aiollm.actors.reply import LocalReply
 from aiollm.testing.actor_helpers import started
 
+
+@pytest.fixture
+def inline_path(inline_steps):
+    """For the tests of the inline path itself (they assert that `run_now` ran the handler): skipped on the plain path."""
+    if not inline_steps:
+        pytest.skip("asserts the inline path; on the plain path run_now declines every request")
+
+
 LABEL = contextvars.ContextVar("label", default="unset")
 
 
@@ -53,6 +61,18 @@ async def inline(cell, msg):
     return await done, fut, reply
 
 
+async def test_run_now_runs_the_handler_only_on_the_inline_path(inline_steps) -> None:
+    async with started() as node:
+        await node.spawn(EchoActor, "echo")
+        ran, fut, _ = await inline(node.actors["echo"], Ping(1))
+        assert ran is inline_steps
+        if not ran:  # the caller (a transport) queues it instead, and the actor's task answers
+            assert await node.ref("echo").ask(Ping(2), timeout=2) == Pong(2)
+        else:
+            assert fut.result() == Pong(1)
+
+
+@pytest.mark.usefixtures("inline_path")
 async def test_inline_handler_sees_its_own_task_and_context_and_may_suspend() -> None:
     async with started() as node:
         await node.spawn(ProbeActor, "probe")
@@ -67,6 +87,7 @@ async def test_inline_handler_sees_its_own_task_and_context_and_may_suspend() ->
         assert await ref.ask(Probe()) == Seen([True, True], "set by a handler")  # the queued path, same context
 
 
+@pytest.mark.usefixtures("inline_path")
 async def test_not_inline_while_busy_or_from_a_task() -> None:
     async with started() as node:
         await node.spawn(EchoActor, "echo")
@@ -79,6 +100,7 @@ async def test_not_inline_while_busy_or_from_a_task() -> None:
         assert await asyncio.wait_for(slow, 2) is None
 
 
+@pytest.mark.usefixtures("inline_path")
 @pytest.mark.parametrize("before_takeover", [True, False], ids=["before-takeover", "after-takeover"])
 async def test_cancelling_a_suspended_inline_handler(before_takeover) -> None:
     async with started() as node:

@@ -6,6 +6,8 @@ import pytest
 from aiollm.actors.echo import Echo, EchoActor, Ping, Pong
 from aiollm.testing.actor_helpers import started
 
+pytestmark = pytest.mark.usefixtures("inline_steps")  # every test on the inline and the plain path
+
 LISTEN = {"tcp": ("tcp://127.0.0.1:0",), "inproc": ()}
 
 

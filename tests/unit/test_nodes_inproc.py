@@ -19,6 +19,8 @@ from aiollm.testing.actor_helpers import SECRET, Watcher, started, wait_until
 from aiollm.transports import connect, listen
 from tests.unit.test_actor import Gate, Hold
 
+pytestmark = pytest.mark.usefixtures("inline_steps")  # every test on the inline and the plain path
+
 
 class Pair(Message, tag="test.inproc.pair"):
     """Tensors of both frameworks and a ref, as workers will send them."""
