@@ -12,7 +12,8 @@ setup(
     name="aiollm",
     version="0.1.0",
     description="An asyncio actor framework for disaggregated LLM serving (DistServe + FastDecode)",
-    python_requires=">=3.11",
+    # Upper bound: the inline fast path (aiollm/actors/inline.py) is verified on 3.11-3.13; newer: untested plain path
+    python_requires=">=3.11,<3.14",
     packages=packages,
     package_dir={"aiollm.transports": "transports"},
     setup_requires=["cffi>=1.16"],
