@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup native test test-fast demo bench asan clean
+.PHONY: setup native lint test test-fast demo bench asan clean
 
 setup: $(STAMP)
 
@@ -23,7 +23,13 @@ $(STAMP): setup.py pyproject.toml
 native: $(STAMP)
 	$(VPY) setup.py -q build_ext --inplace
 
-test: $(STAMP) native
+# Lint, format and layer contracts first: they take seconds and name the file at fault.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+
+test: $(STAMP) native lint
 	$(VPY) -m pytest -q -ra --timeout 300 tests
 
 test-fast: $(STAMP) native

@@ -24,6 +24,8 @@ setup(
         "uvloop>=0.19",
         "structlog>=24.1",
         "msgspec>=0.18",
+        # msgspec writes TOML through it (cluster specs)
+        "tomli-w>=1.0",
         # Exactly this version: a looser spec pulls a multi-GB CUDA build.
         "torch==2.13.0",
         "gguf>=0.10",
@@ -37,6 +39,8 @@ setup(
     ],
     extras_require={
         "test": [
+            "ruff>=0.6",
+            "import-linter>=2.0",
             "pytest>=8",
             "pytest-asyncio>=0.23",
             "pytest-timeout>=2.2",

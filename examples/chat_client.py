@@ -4,6 +4,7 @@
     python examples/chat_client.py "What is the capital of France?"
 
     python examples/chat_client.py --serve               # start a local cluster, ask, stop it again
+    python examples/chat_client.py --serve --config examples/cluster.toml   # the same, from a cluster spec
 
 Streams the answer as it is generated, then prints the token counts and the time to first token.
 """
@@ -19,23 +20,12 @@ import openai
 
 
 @contextlib.contextmanager
-def local_cluster(model: str, prefill: int, decode: int):
-    """`python -m aiollm serve` on a free port for the duration; yields its API base URL."""
+def local_cluster(model: str, config: str | None):
+    """`python -m aiollm serve` (the cluster spec `config`, else 1 prefill + 1 decode instance of `model`) on a
+    free port for the duration; yields its API base URL."""
+    spec = ["--config", config] if config else ["--model", model, "--prefill", "1", "--decode", "1"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "aiollm",
-            "serve",
-            "--model",
-            model,
-            "--port",
-            "0",
-            "--prefill",
-            str(prefill),
-            "--decode",
-            str(decode),
-        ],
+        [sys.executable, "-m", "aiollm", "serve", *spec, "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -64,9 +54,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--serve", action="store_true", help="start a local cluster (1 prefill + 1 decode) first")
+    parser.add_argument(
+        "--config", help="with --serve: start the cluster this spec describes (e.g. examples/cluster.toml)"
+    )
     args = parser.parse_args()
     if args.serve:
-        with local_cluster(args.model, 1, 1) as base_url:
+        with local_cluster(args.model, args.config) as base_url:
             chat(args, base_url)
     else:
         chat(args, args.base_url)

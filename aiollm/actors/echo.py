@@ -8,7 +8,6 @@ counters to observe all of it (`Stats`).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 from collections.abc import AsyncIterator
@@ -21,7 +20,7 @@ from aiollm.actors.messages import Message
 from aiollm.actors.ref import ActorRef
 
 if TYPE_CHECKING:
-    from aiollm.actors.node import Node
+    pass
 
 
 class Ping(Message, tag="echo.ping"):
@@ -174,16 +173,3 @@ class EchoActor(Actor):
     @handler(GetStats)
     async def stats(self, msg: GetStats) -> Stats:
         return Stats(self.handled, self.cancelled, self.produced)
-
-
-# --- the role, for `python -m aiollm.node --role echo` -----------------------------------------
-
-
-def add_arguments(parser: argparse._ActionsContainer) -> None:
-    """The echo role has no options of its own."""
-
-
-async def start(node: Node, args: argparse.Namespace) -> dict[str, str]:
-    """Spawn the echo actor as `echo`; returns {name: url} for the ready line."""
-    ref = await node.spawn(EchoActor, "echo")
-    return {"echo": ref.url}

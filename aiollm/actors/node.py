@@ -33,7 +33,7 @@ from aiollm.errors import (
     NodeUnreachable,
 )
 from aiollm.log import get_logger
-from aiollm.transports.base import Buffer, Connection, Listener, TransportConfig
+from aiollm.transports.base import Buffer, Connection, Listener, TransportConfig, parse_address
 from aiollm.transports.base import connect as transport_connect
 from aiollm.transports.base import listen as transport_listen
 
@@ -120,8 +120,13 @@ class Node:
             raise ClosedError("node not started")
         return self.addresses[0]
 
-    async def start(self, listen: Sequence[str] = ()) -> None:
-        """Bind `listen` (e.g. tcp://127.0.0.1:0 for any free port) plus a private inproc address."""
+    async def start(self, listen: Sequence[str] = (), advertise: str = "") -> None:
+        """Bind `listen` (e.g. tcp://127.0.0.1:0 for any free port) plus a private inproc address.
+
+        `advertise` is the address other nodes reach this one at when it differs from the bound one (a node
+        behind NAT, or bound to 0.0.0.0): it becomes `url`, and refs to it count as local. Port 0
+        (`tcp://host-a:0`) takes the first listener's bound port.
+        """
         self._stopped = asyncio.Event()
         name = self.config.name or f"node-{os.getpid()}-{next(_node_ids)}"
         for url in [*listen, f"inproc://{name}"]:
@@ -129,6 +134,12 @@ class Node:
             self._listeners.append(listener)
             self.addresses.append(listener.address)
             self._local_urls.add(listener.address)
+        if advertise:
+            address = parse_address(advertise)
+            if not address.port and listen:
+                advertise = f"{address.scheme}://{address.host}:{parse_address(self.addresses[0]).port}"
+            self.addresses.insert(0, advertise)
+            self._local_urls.add(advertise)
         await self.spawn(NodeActor, SYSTEM_ACTOR)
         _log().info("node started", addresses=self.addresses)
 

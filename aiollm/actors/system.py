@@ -50,15 +50,3 @@ class NodeActor(Actor):
     async def shutdown(self, msg: Shutdown) -> None:
         # After this reply: the node drains this actor too, so it cannot wait for itself here.
         asyncio.get_running_loop().create_task(self.node.stop())
-
-
-# --- the `empty` role, for `python -m aiollm.node --role empty` ---------------------------------
-
-
-def add_arguments(parser: object) -> None:
-    """The empty role has no options."""
-
-
-async def start(node: object, args: object) -> dict[str, str]:
-    """Nothing to spawn: the system actor (always there) takes remote Spawn requests."""
-    return {}

@@ -1,47 +1,27 @@
-"""`python -m aiollm.node --role ROLE --listen tcp://127.0.0.1:PORT --secret-file F [--peer URL ...]`
+"""`python -m aiollm.node --role ROLE --secret-file F [--config cluster.toml] [--listen URL] [--advertise URL]
+[--peer URL ...] [role options]`
 
-Starts one node hosting a role's actors and runs until SIGTERM/SIGINT or a remote `Shutdown`.
-Once serving it prints one JSON line on stdout — {"ready": true, "addresses": [...], "actors":
-{...}, "pid": N} — so a launcher that asked for port 0 learns the real port (see graph.py).
-Logs go to stderr. Bad arguments print one line and exit with status 2.
-
-Roles live in a registry: a name, the module that implements it (imported only when chosen) and
-a line of help. A role module has `add_arguments(parser)` for its own options and
-`async start(node, args) -> {actor name: url}`; later issues add their roles here.
+Starts one node hosting a role's actors and runs until SIGTERM/SIGINT or a remote `Shutdown`. The role is
+configured by the cluster spec (`--config`, else the defaults) with the role's own flags on top; `--role R
+--help` lists them. Once serving it prints one JSON line on stdout — {"ready": true, "addresses": [...],
+"actors": {...}, "pid": N} — so a launcher that asked for port 0 learns the real port (aiollm.deploy.graph).
+Logs go to stderr. Bad arguments, a bad spec or an unreadable secret print one line and exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-# role -> (module implementing it, one line of help)
-ROLES: dict[str, tuple[str, str]] = {
-    "echo": ("aiollm.actors.echo", "an `echo` actor answering Ping/Echo/Count/Sleep/Fail (demo, tests, bench)"),
-    "empty": ("aiollm.actors.system", "no actor of its own; actors are spawned on it remotely (graph.py)"),
-    "prefill": (
-        "aiollm.deploy.roles.prefill",
-        "DistServe prefill instance: FCFS, batches to L_m, holds KV until pulled",
-    ),
-    "decode": ("aiollm.deploy.roles.decode", "DistServe decode instance: continuous batching, pulls KV"),
-    "controller": ("aiollm.deploy.roles.controller", "DistServe controller: dispatch, failover, timings"),
-    "frontend": ("aiollm.deploy.roles.frontend", "OpenAI-compatible HTTP API in front of a controller"),
-    "r-worker": (
-        "aiollm.serving.fastdecode.r_worker",
-        "FastDecode R-worker: sequences' KV in RAM under --kv-memory, attention",
-    ),
-    "s-worker": (
-        "aiollm.serving.fastdecode.s_worker",
-        "FastDecode S-worker: weights, batched S-part over --r-workers, generate",
-    ),
-}
+from aiollm.deploy.roles import ROLES, Wiring, role_module, spec_flag, spec_from_args, wiring_from_args
+from aiollm.deploy.spec import ClusterSpec, SpecError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,28 +31,32 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _parser() -> _Parser:
-    roles = "\n".join(f"  {name:8} {text}" for name, (_, text) in ROLES.items())
+def _parser(add_help: bool = True) -> _Parser:
+    roles = "\n".join(f"  {name:10} {role.help}" for name, role in ROLES.items())
     parser = _Parser(
         prog="python -m aiollm.node",
-        description="Run one aiollm node hosting the actors of a role.",
-        epilog=f"roles:\n{roles}",
+        description="Run one aiollm node hosting the actors of a role (`--role R --help`: that role's options).",
+        epilog=f"roles:\n{roles}\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=add_help,
     )
-    parser.add_argument("--role", required=True, help=f"what this node hosts: {', '.join(ROLES)}")
+    parser.add_argument("--role", required=add_help, help=f"what this node hosts: {', '.join(ROLES)}")
+    parser.add_argument("--config", type=Path, metavar="TOML", help="cluster spec to configure the role from")
     parser.add_argument(
         "--listen",
         action="append",
         default=[],
         metavar="URL",
-        help="address to listen on, repeatable (default tcp://127.0.0.1:0: a free port)",
+        help="address to listen on, repeatable (default: the role's `listen` in the spec, tcp://127.0.0.1:0)",
     )
     parser.add_argument(
-        "--secret-file",
-        required=True,
-        type=Path,
-        metavar="F",
-        help="file holding the cluster secret (at least 16 bytes)",
+        "--advertise",
+        default=None,
+        metavar="URL",
+        help="address other nodes reach this one at, if not the bound one (NAT, 0.0.0.0); port 0: the bound port",
+    )
+    parser.add_argument(
+        "--secret-file", required=add_help, type=Path, metavar="F", help="file holding the cluster secret (>= 16 bytes)"
     )
     parser.add_argument(
         "--peer",
@@ -82,29 +66,54 @@ def _parser() -> _Parser:
         help="another node to connect to (and authenticate with) at start, repeatable",
     )
     parser.add_argument("--name", default="", help="name of the node's inproc address")
-    parser.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="S")
-    parser.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S")
-    parser.add_argument("--mailbox-size", type=int, default=256)
-    parser.add_argument("--max-frame-bytes", type=int, default=2 * 1024**3)
+    spec_flag(parser, "--heartbeat-interval", "node.heartbeat_interval", "seconds between heartbeats", metavar="S")
+    spec_flag(parser, "--heartbeat-timeout", "node.heartbeat_timeout", "seconds of silence: peer dead", metavar="S")
+    spec_flag(parser, "--mailbox-size", "node.mailbox_size", "messages a mailbox holds before senders wait")
+    spec_flag(parser, "--max-frame-bytes", "node.max_frame_bytes", "largest frame accepted or sent")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of key=value")
     return parser
 
 
-def parse(argv: list[str] | None) -> tuple[argparse.Namespace, object, object]:
-    """Parse and validate everything at the edge: (args, NodeConfig, role module); exits 2 on bad input."""
+@dataclass(frozen=True)
+class NodeLaunch:
+    """Everything `python -m aiollm.node` was asked to run, parsed and validated."""
+
+    role: str
+    spec: ClusterSpec
+    wiring: Wiring
+    # addresses to bind, the one to advertise ("" : the first bound), nodes to connect to at start
+    listen: tuple[str, ...]
+    advertise: str
+    peers: tuple[str, ...]
+    # the node's runtime settings, the secret included
+    node_config: object
+    log_level: str
+    log_json: bool
+
+
+def parse(argv: list[str] | None) -> NodeLaunch:
+    """Parse and validate everything at the edge; exits 2 naming what is wrong."""
     from aiollm.actors.node import NodeConfig
     from aiollm.transports.base import parse_address
 
+    known, _ = _parser(add_help=False).parse_known_args(argv)
     parser = _parser()
-    known, _ = parser.parse_known_args(argv)
+    if known.role is None:
+        parser.parse_args(argv)  # prints the help, or the error that --role is missing
     if known.role not in ROLES:
         parser.error(f"unknown role {known.role!r}; roles: {', '.join(ROLES)}")
-    role = importlib.import_module(ROLES[known.role][0])
-    role.add_arguments(parser.add_argument_group(f"{known.role} role"))
+    role_module(known.role).add_arguments(parser.add_argument_group(f"{known.role} role"))
     args = parser.parse_args(argv)
-    args.listen = args.listen or ["tcp://127.0.0.1:0"]
-    for url in [*args.listen, *args.peer]:
+    try:
+        spec = spec_from_args(args, ClusterSpec.from_toml(args.config) if args.config else ClusterSpec())
+    except SpecError as exc:
+        parser.error(str(exc))
+    section = ROLES[args.role].section
+    role_spec = getattr(spec, section) if section else None
+    listen = args.listen or [role_spec.listen if role_spec else "tcp://127.0.0.1:0"]
+    advertise = args.advertise if args.advertise is not None else (role_spec.advertise if role_spec else "")
+    for url in [*listen, *args.peer, *filter(None, [advertise])]:
         try:
             address = parse_address(url)
         except ValueError as exc:
@@ -115,21 +124,32 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, object, object]:
         secret = args.secret_file.read_bytes().strip()
     except OSError as exc:
         parser.error(f"cannot read the secret file: {exc.strerror}: {args.secret_file}")
+    n = spec.node
     try:
         config = NodeConfig(
             secret=secret,
-            heartbeat_interval=args.heartbeat_interval,
-            heartbeat_timeout=args.heartbeat_timeout,
-            mailbox_size=args.mailbox_size,
-            max_frame_bytes=args.max_frame_bytes,
+            heartbeat_interval=n.heartbeat_interval,
+            heartbeat_timeout=n.heartbeat_timeout,
+            mailbox_size=n.mailbox_size,
+            max_frame_bytes=n.max_frame_bytes,
             name=args.name,
         )
     except ValueError as exc:
         parser.error(str(exc))
-    return args, config, role
+    return NodeLaunch(
+        args.role,
+        spec,
+        wiring_from_args(args),
+        tuple(listen),
+        advertise,
+        tuple(args.peer),
+        config,
+        args.log_level,
+        args.log_json,
+    )
 
 
-async def serve(args: argparse.Namespace, config: object, role: object) -> int:
+async def serve(launch: NodeLaunch) -> int:
     """Start the node and the role, print the ready line, run until a signal or a remote Shutdown."""
     from aiollm.actors.node import Node
     from aiollm.errors import AiollmError
@@ -141,20 +161,21 @@ async def serve(args: argparse.Namespace, config: object, role: object) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    node = Node(config)
+    node = Node(launch.node_config)
     try:
-        await node.start(args.listen)
+        await node.start(launch.listen, launch.advertise)
     except OSError as exc:
-        print(f"python -m aiollm.node: error: cannot listen on {args.listen}: {exc.strerror or exc}", file=sys.stderr)
+        listen = list(launch.listen)
+        print(f"python -m aiollm.node: error: cannot listen on {listen}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     try:
-        actors = await role.start(node, args)
-        for url in args.peer:
+        actors = await role_module(launch.role).start(node, launch.spec, launch.wiring)
+        for url in launch.peers:
             try:
                 await node.peer(url)
             except AiollmError as exc:
                 log.warning("peer not reachable at start", peer=url, error=str(exc))
-        ready = {"ready": True, "role": args.role, "addresses": node.addresses, "actors": actors, "pid": os.getpid()}
+        ready = {"ready": True, "role": launch.role, "addresses": node.addresses, "actors": actors, "pid": os.getpid()}
         print(json.dumps(ready), flush=True)
         stopped = asyncio.ensure_future(node.wait_stopped())
         signalled = asyncio.ensure_future(stop.wait())
@@ -167,16 +188,15 @@ async def serve(args: argparse.Namespace, config: object, role: object) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, config, role = parse(argv)
+    launch = parse(argv)
     from aiollm import log
     from aiollm.heap import keep_freed_memory
 
     keep_freed_memory()
-
-    log.configure(args.log_level, json=args.log_json)
+    log.configure(launch.log_level, json=launch.log_json)
     import uvloop
 
-    return uvloop.run(serve(args, config, role))
+    return uvloop.run(serve(launch))
 
 
 if __name__ == "__main__":

@@ -76,8 +76,8 @@ def cmd_fastdecode(args: argparse.Namespace) -> int:
     # probes inherit it
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     from aiollm.calibrate.fastdecode_probes import measure_costs, measure_effective_cores, measure_r, measure_t_of_b
+    from aiollm.model.loader import load_config
     from aiollm.planner.fastdecode import AskCost, Overlap, read_t_of_b, size
-    from aiollm.serving.fastdecode.r_worker import model_config
 
     get_model(args.model)
     t_of_b = read_t_of_b(args.t_of_b, args.t_of_b_key) if args.t_of_b else measure_t_of_b(args.model, args.batches)
@@ -106,7 +106,7 @@ def cmd_fastdecode(args: argparse.Namespace) -> int:
         args.seq_len,
         args.latency_target,
         round_trip=round_trip,
-        n_layers=model_config(args.model).n_layers,
+        n_layers=load_config(args.model).n_layers,
         cores=cores,
         s_per_token=s_per_token,
         overlap=overlap,

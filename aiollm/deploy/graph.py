@@ -16,6 +16,7 @@ importable module (not in the script's `__main__`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import secrets
 import shutil
@@ -29,6 +30,8 @@ from aiollm.actors.messages import Shutdown, Spawn, Spawned
 from aiollm.actors.node import Node, NodeConfig
 from aiollm.actors.ref import ActorRef
 from aiollm.actors.system import SYSTEM_ACTOR
+from aiollm.deploy.roles import Wiring, parse_role_args, role_module
+from aiollm.deploy.spec import ClusterSpec
 from aiollm.errors import AiollmError, ProtocolError
 from aiollm.log import get_logger
 
@@ -86,48 +89,48 @@ class Graph:
         role: str = "empty",
         *,
         process: bool = False,
+        spec: ClusterSpec | None = None,
+        wiring: Wiring = Wiring(),
         listen: str | None = None,
         args: tuple[str, ...] = (),
         prefix: tuple[str, ...] = (),
     ) -> NodeHandle:
-        """Start a node hosting `role`: a subprocess (`process=True`, default listen tcp://127.0.0.1:0)
-        or a Node in this process (default listen: its inproc address only).
+        """Start a node hosting `role`, configured by `spec` (default: the defaults) and placed by `wiring`:
+        a subprocess (`process=True`; it listens where the spec's section for the role says, by default a
+        free loopback port) or a Node in this process (default listen: its inproc address only).
 
-        `args` are extra CLI arguments for the role; `prefix` runs the subprocess under a wrapper
-        (e.g. ("taskset", "-c", "0")). Raises `RuntimeError` if a subprocess exits or stays silent
-        instead of becoming ready.
+        `listen` overrides the address; `args` are extra role flags on top of the spec (as on the command
+        line: `("--kv-blocks", "64")`); `prefix` runs the subprocess under a wrapper (e.g. ("taskset", "-c",
+        "0")). Raises `RuntimeError` if a subprocess exits or stays silent instead of becoming ready,
+        `ValueError` (SpecError) for a bad flag or spec before anything starts.
         """
+        role_module(role)  # an unknown role fails here, naming the roles
+        argv = (*wiring.to_args(), *args)
         if process:
-            return await self._start_process(role, listen or "tcp://127.0.0.1:0", args, prefix)
-        return await self._start_in_process(role, listen, args)
+            return await self._start_process(role, spec, listen, argv, prefix)
+        return await self._start_in_process(role, spec, listen, argv)
+
+    def _spec_file(self, spec: ClusterSpec) -> Path:
+        """The spec as TOML in the graph's directory, written once per distinct spec."""
+        text = spec.to_toml()
+        path = Path(self._dir, f"spec-{hashlib.sha256(text.encode()).hexdigest()[:16]}.toml")
+        if not path.exists():
+            path.write_text(text)
+        return path
 
     async def _start_process(
-        self, role: str, listen: str, args: tuple[str, ...], prefix: tuple[str, ...]
+        self, role: str, spec: ClusterSpec | None, listen: str | None, args: tuple[str, ...], prefix: tuple[str, ...]
     ) -> NodeHandle:
         c = self.config
-        cmd = [
-            *prefix,
-            sys.executable,
-            "-m",
-            "aiollm.node",
-            "--role",
-            role,
-            "--listen",
-            listen,
-            "--secret-file",
-            str(Path(self._dir, "secret")),
-            "--heartbeat-interval",
-            str(c.heartbeat_interval),
-            "--heartbeat-timeout",
-            str(c.heartbeat_timeout),
-            "--mailbox-size",
-            str(c.mailbox_size),
-            "--max-frame-bytes",
-            str(c.max_frame_bytes),
-            "--log-level",
-            self.log_level,
-            *args,
-        ]
+        cmd = [*prefix, sys.executable, "-m", "aiollm.node", "--role", role]
+        cmd += ["--secret-file", str(Path(self._dir, "secret"))]
+        if spec is not None:
+            cmd += ["--config", str(self._spec_file(spec))]
+        if listen is not None:
+            cmd += ["--listen", listen]
+        cmd += ["--heartbeat-interval", str(c.heartbeat_interval), "--heartbeat-timeout", str(c.heartbeat_timeout)]
+        cmd += ["--mailbox-size", str(c.mailbox_size), "--max-frame-bytes", str(c.max_frame_bytes)]
+        cmd += ["--log-level", self.log_level, *args]
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
         handle = NodeHandle(url="", process=proc)
         self.nodes.append(handle)  # so close() reaps it even if it never becomes ready
@@ -141,19 +144,15 @@ class Graph:
         handle.url, handle.actors = ready["addresses"][0], ready["actors"]
         return handle
 
-    async def _start_in_process(self, role: str, listen: str | None, args: tuple[str, ...]) -> NodeHandle:
-        from aiollm.cli.node import ROLES, _Parser
-
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
-        module = __import__(ROLES[role][0], fromlist=["start"])
-        parser = _Parser(prog=f"role {role}")
-        module.add_arguments(parser)
+    async def _start_in_process(
+        self, role: str, spec: ClusterSpec | None, listen: str | None, args: tuple[str, ...]
+    ) -> NodeHandle:
+        spec, wiring = parse_role_args(role, list(args), spec)
         node = Node(replace(self.config, name=""))
         await node.start([listen] if listen else [])
         handle = NodeHandle(url=node.url, node=node)
         self.nodes.append(handle)  # so close() stops it even if the role fails to start
-        handle.actors = await module.start(node, parser.parse_args(list(args)))
+        handle.actors = await role_module(role).start(node, spec, wiring)
         return handle
 
     async def spawn(

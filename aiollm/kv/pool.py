@@ -36,6 +36,9 @@ from aiollm.native.arrays import aligned_full
 _STORAGE = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8, "int4": np.uint8}
 _QUANTISED = ("int8", "int4")  # per-token-per-head fp16 scales beside the codes
 KV_DTYPES = tuple(_STORAGE)  # the storage names every --kv-dtype option offers
+# The one default of every role and config: exact against the fp32 reference; fp16/int8 are opt-in.
+DEFAULT_KV_DTYPE = "fp32"
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True, kw_only=True)

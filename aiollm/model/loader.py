@@ -1,5 +1,6 @@
 """`load(name_or_path)`: a LlamaModel from a bundled name, a .gguf file or an HF directory;
-`load_tokenizer(name_or_path)`: its tokenizer and config alone, without reading the weights."""
+`load_tokenizer(name_or_path)`: its tokenizer and config alone, without reading the weights;
+`load_config(name_or_path)`: its config alone."""
 
 import importlib.metadata
 import time
@@ -59,6 +60,12 @@ def _open(path: Path) -> tuple[GGUFFile | HFDirectory, Tokenizer]:
         return source, Tokenizer.from_hf_dir(path, source.config.eos_ids)
     source = GGUFFile(path)
     return source, Tokenizer.from_gguf_fields(source.field, source.path, source.config.eos_ids)
+
+
+def load_config(name_or_path: str | Path) -> ModelConfig:
+    """A model's config from its file's metadata alone (an R-worker needs the KV shape, not the weights)."""
+    path = resolve(name_or_path)
+    return (HFDirectory(path) if path.is_dir() else GGUFFile(path)).config
 
 
 def load_tokenizer(name_or_path: str | Path) -> tuple[Tokenizer, ModelConfig]:

@@ -9,7 +9,7 @@ import pytest
 
 from aiollm.calibrate.fastdecode_probes import long_step_terms, measure_overlap, probe_step, step_costs
 from aiollm.deploy.graph import Graph
-from aiollm.planner.fastdecode import AskCost, Overlap
+from aiollm.planner.fastdecode import AskCost, Overlap, interpolate_cost
 from aiollm.serving.fastdecode.messages import GetRLoad
 from aiollm.testing.fastdecode_cluster import start_r_workers
 
@@ -66,7 +66,8 @@ async def test_probes_read_real_steps_and_give_every_sequence_back(tiny_fd):
         assert isinstance(overlap, Overlap)
         assert 0 <= overlap.loss <= 1 and (overlap.batch, overlap.context, overlap.workers) == (4, 24, 1)
         assert overlap.step > 0 and overlap.s_cpu > 0 and overlap.r_cpu > 0
-        assert overlap.waits == pytest.approx(layers * 2 * piped[1].wait)
+        # one R-worker, 4 sequences: two mini-batches of 2 rows, the waits per ask scaled from the 1-row cost
+        assert overlap.waits == pytest.approx(layers * 2 * interpolate_cost(piped, 2).wait)
         assert await _nothing_held(graph, urls)
 
         with pytest.raises(ValueError, match="repeats must be >= 1"):

@@ -31,7 +31,8 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_serve_command_answers_a_chat_request_and_cleans_up(tmp_path):
+@pytest.mark.parametrize("how", ["flags", "config"])
+def test_serve_command_answers_a_chat_request_and_cleans_up(tmp_path, how):
     write_hf_dir(tmp_path)
     model = load(str(tmp_path))
     tok = model.tokenizer
@@ -39,21 +40,14 @@ def test_serve_command_answers_a_chat_request_and_cleans_up(tmp_path):
     ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
     ref = generate(model, [ids], SamplingParams(max_tokens=16))[0]
 
+    if how == "flags":
+        spec = ["--model", str(tmp_path), "--prefill", "1", "--decode", "1"]
+    else:  # the same cluster from a spec file (the port from a flag on top)
+        config = tmp_path / "cluster.toml"
+        config.write_text(f'[model]\nname = "{tmp_path}"\n[prefill]\ncount = 1\n[decode]\ncount = 1\n')
+        spec = ["--config", str(config)]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "aiollm",
-            "serve",
-            "--model",
-            str(tmp_path),
-            "--port",
-            "0",
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-        ],
+        [sys.executable, "-m", "aiollm", "serve", *spec, "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )

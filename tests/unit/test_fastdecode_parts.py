@@ -1,18 +1,19 @@
 """FastDecode's pure parts: placement by expected length, the mini-batch split, the R-worker's sequence store
 (whole-life reservation, all-or-nothing refusal, release), and the S-worker's flags."""
 
-import argparse
-
 import numpy as np
 import pytest
 import torch
 
+from aiollm.deploy.roles import parse_role_args, r_worker_urls
+from aiollm.deploy.roles.s_worker import s_worker_config
 from aiollm.errors import KVCacheFull
 from aiollm.kv.pool import KVConfig
 from aiollm.sched.sls import SLSConfig
 from aiollm.serving.fastdecode.pipeline import _packed, _worker_slices, minibatches, place
-from aiollm.serving.fastdecode.r_worker import SequenceStore, parse_size
-from aiollm.serving.fastdecode.s_worker import SWorkerConfig, config_from_args, r_worker_urls
+from aiollm.serving.fastdecode.r_worker import SequenceStore
+from aiollm.serving.fastdecode.s_worker import SWorkerConfig
+from aiollm.sizes import parse_size
 
 
 def test_place_balances_expected_total_length():
@@ -102,20 +103,15 @@ def test_sizes_urls_and_config():
     assert parse_size("8GiB") == 8 * 2**30 and parse_size("1.5GB") == 1_500_000_000 and parse_size("4096") == 4096
     with pytest.raises(ValueError, match="memory size"):
         parse_size("8 parsecs")
-    assert r_worker_urls("tcp://127.0.0.1:7001,tcp://127.0.0.1:7002/rw") == [
+    assert r_worker_urls("tcp://127.0.0.1:7001,tcp://127.0.0.1:7002/rw") == (
         "tcp://127.0.0.1:7001/r-worker",
         "tcp://127.0.0.1:7002/rw",
-    ]
-    args = argparse.Namespace(
-        max_batch=64,
-        no_pipeline=False,
-        pipeline_min_batch=32,
-        sls_interval=16,
-        sls_seq_len=256,
-        max_prefill_tokens=512,
-        staging_tokens=1024,
     )
-    config = config_from_args(args)
+    argv = ["--r-workers", "tcp://127.0.0.1:7001", "--max-batch", "64", "--pipeline-min-batch", "32"]
+    spec, wiring = parse_role_args("s-worker", [*argv, "--sls-interval", "16", "--sls-seq-len", "256"])
+    assert wiring.r_workers == ("tcp://127.0.0.1:7001/r-worker",)
+    config = s_worker_config(spec)
     assert config.pipeline and config.pipeline_min_batch == 32 and config.schedule.micro_batch_size == 4
+    assert not s_worker_config(parse_role_args("s-worker", [*argv, "--no-pipeline"])[0]).pipeline
     with pytest.raises(ValueError, match="batch_size"):
         SWorkerConfig(max_batch=8, schedule=SLSConfig(batch_size=4, seq_len=16, interval=4))

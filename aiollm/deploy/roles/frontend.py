@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 
 from aiollm.actors.node import Node
-from aiollm.deploy.roles.common import actor_arg, served_name
+from aiollm.deploy.roles import Wiring, add_actor, spec_flag
+from aiollm.deploy.roles.common import served_name
+from aiollm.deploy.spec import ClusterSpec
 from aiollm.frontend.app import Frontend, FrontendConfig, start_server
 from aiollm.model.loader import load_tokenizer
 from aiollm.serving.backend import ModelInfo
@@ -17,26 +18,28 @@ _servers: set[asyncio.Task] = set()
 
 
 def add_arguments(parser) -> None:
-    actor_arg(parser, "frontend")
-    parser.add_argument("--controller", required=True, help="the controller actor: tcp://host:port/controller")
-    parser.add_argument("--model", default="smollm2", help="model whose tokenizer and chat template to use")
-    parser.add_argument("--http-host", default="127.0.0.1", help="HTTP interface")
-    parser.add_argument("--http-port", type=int, default=8000, help="HTTP port")
-    parser.add_argument("--max-in-flight", type=int, default=512, help="HTTP requests served at once")
+    add_actor(parser, "frontend")
+    parser.add_argument(
+        "--controller", required=True, metavar="URL", help="the controller actor: tcp://host:port/controller"
+    )
+    spec_flag(parser, "--model", "model.name", "model whose tokenizer and chat template to use")
+    spec_flag(parser, "--http-host", "frontend.host", "HTTP interface")
+    spec_flag(parser, "--http-port", "frontend.port", "HTTP port")
+    spec_flag(parser, "--max-in-flight", "frontend.max_in_flight", "HTTP requests served at once")
 
 
-async def start(node: Node, args: argparse.Namespace) -> dict[str, str]:
-    tokenizer, config = load_tokenizer(args.model)
-    client = ClusterClient(args.controller)
-    ref = await node.spawn(client, args.actor)
+async def start(node: Node, spec: ClusterSpec, wiring: Wiring) -> dict[str, str]:
+    actor = wiring.actor or "frontend"
+    tokenizer, config = load_tokenizer(spec.model.name)
+    client = ClusterClient(wiring.controller)
+    ref = await node.spawn(client, actor)
+    f = spec.frontend
     frontend = Frontend(
         client,
         tokenizer,
-        ModelInfo(served_name(args.model), config.max_context),
-        FrontendConfig(
-            host=args.http_host, port=args.http_port, max_in_flight=args.max_in_flight, vocab_size=config.vocab
-        ),
+        ModelInfo(served_name(spec.model.name), config.max_context),
+        FrontendConfig(host=f.host, port=f.port, max_in_flight=f.max_in_flight, vocab_size=config.vocab),
     )
-    _, task, _ = await start_server(frontend.app, args.http_host, args.http_port)
+    _, task, _ = await start_server(frontend.app, f.host, f.port)
     _servers.add(task)
-    return {args.actor: ref.url}
+    return {actor: ref.url}

@@ -16,8 +16,6 @@ thread hop per layer costs more than it gains); the native kernel uses `threads`
 
 from __future__ import annotations
 
-import argparse
-import re
 import time
 from typing import TYPE_CHECKING
 
@@ -27,46 +25,17 @@ import torch
 from aiollm.actors.actor import Actor, handler
 from aiollm.errors import KVCacheFull
 from aiollm.kv.blocks import BlockAllocator
-from aiollm.kv.pool import KV_DTYPES, KVConfig, KVPool
+from aiollm.kv.pool import DEFAULT_KV_DTYPE, KVConfig, KVPool
 from aiollm.log import get_logger
-from aiollm.model.config import ModelConfig
-from aiollm.model.gguf_file import GGUFFile
-from aiollm.model.hf_dir import HFDirectory
-from aiollm.model.loader import resolve
 from aiollm.serving.distserve.messages import AckKV, KVBlock, PullKV
 from aiollm.serving.fastdecode.messages import Admit, Attend, Attended, GetRLoad, Release, RLoad
 
 if TYPE_CHECKING:
-    from aiollm.actors.node import Node
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "mib": 1024**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "gib": 1024**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "tib": 1024**4,
-}
+    pass
 
 
 def _log():
     return get_logger("r_worker")
-
-
-def parse_size(text: str) -> int:
-    """Bytes in '8GiB', '512MiB', '1.5GB', '4096' (ValueError naming the text otherwise)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"memory size {text!r}: expected a number with an optional unit such as 8GiB or 512MB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 class AdmissionRefused(KVCacheFull):
@@ -178,7 +147,7 @@ class RWorker(Actor):
         n_kv_heads: int,
         head_dim: int,
         kv_memory: int,
-        kv_dtype: str = "fp16",
+        kv_dtype: str = DEFAULT_KV_DTYPE,
         block_size: int = 16,
         threads: int = 1,
     ) -> None:
@@ -264,39 +233,3 @@ class RWorker(Actor):
     @handler(GetRLoad)
     async def get_load(self, msg: GetRLoad) -> RLoad:
         return self.store.load()
-
-
-def model_config(name_or_path: str) -> ModelConfig:
-    """A model's config from its file's metadata alone (an R-worker needs the KV shape, not the weights)."""
-    path = resolve(name_or_path)
-    return (HFDirectory(path) if path.is_dir() else GGUFFile(path)).config
-
-
-# --- the role, for `python -m aiollm.node --role r-worker` ---------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("r-worker")
-    g.add_argument("--model", default="smollm2", help="model whose KV shape to hold (only its config is read)")
-    g.add_argument("--kv-memory", default="8GiB", help="KV budget in RAM, e.g. 8GiB (admission refuses beyond it)")
-    g.add_argument("--kv-dtype", default="fp16", choices=KV_DTYPES, help="KV storage type")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the S-worker's must match)")
-    g.add_argument("--threads", type=int, default=1, help="native attention threads (one per core it may use)")
-
-
-async def start(node: Node, args: argparse.Namespace) -> dict[str, str]:
-    """Spawn the R-worker as `r-worker`; returns {name: url} for the ready line."""
-    torch.set_num_threads(1)  # torch only reshapes here; its OpenMP team must not compete with the kernel's
-    config = model_config(args.model)
-    ref = await node.spawn(
-        RWorker,
-        "r-worker",
-        n_layers=config.n_layers,
-        n_kv_heads=config.n_kv_heads,
-        head_dim=config.head_dim,
-        kv_memory=parse_size(args.kv_memory),
-        kv_dtype=args.kv_dtype,
-        block_size=args.block_size,
-        threads=args.threads,
-    )
-    return {"r-worker": ref.url}

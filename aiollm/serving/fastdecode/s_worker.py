@@ -27,7 +27,6 @@ survivor has room for fails with an error that says so.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import time
@@ -50,7 +49,7 @@ from aiollm.serving.fastdecode.messages import Admit, GetRLoad, GetTrace, Releas
 from aiollm.serving.fastdecode.pipeline import RWorkerLost, StepRow, decode_step, place
 
 if TYPE_CHECKING:
-    from aiollm.actors.node import Node
+    pass
 
 
 def _log():
@@ -541,70 +540,3 @@ class SWorker(Actor):
             raise ValueError(
                 f"prompt of {len(seq.prompt)} tokens exceeds the staging pool ({self.config.staging_tokens} tokens)"
             )
-
-
-# --- the role, for `python -m aiollm.node --role s-worker` ---------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("s-worker")
-    g.add_argument("--model", default="smollm2", help="bundled name, .gguf file or HF directory")
-    g.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="weight dtype of the S-part")
-    g.add_argument("--threads", type=int, default=1, help="torch threads of the S-part")
-    g.add_argument(
-        "--r-workers",
-        required=True,
-        help="R-worker nodes or actors, comma-separated: tcp://127.0.0.1:7001[/r-worker],...",
-    )
-    g.add_argument("--max-batch", type=int, default=256, help="B: most sequences decoding at once")
-    g.add_argument("--no-pipeline", action="store_true", help="one mini-batch per step (no S/R overlap)")
-    g.add_argument(
-        "--pipeline-min-batch",
-        type=int,
-        default=64,
-        help="split into two mini-batches only from this batch on (smaller S-parts are weight-bound)",
-    )
-    g.add_argument(
-        "--sls-interval",
-        type=int,
-        default=0,
-        help="F: start a micro-batch every F steps (load-stabilising schedule); 0: off",
-    )
-    g.add_argument("--sls-seq-len", type=int, default=1024, help="S the schedule plans for (prompt + completion)")
-    g.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens per prefill batch")
-    g.add_argument("--staging-tokens", type=int, default=16384, help="prompt KV waiting to be pulled, in tokens")
-
-
-def r_worker_urls(text: str) -> list[str]:
-    """'tcp://h:p,tcp://h:p/name' -> actor URLs (a bare node address means its `r-worker` actor)."""
-    urls = [u.strip() for u in text.split(",") if u.strip()]
-    if not urls:
-        raise ValueError("--r-workers: expected tcp://host:port[,tcp://host:port...]")
-    return [u if u.split("://", 1)[-1].count("/") else f"{u}/r-worker" for u in urls]
-
-
-def config_from_args(args: argparse.Namespace) -> SWorkerConfig:
-    schedule = (
-        SLSConfig(batch_size=args.max_batch, seq_len=args.sls_seq_len, interval=args.sls_interval)
-        if args.sls_interval
-        else None
-    )
-    return SWorkerConfig(
-        max_batch=args.max_batch,
-        pipeline=not args.no_pipeline,
-        pipeline_min_batch=args.pipeline_min_batch,
-        schedule=schedule,
-        max_prefill_tokens=args.max_prefill_tokens,
-        staging_tokens=args.staging_tokens,
-    )
-
-
-async def start(node: Node, args: argparse.Namespace) -> dict[str, str]:
-    """Load the model, spawn the S-worker as `s-worker`; returns {name: url} for the ready line."""
-    from aiollm.model.loader import load
-
-    torch.set_num_threads(args.threads)
-    config = config_from_args(args)
-    model = await asyncio.to_thread(load, args.model, args.dtype)
-    ref = await node.spawn(SWorker(model, r_worker_urls(args.r_workers), config), "s-worker")
-    return {"s-worker": ref.url}

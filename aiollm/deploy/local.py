@@ -1,0 +1,224 @@
+"""The local launcher: a cluster spec run as processes on this host (or the colocated engine in this process).
+
+Disaggregated: every prefill and decode instance, the controller and the frontend is its own
+`python -m aiollm.node --role ...` subprocess (started through `Graph`, which shares a fresh cluster secret and
+always reaps its processes), each configured by the same spec file. The instances start first, in parallel
+(each loads the model; an offloaded decode instance's R-worker processes start just before it and it is pointed
+at them), then the controller, then the frontend. `serve` returns once the frontend answers /health, and
+`supervise` runs until interrupted: a prefill or decode instance whose process exits (crashed, killed, OOM) is
+started again with `--controller`, so it re-registers under its name and gets work again (the controller failed
+its requests over meanwhile), up to `MAX_RESTARTS` times per instance; if the controller, the frontend or an
+R-worker exits, or an instance keeps dying, every node is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import sys
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from aiollm.actors.node import NodeConfig
+from aiollm.deploy.graph import Graph, NodeHandle
+from aiollm.deploy.roles import Wiring
+from aiollm.deploy.roles.common import served_name
+from aiollm.deploy.spec import ClusterSpec
+
+READY_TIMEOUT_S = 300.0
+# restarts of one prefill/decode instance before the cluster gives up
+MAX_RESTARTS = 3
+
+
+@dataclass
+class LocalCluster:
+    """A running local cluster: its graph, the API's base URL, and how to restart each instance."""
+
+    graph: Graph
+    base_url: str
+    controller: str
+    # instance node URL -> (role, wiring) it was started with
+    instances: dict[str, tuple[str, Wiring]]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _step_log(spec: ClusterSpec, name: str) -> str:
+    return str(Path(spec.step_log, f"{name}.jsonl")) if spec.step_log else ""
+
+
+def node_config(spec: ClusterSpec, secret: bytes) -> NodeConfig:
+    n = spec.node
+    return NodeConfig(
+        secret=secret,
+        heartbeat_interval=n.heartbeat_interval,
+        heartbeat_timeout=n.heartbeat_timeout,
+        mailbox_size=n.mailbox_size,
+        max_frame_bytes=n.max_frame_bytes,
+    )
+
+
+async def start_cluster(graph: Graph, spec: ClusterSpec) -> LocalCluster:
+    """Start every node of `spec` on `graph` (instances in parallel, then controller, then frontend) and wait
+    until the frontend answers."""
+    if not spec.frontend.port:
+        spec = spec.override({"frontend.port": free_port(spec.frontend.host)})
+    instances: dict[str, tuple[str, Wiring]] = {}
+
+    async def instance(role: str, wiring: Wiring) -> NodeHandle:
+        handle = await graph.start_node(role, process=True, spec=spec, wiring=wiring)
+        instances[handle.url] = (role, wiring)
+        return handle
+
+    async def decode(i: int) -> NodeHandle:
+        r_workers = await asyncio.gather(
+            *(graph.start_node("r-worker", process=True, spec=spec) for _ in range(spec.decode.r_workers))
+        )
+        urls = tuple(h.actors["r-worker"] for h in r_workers)
+        return await instance(
+            "decode", Wiring(actor=f"decode{i}", r_workers=urls, step_log=_step_log(spec, f"decode{i}"))
+        )
+
+    prefills = [
+        instance("prefill", Wiring(actor=f"prefill{i}", step_log=_step_log(spec, f"prefill{i}")))
+        for i in range(spec.prefill.count)
+    ]
+    handles = await asyncio.gather(*prefills, *(decode(i) for i in range(spec.decode.count)))
+    actors = [item for handle in handles for item in handle.actors.items()]
+    wiring = Wiring(
+        prefill={n: u for n, u in actors if n.startswith("prefill")},
+        decode={n: u for n, u in actors if n.startswith("decode")},
+    )
+    controller = next(
+        iter((await graph.start_node("controller", process=True, spec=spec, wiring=wiring)).actors.values())
+    )
+    await graph.start_node("frontend", process=True, spec=spec, wiring=Wiring(controller=controller))
+    base = f"http://{spec.frontend.host}:{spec.frontend.port}"
+    while not await asyncio.to_thread(_healthy, f"{base}/health"):
+        await asyncio.sleep(0.2)
+    return LocalCluster(graph, base, controller, instances)
+
+
+async def supervise(cluster: LocalCluster, spec: ClusterSpec, stop: asyncio.Event) -> int:
+    """Run until `stop` is set (0); restart instance nodes that exit; 1 when another node exits or an instance
+    exhausted its restarts."""
+    graph = cluster.graph
+    stopped = asyncio.ensure_future(stop.wait())
+    restarts: dict[str, int] = {}
+    try:
+        while True:
+            exits = {asyncio.ensure_future(h.process.wait()): h for h in graph.nodes if h.process.returncode is None}
+            done, _ = await asyncio.wait({stopped, *exits}, return_when=asyncio.FIRST_COMPLETED)
+            for future in exits:
+                future.cancel()
+            if stopped in done:
+                return 0
+            for handle in (exits[f] for f in done):
+                started = cluster.instances.pop(handle.url, None)
+                status = handle.process.returncode
+                name = started[1].actor if started else ""
+                if started is None or restarts.get(name, 0) >= MAX_RESTARTS:
+                    print(f"aiollm: node {handle.url} exited with status {status}; stopping", file=sys.stderr)
+                    return 1
+                role, wiring = started
+                restarts[name] = restarts.get(name, 0) + 1
+                print(
+                    f"aiollm: {name} exited with status {status}; starting it again ({restarts[name]}/{MAX_RESTARTS})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                again = replace(wiring, controller=cluster.controller)
+                new = await graph.start_node(role, process=True, spec=spec, wiring=again)
+                cluster.instances[new.url] = (role, wiring)
+    finally:
+        stopped.cancel()
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def serve_cluster(spec: ClusterSpec) -> int:
+    """Start the spec's cluster, print where it serves, and supervise it until SIGINT/SIGTERM."""
+    import secrets
+
+    config = node_config(spec, secrets.token_hex(32).encode())
+    async with Graph(config, startup_timeout=READY_TIMEOUT_S, log_level=spec.log_level) as graph:
+        cluster = await start_cluster(graph, spec)
+        print(
+            f"aiollm: serving {served_name(spec.model.name)} at {cluster.base_url}/v1 ({spec.describe()})", flush=True
+        )
+        return await supervise(cluster, spec, _stop_on_signals())
+
+
+def run_colocated(spec: ClusterSpec) -> int:
+    """The colocated baseline: one process batching prefill and decode together, behind the same HTTP API."""
+    import torch
+
+    from aiollm.deploy.roles.prefill import compute_bound_length
+    from aiollm.frontend.app import Frontend, FrontendConfig, start_server
+    from aiollm.model.loader import load
+    from aiollm.serving.backend import ModelInfo
+    from aiollm.serving.colocated import ColocatedEngine, EngineConfig
+
+    torch.set_num_threads(spec.decode.threads)
+    model = load(spec.model.name, dtype=spec.model.dtype)
+    f = spec.frontend
+
+    async def main() -> None:
+        engine = ColocatedEngine(
+            model,
+            EngineConfig(
+                kv_blocks=spec.decode.kv_blocks,
+                block_size=spec.kv.block_size,
+                kv_dtype=spec.kv.dtype,
+                max_batch_tokens=spec.prefill.max_batch_tokens or compute_bound_length(spec.model.name),
+                max_running=spec.decode.max_running,
+                attn_threads=spec.decode.threads,
+            ),
+        )
+        await engine.start()
+        frontend = Frontend(
+            engine,
+            model.tokenizer,
+            ModelInfo(served_name(spec.model.name), model.config.max_context),
+            FrontendConfig(host=f.host, port=f.port, max_in_flight=f.max_in_flight, vocab_size=model.config.vocab),
+        )
+        server, task, port = await start_server(frontend.app, f.host, f.port)
+        print(f"aiollm: serving {served_name(spec.model.name)} at http://{f.host}:{port}/v1 (colocated)", flush=True)
+        await _stop_on_signals().wait()
+        server.should_exit = True
+        await task
+        await engine.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+def run(spec: ClusterSpec) -> int:
+    """Serve `spec` on this host until interrupted: the colocated engine or the whole cluster."""
+    if spec.colocated:
+        return run_colocated(spec)
+    try:
+        return asyncio.run(serve_cluster(spec))
+    except RuntimeError as exc:  # a node did not start
+        print(f"python -m aiollm serve: error: {exc}", file=sys.stderr)
+        return 1
