@@ -16,6 +16,8 @@ setup(
     python_requires=">=3.11,<3.14",
     packages=packages,
     package_dir={"aiollm.transports": "transports"},
+    # DistServe's published A100 latency profiles (Apache-2.0, LICENSE beside them), read by aiollm.planner.profiles
+    package_data={"aiollm.planner": ["data/distserve/*"]},
     setup_requires=["cffi>=1.16"],
     cffi_modules=["native/build.py:ffibuilder"],
     install_requires=[

@@ -16,8 +16,8 @@ from aiollm.planner.hardware import GPUSpec, get_gpu
 from aiollm.planner.latency import DEFAULT_TP_SERIAL, LatencyModel, StackLatency, amdahl, piecewise
 from aiollm.planner.models import HF_NAMES, ModelSpec, get_model
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DISTSERVE_DIR = REPO_ROOT.parent / "shared" / "data" / "distserve-profiles"
+# DistServe's published profiles, shipped with the package (Apache-2.0: LICENSE and README.md beside them).
+DISTSERVE_DIR = Path(__file__).resolve().parent / "data" / "distserve"
 LOCAL_PROFILE = Path.home() / ".cache" / "aiollm" / "latency-profile-local.json"
 LOCAL_FORMAT = "aiollm-latency-profile/1"
 
@@ -46,12 +46,11 @@ MEMORY_UTILISATION = 0.9
 
 
 def distserve_dir(override: str | Path | None = None) -> Path:
-    """The DistServe profile directory: `override`, else ../shared/data/distserve-profiles beside the repo."""
+    """The DistServe profile directory: `override`, else the copy shipped in the package (`DISTSERVE_DIR`)."""
     path = Path(override) if override else DISTSERVE_DIR
     if not (path / "profiler-a100-80g.distserve.json").is_file():
         raise FileNotFoundError(
-            f"DistServe profiles not found in {path}: expected profiler-a100-80g.distserve.json there "
-            "(a copy of shared/ beside the repo, ../shared/data/distserve-profiles); pass --profile PATH"
+            f"DistServe profiles not found in {path}: expected profiler-a100-80g.distserve.json there"
         )
     return path
 

@@ -1,10 +1,12 @@
 """The latency model: least-squares fits reproduce their points, DistServe's profile converts and scales."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import aiollm.planner
 from aiollm.planner.hardware import get_gpu
 from aiollm.planner.latency import (
     DEFAULT_TP_SERIAL,
@@ -120,11 +122,18 @@ def test_compute_bound_length_from_coefficients():
 
 @pytest.fixture(scope="module")
 def distserve():
-    try:
-        distserve_dir()
-    except FileNotFoundError:
-        pytest.skip("DistServe profiles (../shared/data/distserve-profiles) not present")
     return load_distserve()
+
+
+def test_distserve_profiles_ship_inside_the_package():
+    shipped = {f.name for f in distserve_dir().iterdir()}
+    assert {
+        "LICENSE",
+        "max_num_tokens.csv",
+        "profiler-a100-80g.distserve.json",
+        "profiler-a100-80g.vllm.json",
+    } <= shipped
+    assert distserve_dir().is_relative_to(Path(aiollm.planner.__file__).parent)
 
 
 def test_distserve_profile_converts_units_and_order(distserve):
