@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from aiollm.heap import keep_freed_memory
-from bench.report import print_figures
+from aiollm.report import print_figures
 
 # benchmark name -> module under bench/
 BENCHMARKS = {

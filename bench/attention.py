@@ -82,7 +82,7 @@ import time
 import numpy as np
 
 from aiollm.native.arrays import aligned_full
-from bench.report import table
+from aiollm.report import table
 
 SHAPES = {"smollm2": (9, 3, 64), "llama7b": (32, 32, 128)}
 BLOCK = 16

@@ -14,9 +14,9 @@ import torch
 from aiollm.model.linear import fastest_cpu_dtype
 from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
+from aiollm.report import table
 from aiollm.serving import runner
 from bench.fastdecode_steps import MODEL, random_prompts
-from bench.report import table
 
 
 def baselines_part(model, seq_len: int, cores: int, quick: bool, no_transformers: bool, figures: dict) -> None:

@@ -16,6 +16,7 @@ import uvloop
 from aiollm.calibrate.fastdecode_probes import long_step_terms, measure_effective_cores, measure_overlap, step_costs
 from aiollm.deploy.graph import Graph
 from aiollm.planner.fastdecode import AskCost, Overlap, TimeShared, balanced_context, predict_step, size
+from aiollm.report import table
 from bench.fastdecode_steps import (
     PROMPT_LEN,
     kernel_r,
@@ -24,7 +25,6 @@ from bench.fastdecode_steps import (
     t_median,
     t_now,
 )
-from bench.report import table
 
 
 def throughput_part(model, batches: list[int], seq_len: int, cores: int, figures: dict) -> None:

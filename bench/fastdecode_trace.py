@@ -26,9 +26,9 @@ from aiollm.planner.fastdecode import (
     predict_step,
     schedule_gain,
 )
+from aiollm.report import table
 from bench.fastdecode_steps import PROMPT_LEN, kernel_r, start_r_workers, t_fastest
 from bench.fastdecode_trace_runs import TURN_S, interleaved_traces, touch_kv, trace_schedule
-from bench.report import table
 
 
 def trace_part(model, args, quick: bool, figures: dict) -> None:

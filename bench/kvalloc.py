@@ -22,12 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
+from aiollm.kv.layouts import LifoFreeList, blocks_per_run, churned_tables, lockstep_tables
 from aiollm.native.arrays import aligned_full
+from aiollm.report import table
 from bench.attention import WINDOW, paired, paired_ratio, reader
-from bench.report import table
 
 N_Q, N_KV, HEAD_DIM, BLOCK = 9, 3, 64, 16
-CHURN_SIZES = (4, 129)  # blocks per churn sequence: [low, high)
 
 
 def add_arguments(parser) -> None:
@@ -42,61 +42,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="paired measurement rounds")
     parser.add_argument("--threads", type=int, default=2, help="attention threads")
     parser.add_argument("--plot", type=Path, default=Path("kvalloc_runs.png"), help="PNG of blocks per run")
-
-
-class LifoFreeList:
-    """The peer: a LIFO free list (the simplest allocator), each request's ids sorted per sequence."""
-
-    def __init__(self, n_blocks: int) -> None:
-        self._free = list(range(n_blocks - 1, -1, -1))
-
-    @property
-    def n_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        return sorted(self._free.pop() for _ in range(n))
-
-    def free(self, ids: list[int]) -> None:
-        self._free.extend(reversed(ids))
-
-
-def churned_tables(alloc, batch: int, blocks: int, rounds: int) -> np.ndarray:
-    """The batch's tables after `rounds` of admissions (to 95 % full) and random frees; seeded, so every
-    allocator sees the same requests (they depend only on the free count, which all allocators keep alike)."""
-    rng = np.random.default_rng(0)
-    live, n_total = {}, alloc.n_free
-    for step in range(rounds):
-        while True:
-            n = int(rng.integers(*CHURN_SIZES))
-            if alloc.n_free - n < n_total // 20:
-                break
-            live[(step, len(live))] = alloc.allocate(n)
-        for key in [k for k in live if rng.random() < 0.04]:
-            alloc.free(live.pop(key))
-    keys = list(live)
-    for i in rng.permutation(len(keys)):  # make room for the batch, freeing at random
-        if alloc.n_free >= batch * blocks:
-            break
-        alloc.free(live.pop(keys[i]))
-    return np.array([alloc.allocate(blocks) for _ in range(batch)], np.int32)
-
-
-def lockstep_tables(n_blocks: int, batch: int, blocks: int, extent: int) -> np.ndarray:
-    """The batch's tables when it grows one block per sequence per round through BlockTable."""
-    from aiollm.kv.blocks import BlockAllocator, BlockTable
-
-    grow = BlockTable(BlockAllocator(n_blocks), BLOCK, extent=extent)
-    seqs = list(range(batch))
-    for _ in range(blocks):
-        grow.append_batch(seqs, [BLOCK] * batch)
-    return grow.block_tables(seqs)
-
-
-def blocks_per_run(tables: np.ndarray) -> np.ndarray:
-    """Per sequence: its blocks over its maximal runs of consecutive ids."""
-    jumps = np.count_nonzero(np.diff(tables, axis=1) != 1, axis=1)
-    return tables.shape[1] / (1 + jumps)
 
 
 def attention_entry(k, v, scales, tables: np.ndarray, q: np.ndarray, n_threads: int):

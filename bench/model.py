@@ -45,7 +45,7 @@ from aiollm.model.sampling import SamplingParams
 from aiollm.native.attention import read_sum
 from aiollm.native.fused_ops import seconds_buffer
 from aiollm.native.gemm import PackedWeight, gemm
-from bench.report import table
+from aiollm.report import table
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -26,7 +26,7 @@ from aiollm.planner.placement import PlacementConfig, Planner
 from aiollm.planner.profiles import latency_model
 from aiollm.planner.simulator import InstanceSpec, SimConfig, simulate
 from aiollm.planner.workload import LengthSample, Workload
-from bench.report import table
+from aiollm.report import table
 
 # DistServe's chatbot SLOs on ShareGPT (paper, Table 1 as we read it): (TTFT s, TPOT s).
 PAPER_SLOS = {"opt-13b": (0.25, 0.1), "opt-66b": (2.5, 0.15), "opt-175b": (4.0, 0.2)}

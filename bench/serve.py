@@ -49,7 +49,7 @@ from aiollm.loadgen.replay import (
     run_rate,
     summarise,
 )
-from bench.report import table
+from aiollm.report import table
 
 _TARGET = 0.9
 _SHAREGPT_NOTE = (

@@ -23,8 +23,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from aiollm.report import table
 from bench import transport_peers
-from bench.report import table
 
 MiB = 1024 * 1024
 # (label, size in bytes, messages per run in the full and the quick setting)

@@ -34,7 +34,7 @@ from aiollm.planner.models import get_model
 from aiollm.planner.profiles import load_local
 from aiollm.planner.simulator import InstanceSpec, SimConfig, SimResult, simulate
 from aiollm.planner.workload import LengthSample, Workload
-from bench.report import table
+from aiollm.report import table
 
 # shuffles of the measured request hops averaged by the same-run model
 _SHUFFLES = 16

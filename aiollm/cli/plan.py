@@ -67,6 +67,17 @@ def cmd_distserve(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(plan.to_json(), indent=2))
         print(f"wrote {args.json}")
+    if args.emit:
+        from aiollm.deploy.from_plan import plan_header, spec_from_plan
+        from aiollm.deploy.spec import ClusterSpec
+
+        base = ClusterSpec.from_toml(args.base) if args.base else ClusterSpec()
+        if args.serve_model:
+            base = base.override({"model.name": args.serve_model})
+        spec = spec_from_plan(plan, base)
+        args.emit.parent.mkdir(parents=True, exist_ok=True)
+        args.emit.write_text(plan_header(plan) + spec.to_toml())
+        print(f"wrote {args.emit} ({spec.describe()}): python -m aiollm serve --config {args.emit}")
     return 0 if plan.fits else 1
 
 
@@ -172,6 +183,11 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--max-pp", type=int, help="largest pipeline degree to search")
     d.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes for the search")
     d.add_argument("--json", type=Path, help="write the plan as JSON here")
+    d.add_argument("--emit", type=Path, metavar="TOML", help="write the plan as a cluster spec for `serve --config`")
+    d.add_argument("--base", type=Path, metavar="TOML", help="with --emit: the spec the plan's counts go into")
+    d.add_argument(
+        "--serve-model", metavar="NAME", help="with --emit: the model the spec serves (default: --base's, else smollm2)"
+    )
     d.set_defaults(func=cmd_distserve)
 
     f = sub.add_parser("fastdecode", help="FastDecode sizing: batch B and R-worker count P")

@@ -162,3 +162,28 @@ async def test_graph_starts_a_role_from_a_typed_spec_in_process():
         assert handle.node.actors["r-worker"].actor.kv_memory == 8 * 2**20
         with pytest.raises(ValueError, match="unknown role"):
             await graph.start_node("nope", spec=spec)
+
+
+def _plan(prefill, decode):
+    from aiollm.planner.placement import InstancePlan, Plan
+
+    slo = {"ttft": 0.2, "tpot": 0.1, "attainment": 0.9, "mode": "joint"}
+    instance = [None if p is None else InstancePlan(p[0], p[1], p[2], 1.0, 1000) for p in (prefill, decode)]
+    return Plan("smollm2", "1x4xA100-80G", "low", "local", "sharegpt", slo, *instance, 1.0, 2.0, 4, True, None, 3, 0.1)
+
+
+def test_a_plan_becomes_a_spec_that_serve_reads_back(tmp_path):
+    from aiollm.deploy.from_plan import plan_header, spec_from_plan
+
+    plan = _plan((2, 1, 1), (1, 1, 2))
+    spec = spec_from_plan(plan, ClusterSpec().override({"kv.dtype": "fp16"}))
+    assert (spec.prefill.count, spec.prefill.threads, spec.decode.count, spec.decode.threads) == (1, 2, 2, 1)
+    assert spec.kv.dtype == "fp16" and not spec.colocated
+    path = tmp_path / "planned.toml"
+    path.write_text(plan_header(plan) + spec.to_toml())
+    assert path.read_text().startswith("# planned for smollm2 on 1x4xA100-80G")
+    assert ClusterSpec.from_toml(path) == spec
+    assert serve_cli.build_spec(_serve_args(["--config", str(path)])) == spec
+    assert spec_from_plan(_plan(None, (1, 1, 1))).colocated
+    with pytest.raises(SpecError, match="a colocated plan of 3 instances"):
+        spec_from_plan(_plan(None, (1, 1, 3)))

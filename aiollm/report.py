@@ -1,4 +1,4 @@
-"""Printing benchmark figures: tables for people, with the `ratio_*` keys shown last."""
+"""Text tables for people: benchmark figures and reports, with the `ratio_*` keys shown last."""
 
 
 def table(rows: list[dict], columns: list[str] | None = None) -> str:

@@ -3,7 +3,7 @@
 import numpy as np
 
 from aiollm.kv.blocks import BlockAllocator
-from bench.kvalloc import LifoFreeList, blocks_per_run, churned_tables, lockstep_tables
+from aiollm.kv.layouts import LifoFreeList, blocks_per_run, churned_tables, lockstep_tables
 
 
 def test_blocks_per_run_counts_jumps():
