@@ -6,6 +6,7 @@ read by a person and parsed by a machine.
 
 import logging
 import sys
+from typing import Any
 
 import structlog
 
@@ -27,6 +28,7 @@ def configure(level: str = "INFO", json: bool = False) -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.WriteLoggerFactory(file=_CurrentStderr()),
+        # False: loggers made before this call (module-level `get_logger`) use this configuration too
         cache_logger_on_first_use=False,
     )
 
@@ -45,6 +47,11 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
-def get_logger(name: str) -> structlog.stdlib.BoundLogger:
-    """A logger bound with the component name."""
-    return structlog.get_logger().bind(component=name)
+def get_logger(name: str) -> Any:
+    """A logger bound with the component name, that follows `configure` whenever it was called.
+
+    Safe at module level (`_log = get_logger("x")`, created at import, before the process configured
+    logging): structlog's lazy proxy assembles the logger from the configuration in force at each
+    call (`cache_logger_on_first_use=False`), with `component=name` as its initial context.
+    """
+    return structlog.get_logger(component=name)

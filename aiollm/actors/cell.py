@@ -35,9 +35,7 @@ if TYPE_CHECKING:
     from aiollm.actors.ref import ActorRef
 
 
-def _log():
-    """This module's logger, bound at call time so it follows `aiollm.log.configure`."""
-    return get_logger("actors")
+_log = get_logger("actors")
 
 
 class ActorCell:
@@ -71,7 +69,7 @@ class ActorCell:
         """The loop only ends by draining or cancellation; if a runtime bug ends it otherwise, say so and stop
         the actor rather than leave askers waiting on a mailbox nobody reads."""
         if not task.cancelled() and task.exception() is not None:
-            _log().error("actor loop crashed", actor=self.name, exc_info=task.exception())
+            _log.error("actor loop crashed", actor=self.name, exc_info=task.exception())
             asyncio.get_running_loop().create_task(self.actor.node.stop_actor(self.name, 0.0, "crashed"))
 
     async def tell_local(self, msg: Message) -> None:
@@ -151,7 +149,7 @@ class ActorCell:
     def _raised_inline(self, msg: Message, reply: Reply | None, exc: BaseException) -> None:
         """A handler run inline raised in its first step: as `_complete` would, but from a callback."""
         if isinstance(exc, Exception):
-            _log().error("handler raised", actor=self.name, message=type(msg).__name__, exc_info=exc)
+            _log.error("handler raised", actor=self.name, message=type(msg).__name__, exc_info=exc)
             if reply is not None:
                 self._continue(reply.fail(_remote_error(exc)))
         elif isinstance(exc, asyncio.CancelledError):  # not asked for (nothing could cancel it yet): the loop would end
@@ -164,7 +162,7 @@ class ActorCell:
             raise exc
 
     def _crashed(self, exc: BaseException) -> None:
-        _log().error("actor loop crashed", actor=self.name, exc_info=exc)
+        _log.error("actor loop crashed", actor=self.name, exc_info=exc)
         self._loop.create_task(self.actor.node.stop_actor(self.name, 0.0, "crashed"))
 
     def stream_local(self, msg: Message, window: int) -> AsyncIterator[Message]:
@@ -204,7 +202,7 @@ class ActorCell:
         if task is not None and not task.done():
             done, _ = await asyncio.wait({task}, timeout=timeout)
             if not done:
-                _log().warning("drain timeout: cancelling", actor=self.name, left=len(self.mailbox))
+                _log.warning("drain timeout: cancelling", actor=self.name, left=len(self.mailbox))
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         died = ActorDied(f"actor {self.name!r} stopped")
@@ -216,7 +214,7 @@ class ActorCell:
         try:
             await self.actor.on_stop()
         except Exception:
-            _log().exception("on_stop failed", actor=self.name)
+            _log.exception("on_stop failed", actor=self.name)
         if not self.stopped.done():
             self.stopped.set_result(None)
 
@@ -273,7 +271,7 @@ class ActorCell:
             return
         except Exception as exc:
             self._current = None
-            _log().error("handler raised", actor=self.name, message=type(msg).__name__, exc_info=exc)
+            _log.error("handler raised", actor=self.name, message=type(msg).__name__, exc_info=exc)
             if reply is not None:
                 await reply.fail(_remote_error(exc))
             return
@@ -314,7 +312,7 @@ class ActorCell:
         except Exception as exc:
             self._current = None
             self._finish(sink)
-            _log().error("stream handler raised", actor=self.name, exc_info=exc)
+            _log.error("stream handler raised", actor=self.name, exc_info=exc)
             await sink.fail(_remote_error(exc))
             return
         self._current = None
@@ -338,7 +336,7 @@ class ActorCell:
         try:
             await sink.agen.aclose()
         except Exception:
-            _log().exception("stream handler failed while closing", actor=self.name)
+            _log.exception("stream handler failed while closing", actor=self.name)
         if error is not None:
             await sink.fail(error)
 
@@ -364,7 +362,7 @@ class ActorCell:
             text = f"{type(msg).__name__} is handled by a stream handler on {self.name!r}; use ref.stream()"
         else:
             text = f"{type(msg).__name__} is not a stream on {self.name!r}; use ref.ask() or ref.tell()"
-        _log().warning("message rejected", actor=self.name, reason=text)
+        _log.warning("message rejected", actor=self.name, reason=text)
         if reply is not None:
             await reply.fail(ProtocolError(text))
 

@@ -37,10 +37,7 @@ from aiollm.transports.base import Buffer, Connection, Listener, TransportConfig
 from aiollm.transports.base import connect as transport_connect
 from aiollm.transports.base import listen as transport_listen
 
-
-def _log():
-    """This module's logger, bound at call time so it follows `aiollm.log.configure`."""
-    return get_logger("actors.node")
+_log = get_logger("actors.node")
 
 
 _node_ids = itertools.count()
@@ -141,7 +138,7 @@ class Node:
             self.addresses.insert(0, advertise)
             self._local_urls.add(advertise)
         await self.spawn(NodeActor, SYSTEM_ACTOR)
-        _log().info("node started", addresses=self.addresses)
+        _log.info("node started", addresses=self.addresses)
 
     async def __aenter__(self) -> Node:
         return self
@@ -307,10 +304,10 @@ class Node:
         try:
             info = await self._handshake(conn, initiator=False)
         except AuthenticationFailed as exc:
-            _log().warning("peer refused", peer=conn.peer_address, reason=str(exc))
+            _log.warning("peer refused", peer=conn.peer_address, reason=str(exc))
             return
         except (NodeUnreachable, ClosedError, ChannelBroken) as exc:
-            _log().info("connection dropped during handshake", peer=conn.peer_address, reason=str(exc))
+            _log.info("connection dropped during handshake", peer=conn.peer_address, reason=str(exc))
             return
         peer = self._add_peer(conn, info.node or conn.peer_address, info)
         await peer.finished
@@ -321,7 +318,7 @@ class Node:
         existing = self._peers.get(url)
         if existing is None or existing.closed:
             self._peers[url] = peer
-        _log().info("peer connected", peer=url, via=conn.peer_address)
+        _log.info("peer connected", peer=url, via=conn.peer_address)
         return peer
 
     def peer_lost(self, peer: Peer, reason: str) -> None:
@@ -332,7 +329,7 @@ class Node:
             del self._peers[peer.url]
         self.watches.node_lost(peer.url if registered else None, peer, reason)
         if not self._stopping:
-            _log().info("peer lost", peer=peer.url, reason=reason)
+            _log.info("peer lost", peer=peer.url, reason=reason)
 
     # --- shutdown --------------------------------------------------------------------------
 
@@ -349,7 +346,7 @@ class Node:
         await asyncio.gather(*(self.stop_actor(name, timeout, "node stopped") for name in users))
         await self.stop_actor(SYSTEM_ACTOR, timeout, "node stopped")
         await asyncio.gather(*(peer.close() for peer in list(self._all_peers)), return_exceptions=True)
-        _log().info("node stopped", addresses=self.addresses)
+        _log.info("node stopped", addresses=self.addresses)
         if self._stopped is not None:
             self._stopped.set()
 

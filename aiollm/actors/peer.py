@@ -59,9 +59,7 @@ if TYPE_CHECKING:
     from aiollm.actors.node import Node
 
 
-def _log():
-    """This module's logger, bound at call time so it follows `aiollm.log.configure`."""
-    return get_logger("actors.peer")
+_log = get_logger("actors.peer")
 
 
 class Peer:
@@ -136,7 +134,7 @@ class Peer:
         try:
             await self.send(env)
         except (AiollmError, TypeError, ValueError) as exc:
-            _log().warning("frame not sent", peer=self.url, kind=type(env).__name__, error=str(exc))
+            _log.warning("frame not sent", peer=self.url, kind=type(env).__name__, error=str(exc))
 
     async def tell(self, name: str, msg: Message) -> None:
         await self.send(Request(V, 0, TELL, name, 0, msg))
@@ -201,7 +199,7 @@ class Peer:
         try:
             env = self._codec.decode_frame(header, buffers)  # (a Request's, Reply's or Item's message included)
         except ProtocolError as exc:
-            _log().warning("bad frame refused", peer=self.url, error=str(exc))
+            _log.warning("bad frame refused", peer=self.url, error=str(exc))
             self.notify(Failure(V, 0, "protocol", "ProtocolError", str(exc), ""))
             return None
         if isinstance(env, Reply):  # inline: the hottest branch
@@ -240,7 +238,7 @@ class Peer:
     def _on_end(self, error: Exception) -> None:
         """The transport says the connection ended (after every frame it delivered)."""
         if isinstance(error, ChannelBroken):
-            _log().warning("bad frame: closing connection", peer=self.url, error=str(error))
+            _log.warning("bad frame: closing connection", peer=self.url, error=str(error))
             self.lose(f"channel broken ({error})")
         else:
             self.lose(f"connection lost ({error})")
@@ -251,7 +249,7 @@ class Peer:
         if actor is None or actor.mailbox.closed:
             text = f"no actor {env.to!r} on {self.node.url}"
             if env.kind == TELL:
-                _log().warning("tell to a missing actor dropped", peer=self.url, actor=env.to)
+                _log.warning("tell to a missing actor dropped", peer=self.url, actor=env.to)
             self.notify(Failure(V, env.id, "died", "ActorDied", text, ""))
             return None
         msg = env.body
@@ -261,7 +259,7 @@ class Peer:
                 if msg is not None and msg.__class__ is ProtocolError
                 else f"request of kind {env.kind} without a message"
             )
-            _log().warning("bad message refused", peer=self.url, actor=env.to, error=str(error))
+            _log.warning("bad message refused", peer=self.url, actor=env.to, error=str(error))
             self.notify(Failure(V, env.id, "protocol", "ProtocolError", str(error), ""))
             return None
         if env.kind == TELL:
@@ -322,7 +320,7 @@ class Peer:
         elif kind is Stopped:
             self.node.watches.remote_stopped(self.url, env.target, env.reason)
         elif kind is not Heartbeat:
-            _log().warning("unexpected frame", peer=self.url, kind=kind.__name__)
+            _log.warning("unexpected frame", peer=self.url, kind=kind.__name__)
 
     def _on_failure(self, env: Failure) -> None:
         error = _error_from(env)
@@ -337,7 +335,7 @@ class Peer:
             return
         if env.id == 0:
             self._peer_error = env.message
-            _log().warning("peer refused a frame", peer=self.url, error=env.message)
+            _log.warning("peer refused a frame", peer=self.url, error=env.message)
 
     # --- liveness and teardown -----------------------------------------------------------
 
@@ -354,7 +352,7 @@ class Peer:
             if self._blocked or self._received != seen:  # (blocked: we are not reading, not the peer's fault)
                 last_recv, seen = now, self._received
             elif now - last_recv > config.heartbeat_timeout:
-                _log().warning("heartbeat timeout", peer=self.url, silent_s=round(now - last_recv, 3))
+                _log.warning("heartbeat timeout", peer=self.url, silent_s=round(now - last_recv, 3))
                 self.lose("heartbeat timeout")
                 return
             if now - last_sent >= config.heartbeat_interval and (sending is None or sending.done()):
@@ -433,7 +431,7 @@ class _RemoteReply(ReplySlot):
             pass  # the asker's side already failed with NodeUnreachable
 
     async def _unsendable(self, exc: Exception) -> None:
-        _log().error("reply not sendable", peer=self.peer.url, error=str(exc))
+        _log.error("reply not sendable", peer=self.peer.url, error=str(exc))
         await self.peer.send_quiet(_failure(self.rid, RemoteError(type(exc).__name__, str(exc))))
 
     async def fail(self, error: AiollmError) -> None:
@@ -455,7 +453,7 @@ class _RemoteSink(Sink):
         try:
             await self.peer.send(Item(V, self.rid, value))
         except (TypeError, ValueError, ProtocolError) as exc:
-            _log().error("stream item not sendable", peer=self.peer.url, error=str(exc))
+            _log.error("stream item not sendable", peer=self.peer.url, error=str(exc))
             self.cancelled = True
             await self.fail(RemoteError(type(exc).__name__, str(exc)))
         except NodeUnreachable:

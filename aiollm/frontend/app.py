@@ -31,10 +31,7 @@ from aiollm.log import get_logger
 from aiollm.model.sampling import SamplingParams
 from aiollm.serving.backend import FINISH_STOP, Backend, GenerateRequest, ModelInfo, Overloaded, Unavailable
 
-
-def _log():
-    """Bound at call time, after the process configured logging (a module-level logger would not be)."""
-    return get_logger("frontend")
+_log = get_logger("frontend")
 
 
 class TextTokenizer(Protocol):
@@ -326,7 +323,7 @@ class _Run:
         while True:
             message = await self.http.receive()
             if message["type"] == "http.disconnect":
-                _log().info("client disconnected", request_id=self.request.request_id)
+                _log.info("client disconnected", request_id=self.request.request_id)
                 await self.frontend.backend.cancel(self.request.request_id)
                 return
 

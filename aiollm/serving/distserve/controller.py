@@ -56,10 +56,7 @@ from aiollm.serving.distserve.messages import (
     Tokens,
 )
 
-
-def _log():
-    """Bound at call time, after the process configured logging (a module-level logger would not be)."""
-    return get_logger("controller")
+_log = get_logger("controller")
 
 
 @dataclass(frozen=True)
@@ -273,9 +270,7 @@ class Controller(Actor):
         if name is None or not self._instance_alive(name):
             return
         # an orderly stop (the cluster shutting down) is not a fault worth a warning
-        (_log().info if msg.reason == "node stopped" else _log().warning)(
-            "instance lost", instance=name, reason=msg.reason
-        )
+        (_log.info if msg.reason == "node stopped" else _log.warning)("instance lost", instance=name, reason=msg.reason)
         await self._lose(name, msg.reason)
         await self._dispatch()
 
@@ -293,7 +288,7 @@ class Controller(Actor):
             # restarted before its old address was declared dead: the old one's requests fail over
             await self._lose(msg.name, f"replaced by {msg.instance.url}")
         await self._take(msg.name, msg.kind, self.node.ref(msg.instance.url), msg.capacity_tokens)
-        _log().warning("instance registered", instance=msg.name, url=msg.instance.url, known=known)
+        _log.warning("instance registered", instance=msg.name, url=msg.instance.url, known=known)
         await self._dispatch()
         return Registered(known=known)
 
@@ -339,7 +334,7 @@ class Controller(Actor):
                 except (AiollmError, TimeoutError):  # still gone
                     continue
                 kind = "prefill" if name in self.dispatcher.prefill else "decode"
-                _log().warning("dead instance answers again", instance=name)
+                _log.warning("dead instance answers again", instance=name)
                 await self.ref.tell(Register(name, kind, self._refs[name], load.kv_blocks_total * load.kv_block_size))
 
     # ---- internals ----------------------------------------------------------------------------
@@ -393,7 +388,7 @@ class Controller(Actor):
             if not self.dispatcher.any_alive(kind):
                 await self._fail(req, f"failed: {reason}; no live {kind} instance")
                 return
-        _log().warning("request failed over", request_id=req.request_id, reason=reason, retry=req.retries + 1)
+        _log.warning("request failed over", request_id=req.request_id, reason=reason, retry=req.retries + 1)
         req.retries += 1
         req.stage, req.prefill, req.decode = "waiting", None, None
         self._queue.appendleft(req)
@@ -407,7 +402,7 @@ class Controller(Actor):
         try:
             await dest.tell(Tokens(deltas))
         except Exception as exc:
-            _log().warning("frontend unreachable: cancelling its requests", frontend=dest.url, error=str(exc))
+            _log.warning("frontend unreachable: cancelling its requests", frontend=dest.url, error=str(exc))
             for delta in deltas:
                 if delta.request_id in self._requests:
                     await self.on_cancel(Cancel(delta.request_id))
@@ -422,7 +417,7 @@ class Controller(Actor):
             try:
                 self.replan(timing)
             except Exception:
-                _log().exception("replanning hook failed")
+                _log.exception("replanning hook failed")
 
     async def _tell(self, name: str | None, msg) -> None:
         if name is None:
@@ -430,7 +425,7 @@ class Controller(Actor):
         try:
             await self._refs[name].tell(msg)
         except Exception as exc:  # a dead instance: its Terminated notice does the failover
-            _log().warning("send failed", instance=name, message=type(msg).__name__, error=str(exc))
+            _log.warning("send failed", instance=name, message=type(msg).__name__, error=str(exc))
 
     async def _ask_load(self, ref: ActorRef, attempts: int = 1) -> Load:
         for attempt in range(attempts):

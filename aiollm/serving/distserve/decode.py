@@ -31,10 +31,7 @@ from aiollm.serving import runner
 from aiollm.serving.distserve.messages import AckKV, Cancel, Decode, Delta, GetLoad, KVBlock, Load, PullKV, Tokens
 from aiollm.serving.step_log import StepLog
 
-
-def _log():
-    """Bound at call time, after the process configured logging (a module-level logger would not be)."""
-    return get_logger("decode")
+_log = get_logger("decode")
 
 
 @dataclass(frozen=True)
@@ -199,7 +196,7 @@ class DecodeInstance(Actor):
             try:
                 tokens = await self.executor.step(seqs)
             except Exception as exc:
-                _log().exception("decode step failed", instance=self.name, batch=len(seqs))
+                _log.exception("decode step failed", instance=self.name, batch=len(seqs))
                 for entry in entries:
                     await self._fail(entry, f"failed: decode step: {exc}")
                 continue
@@ -216,7 +213,7 @@ class DecodeInstance(Actor):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            _log().warning("KV pull failed", instance=self.name, request_id=seq.request_id, error=str(exc))
+            _log.warning("KV pull failed", instance=self.name, request_id=seq.request_id, error=str(exc))
             await self._fail(entry, f"failed: KV pull: {exc}")
             return
         entry.pull = None
@@ -248,7 +245,7 @@ class DecodeInstance(Actor):
         try:
             await dest.tell(msg)
         except AiollmError as exc:
-            _log().warning("controller unreachable: dropping its requests", controller=dest.url, error=str(exc))
+            _log.warning("controller unreachable: dropping its requests", controller=dest.url, error=str(exc))
             for entry in [e for e in self._entries.values() if e.reply_to == dest]:
                 if entry.pull is not None:
                     entry.pull.cancel()

@@ -29,10 +29,7 @@ from aiollm.serving import runner
 from aiollm.serving.distserve.messages import AckKV, Cancel, GetLoad, KVBlock, KVLost, Load, Prefill, Prefilled, PullKV
 from aiollm.serving.step_log import StepLog
 
-
-def _log():
-    """Bound at call time, after the process configured logging (a module-level logger would not be)."""
-    return get_logger("prefill")
+_log = get_logger("prefill")
 
 
 @dataclass(frozen=True)
@@ -191,7 +188,7 @@ class PrefillInstance(Actor):
             try:
                 await asyncio.to_thread(runner.prefill_into, self.model, self.cache, seqs)
             except Exception as exc:  # a failed batch fails its own requests only
-                _log().exception("prefill failed", instance=self.name, batch=len(seqs))
+                _log.exception("prefill failed", instance=self.name, batch=len(seqs))
                 for seq, reply_to in batch:
                     self._computing.discard(seq.request_id)
                     self.cache.free(seq)
@@ -227,7 +224,7 @@ class PrefillInstance(Actor):
             now = time.monotonic()
             for rid, held in list(self._held.items()):
                 if held.deadline < now and not held.pulling:
-                    _log().warning("KV lease expired", instance=self.name, request_id=rid)
+                    _log.warning("KV lease expired", instance=self.name, request_id=rid)
                     self._release(rid)
                     await self._tell(held.reply_to, KVLost(rid, self.name))
 
@@ -236,4 +233,4 @@ class PrefillInstance(Actor):
         try:
             await dest.tell(msg)
         except AiollmError as exc:
-            _log().warning("controller unreachable", controller=dest.url, message=type(msg).__name__, error=str(exc))
+            _log.warning("controller unreachable", controller=dest.url, message=type(msg).__name__, error=str(exc))

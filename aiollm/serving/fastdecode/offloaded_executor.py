@@ -29,9 +29,7 @@ from aiollm.serving import runner
 from aiollm.serving.fastdecode.messages import Admit, GetRLoad, Release, RLoad
 from aiollm.serving.fastdecode.pipeline import StepRow, decode_step, place
 
-
-def _log():
-    return get_logger("offloaded_executor")
+_log = get_logger("offloaded_executor")
 
 
 @dataclass(frozen=True)
@@ -158,4 +156,4 @@ class OffloadedExecutor:
         try:
             await self.workers[placed.worker].tell(Release([placed.sid]))
         except AiollmError as exc:  # the R-worker is gone: nothing left to free there
-            _log().warning("release failed", worker=self.workers[placed.worker].url, error=str(exc))
+            _log.warning("release failed", worker=self.workers[placed.worker].url, error=str(exc))
