@@ -56,3 +56,11 @@ class KVCacheFull(AiollmError):
         self.requested = requested
         self.free = free
         self.total = total
+
+
+def require_positive(config: object, *names: str) -> None:
+    """A config's `__post_init__` check: ValueError naming the first of `names` whose value is not > 0."""
+    for name in names:
+        value = getattr(config, name)
+        if value <= 0:
+            raise ValueError(f"{type(config).__name__}.{name} must be > 0, got {value}")

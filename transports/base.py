@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from aiollm.errors import AiollmError, ChannelBroken
+from aiollm.errors import AiollmError, ChannelBroken, require_positive
 from aiollm.log import get_logger
 
 _log = get_logger("transports")
@@ -59,9 +59,7 @@ class TransportConfig:
     options: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("max_header_bytes", "max_frame_bytes", "max_buffers"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"TransportConfig.{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, "max_header_bytes", "max_frame_bytes", "max_buffers")
         if self.connect_timeout <= 0:
             raise ValueError(f"TransportConfig.connect_timeout must be > 0, got {self.connect_timeout}")
 
@@ -191,6 +189,30 @@ class Listener(ABC):
 
 
 ConnectionHandler = Callable[[Connection], Awaitable[None]]
+
+
+class HandlerTasks:
+    """A listener's `handler(conn)` run as one task per accepted connection, each task held until it ends.
+
+    A handler that raises is logged and its connection closed; the listener goes on.
+    """
+
+    def __init__(self, listener: Listener, handler: ConnectionHandler) -> None:
+        self._listener = listener
+        self._handler = handler
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self, conn: Connection) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, conn: Connection) -> None:
+        try:
+            await self._handler(conn)
+        except Exception:
+            _log.exception("connection handler failed", listener=self._listener.address, peer=conn.peer_address)
+            await conn.close()
 
 
 class Transport(ABC):

@@ -21,7 +21,6 @@ from collections import deque
 from collections.abc import Sequence
 
 from aiollm.errors import ChannelBroken, ClosedError, NodeUnreachable
-from aiollm.log import get_logger
 from aiollm.transports.base import (
     Address,
     Allocator,
@@ -29,13 +28,12 @@ from aiollm.transports.base import (
     Connection,
     ConnectionHandler,
     Frame,
+    HandlerTasks,
     Listener,
     Transport,
     TransportConfig,
 )
 from aiollm.transports.framing import allocate_buffers, byte_view, check_limits, options_for
-
-_log = get_logger("transports.inproc")
 
 # Options this transport reads from TransportConfig.options, with their defaults.
 DEFAULT_OPTIONS: dict[str, int | str] = {"inproc.queue_frames": 64, "inproc.queue_bytes": 64 * 1024 * 1024}
@@ -178,9 +176,8 @@ class InprocListener(Listener):
     def __init__(self, name: str, handler: ConnectionHandler, config: TransportConfig) -> None:
         self.name = name
         self.address = f"inproc://{name}"
-        self.handler = handler
         self.config = config
-        self._tasks: set[asyncio.Task] = set()
+        self._handlers = HandlerTasks(self, handler)
         self._count = 0
 
     def accept(self, client_config: TransportConfig) -> InprocConnection:
@@ -190,17 +187,8 @@ class InprocListener(Listener):
         to_server, to_client = _Pipe(self.config), _Pipe(client_config)
         server = InprocConnection(to_client, to_server, self.config, self.address, client_name)
         client = InprocConnection(to_server, to_client, client_config, client_name, self.address)
-        task = asyncio.get_running_loop().create_task(self._run(server))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._handlers.start(server)
         return client
-
-    async def _run(self, conn: InprocConnection) -> None:
-        try:
-            await self.handler(conn)
-        except Exception:
-            _log.exception("connection handler failed", listener=self.address, peer=conn.peer_address)
-            await conn.close()
 
     async def close(self) -> None:
         """Remove the name from the registry; established connections and their handlers go on."""

@@ -49,6 +49,7 @@ from aiollm.transports.base import (
     EndHandler,
     Frame,
     FrameHandler,
+    HandlerTasks,
     Listener,
     Transport,
     TransportConfig,
@@ -587,23 +588,12 @@ class TcpListener(Listener):
     """A listening socket; each accepted connection runs `handler(conn)` as a task."""
 
     def __init__(self, handler: ConnectionHandler) -> None:
-        self.handler = handler
         self.address = ""
         self.server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._handlers = HandlerTasks(self, handler)
 
     def accepted(self, protocol: _FrameProtocol) -> None:
-        conn = TcpConnection(protocol)
-        task = asyncio.get_running_loop().create_task(self._run(conn))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _run(self, conn: TcpConnection) -> None:
-        try:
-            await self.handler(conn)
-        except Exception:
-            _log.exception("connection handler failed", listener=self.address, peer=conn.peer_address)
-            await conn.close()
+        self._handlers.start(TcpConnection(protocol))
 
     async def close(self) -> None:
         """Stop accepting; established connections stay open."""

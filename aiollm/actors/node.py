@@ -31,6 +31,7 @@ from aiollm.errors import (
     ChannelBroken,
     ClosedError,
     NodeUnreachable,
+    require_positive,
 )
 from aiollm.log import get_logger
 from aiollm.transports.base import Buffer, Connection, Listener, TransportConfig, parse_address
@@ -69,17 +70,13 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.secret, bytes) or len(self.secret) < 16:
             raise ValueError("NodeConfig.secret must be at least 16 bytes")
-        for field in ("heartbeat_interval", "heartbeat_timeout", "handshake_timeout", "drain_timeout"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"NodeConfig.{field} must be > 0, got {getattr(self, field)}")
+        require_positive(self, "heartbeat_interval", "heartbeat_timeout", "handshake_timeout", "drain_timeout")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError(
                 f"NodeConfig.heartbeat_timeout ({self.heartbeat_timeout}) must exceed "
                 f"heartbeat_interval ({self.heartbeat_interval})"
             )
-        for field in ("mailbox_size", "max_frame_bytes", "stream_window"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"NodeConfig.{field} must be > 0, got {getattr(self, field)}")
+        require_positive(self, "mailbox_size", "max_frame_bytes", "stream_window")
         if "/" in self.name or ":" in self.name:
             raise ValueError(f"NodeConfig.name must not contain '/' or ':', got {self.name!r}")
 

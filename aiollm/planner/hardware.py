@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from aiollm.errors import require_positive
+
 
 @dataclass(frozen=True)
 class GPUSpec:
@@ -27,9 +29,7 @@ class GPUSpec:
     nvlink_bandwidth: float
 
     def __post_init__(self) -> None:
-        for name in ("peak_flops", "mem_bandwidth", "mem_bytes", "nvlink_bandwidth"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"GPUSpec.{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, "peak_flops", "mem_bandwidth", "mem_bytes", "nvlink_bandwidth")
 
 
 GB = 1e9
@@ -67,9 +67,7 @@ class ClusterSpec:
     inter_node_bandwidth: float
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node", "inter_node_bandwidth"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ClusterSpec.{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, "nodes", "gpus_per_node", "inter_node_bandwidth")
 
     @property
     def total_gpus(self) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from aiollm.errors import require_positive
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -29,9 +31,9 @@ class ModelSpec:
     bytes_per_param: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_context", "bytes_per_param"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ModelSpec.{name} must be > 0, got {getattr(self, name)}")
+        require_positive(
+            self, "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_context", "bytes_per_param"
+        )
         if self.hidden % self.heads or self.heads % self.kv_heads:
             raise ValueError(f"ModelSpec {self.name}: hidden/heads/kv_heads do not divide")
 

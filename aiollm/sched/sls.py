@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aiollm.errors import require_positive
+
 
 @dataclass(frozen=True)
 class SLSConfig:
@@ -35,9 +37,7 @@ class SLSConfig:
     workload_limit: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "seq_len", "interval"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"SLSConfig.{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, "batch_size", "seq_len", "interval")
         if self.interval > self.seq_len:
             raise ValueError(f"SLSConfig.interval ({self.interval}) must be <= seq_len ({self.seq_len})")
         if self.workload_limit is not None and self.workload_limit <= 0:

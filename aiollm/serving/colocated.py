@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from aiollm.errors import require_positive
 from aiollm.model.llama import LlamaModel
 from aiollm.sched.prefill_batching import take_batch
 from aiollm.serving import runner
@@ -39,9 +40,7 @@ class EngineConfig:
     attn_threads: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("kv_blocks", "block_size", "max_batch_tokens", "max_running", "max_waiting"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, "kv_blocks", "block_size", "max_batch_tokens", "max_running", "max_waiting")
 
 
 class ColocatedEngine:

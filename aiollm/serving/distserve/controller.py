@@ -37,7 +37,7 @@ import msgspec
 from aiollm.actors.actor import Actor, handler
 from aiollm.actors.messages import Terminated
 from aiollm.actors.ref import ActorRef
-from aiollm.errors import AiollmError
+from aiollm.errors import AiollmError, require_positive
 from aiollm.log import get_logger
 from aiollm.sched.dispatch import Dispatcher
 from aiollm.serving.distserve.messages import (
@@ -75,9 +75,7 @@ class ControllerConfig:
     revive_probe_s: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("prefill_queue_limit", "max_waiting", "load_poll_s", "revive_probe_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ControllerConfig.{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, "prefill_queue_limit", "max_waiting", "load_poll_s", "revive_probe_s")
         if self.max_retries < 0:
             raise ValueError(f"ControllerConfig.max_retries must be >= 0, got {self.max_retries}")
 

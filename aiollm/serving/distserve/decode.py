@@ -23,7 +23,7 @@ from typing import Protocol
 
 from aiollm.actors.actor import Actor, handler
 from aiollm.actors.ref import ActorRef
-from aiollm.errors import AiollmError
+from aiollm.errors import AiollmError, require_positive
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
 from aiollm.sched.decode_admission import DecodeAdmission
@@ -50,9 +50,7 @@ class DecodeConfig:
     step_log: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("kv_blocks", "block_size", "max_running"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"DecodeConfig.{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, "kv_blocks", "block_size", "max_running")
 
 
 class DecodeExecutor(Protocol):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from aiollm.actors.actor import Actor, handler
 from aiollm.actors.ref import ActorRef
-from aiollm.errors import AiollmError
+from aiollm.errors import AiollmError, require_positive
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
 from aiollm.sched.prefill_batching import take_batch
@@ -48,9 +48,7 @@ class PrefillConfig:
     step_log: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("kv_blocks", "block_size", "max_batch_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"PrefillConfig.{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, "kv_blocks", "block_size", "max_batch_tokens")
         if self.lease_s <= 0:
             raise ValueError(f"PrefillConfig.lease_s must be > 0, got {self.lease_s}")
 
