@@ -179,61 +179,36 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion(request_id: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": use,
-    }
+    return _response("text_completion", request_id, model, [_text_choice(text, finish_reason)], use)
 
 
 def completion_chunk(
     request_id: str, model: str, text: str, finish_reason: str | None, use: dict | None = None
 ) -> dict:
-    choices = [] if use is not None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
-    body = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if use is not None:
-        body["usage"] = use
-    return body
+    choices = [] if use is not None else [_text_choice(text, finish_reason)]
+    return _response("text_completion", request_id, model, choices, use)
 
 
 def chat_completion(request_id: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": use,
-    }
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    return _response("chat.completion", request_id, model, [choice], use)
 
 
 def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None, use: dict | None = None) -> dict:
     choices = (
         [] if use is not None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
     )
-    body = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
+    return _response("chat.completion.chunk", request_id, model, choices, use)
+
+
+def _text_choice(text: str, finish_reason: str | None) -> dict:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _response(kind: str, request_id: str, model: str, choices: list[dict], use: dict | None) -> dict:
+    """The envelope every response and streamed chunk shares; `usage` only where given."""
+    body = {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
     if use is not None:
         body["usage"] = use
     return body

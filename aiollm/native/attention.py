@@ -101,11 +101,7 @@ def supported_isas() -> list[str]:
 
 def force_isa(name: str | None) -> None:
     """Use this variant from now on (None: back to the probed/env choice). ValueError if the CPU lacks it."""
-    code = -1 if name is None else ISAS.get(name)
-    if code is None:
-        raise ValueError(f"isa: expected one of {sorted(ISAS)} or None, got {name!r}")
-    if lib.aiollm_set_isa(code) != lib.AIOLLM_OK:
-        raise ValueError(f"isa: this CPU does not support {name!r} (supported: {supported_isas()})")
+    _force("isa", name, ISAS, lib.aiollm_set_isa, supported_isas)
 
 
 INT8_PATHS = {"fp32": lib.AIOLLM_INT8_FP32, "vnni": lib.AIOLLM_INT8_VNNI, "madd": lib.AIOLLM_INT8_MADD}
@@ -127,11 +123,16 @@ def supported_int8_paths() -> list[str]:
 
 def force_int8_path(name: str | None) -> None:
     """Use this int8 path from now on (None: back to the probed/env choice). ValueError if the CPU lacks it."""
-    code = -1 if name is None else INT8_PATHS.get(name)
+    _force("int8 path", name, INT8_PATHS, lib.aiollm_set_int8_path, supported_int8_paths)
+
+
+def _force(what: str, name: str | None, codes: dict[str, int], set_code, supported) -> None:
+    """`force_isa` and `force_int8_path`: set `codes[name]` (-1 for None) through `set_code`, naming the choices on error."""
+    code = -1 if name is None else codes.get(name)
     if code is None:
-        raise ValueError(f"int8 path: expected one of {sorted(INT8_PATHS)} or None, got {name!r}")
-    if lib.aiollm_set_int8_path(code) != lib.AIOLLM_OK:
-        raise ValueError(f"int8 path: this CPU does not support {name!r} (supported: {supported_int8_paths()})")
+        raise ValueError(f"{what}: expected one of {sorted(codes)} or None, got {name!r}")
+    if set_code(code) != lib.AIOLLM_OK:
+        raise ValueError(f"{what}: this CPU does not support {name!r} (supported: {supported()})")
 
 
 _QUANTISED_FAR = lib.AIOLLM_FAR_QUANTISED | lib.AIOLLM_FAR_QUANTISED_LINES

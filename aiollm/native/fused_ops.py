@@ -64,6 +64,16 @@ def _ensure(status: int, what: str) -> None:
         raise ValueError(f"{what}: the native kernel refused the call (status {status})")
 
 
+def _ensure_positions(status: int, what: str, positions: torch.Tensor, n: int, n_positions: int) -> None:
+    """`_ensure`, naming the positions when the kernel refused some outside the model context."""
+    if status == lib.AIOLLM_ERR_ARG and n and (int(positions.min()) < 0 or int(positions.max()) >= n_positions):
+        raise ValueError(
+            f"positions: expected positions in [0, {n_positions}) (the model context), got "
+            f"{int(positions.min())}..{int(positions.max())}"
+        )
+    _ensure(status, what)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """weight * (x / sqrt(mean(x^2) + eps)) per row of x [n, dim]; weight [dim] of x's dtype. `out` may be x."""
     xs = _rows(x, "x")
@@ -147,12 +157,7 @@ def rope_qk(
         _DT[q_out.dtype],
         _DT[qkv.dtype],
     )
-    if status == lib.AIOLLM_ERR_ARG and n and (int(positions.min()) < 0 or int(positions.max()) >= n_positions):
-        raise ValueError(
-            f"positions: expected positions in [0, {n_positions}) (the model context), got "
-            f"{int(positions.min())}..{int(positions.max())}"
-        )
-    _ensure(status, "rope_qk")
+    _ensure_positions(status, "rope_qk", positions, n, n_positions)
     return q_out
 
 
@@ -341,6 +346,35 @@ def _activation(x, name: str, dtype: torch.dtype, n: int, width: int) -> None:
         _check_whole(x, name, dtype, (n, width))
 
 
+def _positions(positions, n: int) -> None:
+    """Check per-call positions (int64 [n], contiguous, on the CPU) as `_activation` checks an activation."""
+    if not (
+        type(positions) is torch.Tensor
+        and positions.dtype is torch.int64
+        and positions.is_cpu
+        and positions.dim() == 1
+        and positions.shape[0] == n
+        and positions.is_contiguous()
+    ):
+        _check_whole(
+            positions.view(1, -1) if isinstance(positions, torch.Tensor) else positions,
+            "positions",
+            torch.int64,
+            (1, n),
+        )
+
+
+def _write_target(name: str, target, n: int, n_kv_heads: int, head_dim: int):
+    """(cache, slots) of a `native_write_target` (cache, slots, n_slots), checked against the rows it will store."""
+    kv, slots, n_slots = target
+    if n_slots != n or kv.n_kv_heads != n_kv_heads or kv.head_dim != head_dim:
+        raise ValueError(
+            f"{name}: expected {n} slots of a cache with {n_kv_heads} heads of {head_dim}, got "
+            f"{n_slots} slots, {kv.n_kv_heads} heads of {kv.head_dim}"
+        )
+    return kv, slots
+
+
 def layer_pre(
     h: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -372,20 +406,7 @@ def layer_pre(
     )
     n = h.shape[0] if isinstance(h, torch.Tensor) and h.dim() == 2 else -1
     _activation(h, "h", dtype, n, hidden)
-    if not (
-        type(positions) is torch.Tensor
-        and positions.dtype is torch.int64
-        and positions.is_cpu
-        and positions.dim() == 1
-        and positions.shape[0] == n
-        and positions.is_contiguous()
-    ):
-        _check_whole(
-            positions.view(1, -1) if isinstance(positions, torch.Tensor) else positions,
-            "positions",
-            torch.int64,
-            (1, n),
-        )
+    _positions(positions, n)
     q_size = n_q_heads * head_dim
     qkv = torch.empty((n, n_qkv), dtype=dtype)
     if q_out is None:
@@ -397,12 +418,7 @@ def layer_pre(
         target, stride, target_code = q_out, q_size, _DT[q_out.dtype]
     kv, slots = _NULL, _NULL
     if kv_target is not None:
-        kv, slots, n_slots = kv_target
-        if n_slots != n or kv.n_kv_heads != n_kv_heads or kv.head_dim != head_dim:
-            raise ValueError(
-                f"kv_target: expected {n} slots of a cache with {n_kv_heads} heads of {head_dim}, got "
-                f"{n_slots} slots, {kv.n_kv_heads} heads of {kv.head_dim}"
-            )
+        kv, slots = _write_target("kv_target", kv_target, n, n_kv_heads, head_dim)
     status = lib.aiollm_layer_pre_kv(
         _ptr(h),
         n,
@@ -431,12 +447,7 @@ def layer_pre(
     if status != lib.AIOLLM_OK:
         if status == lib.AIOLLM_ERR_SLOT:
             raise ValueError("kv_target: a slot lies outside the cache layer")
-        if status == lib.AIOLLM_ERR_ARG and n and (int(positions.min()) < 0 or int(positions.max()) >= n_positions):
-            raise ValueError(
-                f"positions: expected positions in [0, {n_positions}) (the model context), got "
-                f"{int(positions.min())}..{int(positions.max())}"
-            )
-        _ensure(status, "layer_pre")
+        _ensure_positions(status, "layer_pre", positions, n, n_positions)
     return qkv, q_out
 
 
@@ -534,12 +545,7 @@ def decode_layers(
         post = _post_constants(w_o, mlp_norm, w_gate_up, w_down)
         if post[0] != pre[0] or post[1] != pre[1]:
             raise ValueError(f"layer {i}: the post-attention weights' dtype or width differ from w_qkv's")
-        kv, slots, n_slots = kv_step.native_write_target(i)
-        if n_slots != n or kv.n_kv_heads != n_kv_heads or kv.head_dim != head_dim:
-            raise ValueError(
-                f"kv_step: expected {n} slots of a cache with {n_kv_heads} heads of {head_dim}, got "
-                f"{n_slots} slots, {kv.n_kv_heads} heads of {kv.head_dim}"
-            )
+        kv, slots = _write_target("kv_step", kv_step.native_write_target(i), n, n_kv_heads, head_dim)
         a = arr[i]
         a.attn_norm, a.w_qkv, a.w_o, a.mlp_norm, a.w_gate_up, a.w_down, a.kv = (
             pre[3],
@@ -557,20 +563,7 @@ def decode_layers(
     if post[2] != q_size:
         raise ValueError(f"w_o: expected {q_size} input columns (n_q_heads * head_dim), got {post[2]}")
     _activation(h, "h", dtype, n, hidden)
-    if not (
-        type(positions) is torch.Tensor
-        and positions.dtype is torch.int64
-        and positions.is_cpu
-        and positions.dim() == 1
-        and positions.shape[0] == n
-        and positions.is_contiguous()
-    ):
-        _check_whole(
-            positions.view(1, -1) if isinstance(positions, torch.Tensor) else positions,
-            "positions",
-            torch.int64,
-            (1, n),
-        )
+    _positions(positions, n)
     _activation(
         q.view(n, -1) if isinstance(q, torch.Tensor) and q.is_contiguous() else q, "q", torch.float32, n, q_size
     )
@@ -617,11 +610,5 @@ def decode_layers(
         attn_threads or get_num_threads(),
         _NULL if seconds is None else seconds,
     )
-    if status != lib.AIOLLM_OK:
-        if status == lib.AIOLLM_ERR_ARG and n and (int(positions.min()) < 0 or int(positions.max()) >= n_positions):
-            raise ValueError(
-                f"positions: expected positions in [0, {n_positions}) (the model context), got "
-                f"{int(positions.min())}..{int(positions.max())}"
-            )
-        _ensure(status, "decode_layers")
+    _ensure_positions(status, "decode_layers", positions, n, n_positions)
     return h

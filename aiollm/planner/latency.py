@@ -178,22 +178,22 @@ def nonneg_lstsq(features: np.ndarray, target: np.ndarray) -> np.ndarray:
 
 def fit_prefill(total_tokens, sum_sq, times) -> tuple[float, float, float]:
     """Fit (a, b, c) of T = a + b*t + c*t2 to measured prefill iterations."""
-    t = np.asarray(total_tokens, dtype=np.float64)
-    t2 = np.asarray(sum_sq, dtype=np.float64)
-    y = np.asarray(times, dtype=np.float64)
-    if not (len(t) == len(t2) == len(y)) or len(y) < 3:
-        raise ValueError(f"fit_prefill needs >= 3 matching points, got {len(t)}, {len(t2)}, {len(y)}")
-    return _relative_fit(np.column_stack([np.ones_like(t), t, t2]), y)
+    return _fit_two_terms("fit_prefill", total_tokens, sum_sq, times)
 
 
 def fit_decode(batch, context_tokens, times) -> tuple[float, float, float]:
     """Fit (d, e, f) of T = d + e*B + f*C to measured decode steps."""
-    bs = np.asarray(batch, dtype=np.float64)
-    ctx = np.asarray(context_tokens, dtype=np.float64)
+    return _fit_two_terms("fit_decode", batch, context_tokens, times)
+
+
+def _fit_two_terms(name: str, x1, x2, times) -> tuple[float, float, float]:
+    """(k, k1, k2) of T = k + k1*x1 + k2*x2 fitted to the measured times (`_relative_fit`)."""
+    x1 = np.asarray(x1, dtype=np.float64)
+    x2 = np.asarray(x2, dtype=np.float64)
     y = np.asarray(times, dtype=np.float64)
-    if not (len(bs) == len(ctx) == len(y)) or len(y) < 3:
-        raise ValueError(f"fit_decode needs >= 3 matching points, got {len(bs)}, {len(ctx)}, {len(y)}")
-    return _relative_fit(np.column_stack([np.ones_like(bs), bs, ctx]), y)
+    if not (len(x1) == len(x2) == len(y)) or len(y) < 3:
+        raise ValueError(f"{name} needs >= 3 matching points, got {len(x1)}, {len(x2)}, {len(y)}")
+    return _relative_fit(np.column_stack([np.ones_like(x1), x1, x2]), y)
 
 
 def _relative_fit(features: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
