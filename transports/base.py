@@ -59,9 +59,7 @@ class TransportConfig:
     options: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        require_positive(self, "max_header_bytes", "max_frame_bytes", "max_buffers")
-        if self.connect_timeout <= 0:
-            raise ValueError(f"TransportConfig.connect_timeout must be > 0, got {self.connect_timeout}")
+        require_positive(self, "max_header_bytes", "max_frame_bytes", "max_buffers", "connect_timeout")
 
 
 class Address(NamedTuple):

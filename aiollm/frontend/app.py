@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from aiollm.errors import require_positive
 from aiollm.frontend import protocol as oai
 from aiollm.frontend.detokenize import IncrementalText
 from aiollm.frontend.metrics import CONTENT_TYPE, ServingMetrics
@@ -63,10 +64,7 @@ class FrontendConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"FrontendConfig.port must be in [0, 65535], got {self.port}")
-        if self.max_in_flight <= 0:
-            raise ValueError(f"FrontendConfig.max_in_flight must be > 0, got {self.max_in_flight}")
-        if self.default_max_tokens <= 0:
-            raise ValueError(f"FrontendConfig.default_max_tokens must be > 0, got {self.default_max_tokens}")
+        require_positive(self, "max_in_flight", "default_max_tokens")
 
 
 class HTTPError(Exception):

@@ -48,9 +48,7 @@ class PrefillConfig:
     step_log: str = ""
 
     def __post_init__(self) -> None:
-        require_positive(self, "kv_blocks", "block_size", "max_batch_tokens")
-        if self.lease_s <= 0:
-            raise ValueError(f"PrefillConfig.lease_s must be > 0, got {self.lease_s}")
+        require_positive(self, "kv_blocks", "block_size", "max_batch_tokens", "lease_s")
 
 
 @dataclass

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from aiollm.actors.node import Node
 from aiollm.actors.ref import ActorRef
-from aiollm.errors import AiollmError, KVCacheFull
+from aiollm.errors import AiollmError, KVCacheFull, require_positive
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
 from aiollm.serving import runner
@@ -42,8 +42,7 @@ class OffloadedConfig:
     pipeline_min_batch: int = 64
 
     def __post_init__(self) -> None:
-        if self.pipeline_min_batch <= 0:
-            raise ValueError(f"OffloadedConfig.pipeline_min_batch must be > 0, got {self.pipeline_min_batch}")
+        require_positive(self, "pipeline_min_batch")
 
 
 @dataclass
