@@ -14,6 +14,7 @@ import torch
 from aiollm.model.linear import fastest_cpu_dtype
 from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
+from aiollm.model.sequence import new_sequence
 from aiollm.report import table
 from aiollm.serving import runner
 from bench.fastdecode_steps import MODEL, random_prompts
@@ -53,7 +54,7 @@ def _colocated(model, batch: int, seq_len: int, threads: list[int], steps: int =
     a second at B=32 x 512 tokens, into every step.)"""
     prompts = random_prompts(model, batch, seq_len // 2)
     params = SamplingParams(max_tokens=2 + steps * len(threads), ignore_eos=True)
-    seqs = [runner.new_sequence(f"colocated-{i}", p, params, model) for i, p in enumerate(prompts)]
+    seqs = [new_sequence(f"colocated-{i}", p, params, model) for i, p in enumerate(prompts)]
     cache = runner.PagedCache(model, batch * -(-seqs[0].max_length // 16), 16, "fp16")
     for seq in seqs:
         cache.reserve(seq)

@@ -38,7 +38,7 @@ import time
 import torch
 
 from aiollm.model import load
-from aiollm.model.engine import ColocatedEngine
+from aiollm.model.engine import ReferenceEngine
 from aiollm.model.linear import linear
 from aiollm.model.loader import bundled_path
 from aiollm.model.sampling import SamplingParams
@@ -253,7 +253,7 @@ def decode(
     kv_dtype = "fp32" if model.dtype == torch.float32 else "fp16"
     c = model.config
     kv_bytes_per_token = c.n_layers * 2 * c.kv_size * (4 if kv_dtype == "fp32" else 2)
-    engine = ColocatedEngine(model, kv_dtype=kv_dtype, n_blocks=max(batches) * ((len(prompt) + new_tokens) // 16 + 2))
+    engine = ReferenceEngine(model, kv_dtype=kv_dtype, n_blocks=max(batches) * ((len(prompt) + new_tokens) // 16 + 2))
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     hf_kwargs = {"do_sample": False, "pad_token_id": model.config.eos_ids[0]}
@@ -353,7 +353,7 @@ class StepTimers:
     (the rest of the step: Python glue, block tables, embedding); prefill_ms for a generate call's whole prefill
     (the mean over the calls timed)."""
 
-    def __init__(self, engine: ColocatedEngine) -> None:
+    def __init__(self, engine: ReferenceEngine) -> None:
         self.engine = engine
         self.spent = dict.fromkeys(("s_part", "attention", "sampling", "step", "prefill"), 0.0)
         self.calls = dict.fromkeys(self.spent, 0)

@@ -1,4 +1,4 @@
-"""Colocated generation: S-part and R-part in one process, no actors — the tests' oracle and the
+"""The reference engine: S-part and R-part in one process, no actors — the tests' oracle and the
 single-process baseline the benchmarks compare the disaggregated system against.
 
 A batch of prompts of different lengths is prefilled as one packed batch (their K/V written into
@@ -8,7 +8,7 @@ as it stops and its blocks go back to the allocator.
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -16,7 +16,9 @@ from aiollm.kv.blocks import BlockAllocator, BlockTable
 from aiollm.kv.pool import KVConfig, KVPool
 from aiollm.model.decode import decode_logits
 from aiollm.model.llama import LlamaModel
-from aiollm.model.sampling import SamplingParams, new_generator, sample
+from aiollm.model.sampling import SamplingParams, sample
+from aiollm.model.sequence import FINISH_LENGTH, FINISH_STOP, new_sequence
+from aiollm.model.sequence import Sequence as SequenceState
 
 
 @dataclass(frozen=True)
@@ -33,25 +35,7 @@ class Completion:
     finish_reason: str
 
 
-@dataclass
-class _Sequence:
-    """Decode-time state of one prompt."""
-
-    prompt: list[int]
-    params: SamplingParams
-    stop_ids: frozenset[int]
-    generator: torch.Generator | None
-    output: list[int] = field(default_factory=list)
-    text: str = ""
-    finish: str | None = None
-
-    @property
-    def length(self) -> int:
-        """Prompt and generated tokens so far."""
-        return len(self.prompt) + len(self.output)
-
-
-class ColocatedEngine:
+class ReferenceEngine:
     """A model plus its own paged KV pool; `generate` runs batches of prompts to completion."""
 
     def __init__(
@@ -87,36 +71,33 @@ class ColocatedEngine:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
-        eos = frozenset(self.model.tokenizer.stop_ids if self.model.tokenizer else self.model.config.eos_ids)
-        seqs = [
-            _Sequence(
-                list(p), sp, frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos), new_generator(sp)
-            )
-            for p, sp in zip(prompts, params)
-        ]
+        seqs = [new_sequence(str(i), list(p), sp, self.model) for i, (p, sp) in enumerate(zip(prompts, params))]
+        texts: dict[int, str] = {}
         table = BlockTable(self.allocator, self.block_size)  # sequence index -> its blocks and cached length
         try:
             with torch.inference_mode():
-                self._prefill(seqs, table)
+                self._prefill(seqs, table, texts)
                 active = [i for i, s in enumerate(seqs) if s.finish is None]
                 while active:
-                    self._decode_step(seqs, active, table)
+                    self._decode_step(seqs, active, table, texts)
                     active = [i for i in active if seqs[i].finish is None]
         finally:
             for i in range(len(seqs)):
                 if i in table:
                     table.free(i)
-        return [Completion(s.prompt, s.output, s.text, s.finish) for s in seqs]
+        return [Completion(s.prompt, s.output, texts[i], s.finish) for i, s in enumerate(seqs)]
 
-    def _prefill(self, seqs: list[_Sequence], table: BlockTable) -> None:
+    def _prefill(self, seqs: list[SequenceState], table: BlockTable, texts: dict[int, str]) -> None:
         ids = list(range(len(seqs)))
         slots = torch.from_numpy(table.append_batch(ids, [len(s.prompt) for s in seqs]))
         logits = self.model.prefill(
             [s.prompt for s in seqs], kv_sink=lambda layer, k, v: self.pool.write(layer, slots, k, v)
         )
-        self._append(seqs, logits)
+        self._append(seqs, ids, logits, texts)
 
-    def _decode_step(self, all_seqs: list[_Sequence], active: list[int], table: BlockTable) -> None:
+    def _decode_step(
+        self, all_seqs: list[SequenceState], active: list[int], table: BlockTable, texts: dict[int, str]
+    ) -> None:
         """Feed each active sequence's last sampled token through every layer and sample the next one."""
         seqs = [all_seqs[i] for i in active]
         positions = [table.length(i) for i in active]  # the fed token's position = tokens already cached
@@ -131,21 +112,23 @@ class ColocatedEngine:
             table.seq_lens(active),
             self.n_threads,
         )
-        self._append(seqs, logits)
+        self._append(seqs, active, logits, texts)
 
-    def _append(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+    def _append(
+        self, seqs: list[SequenceState], indices: list[int], logits: torch.Tensor, texts: dict[int, str]
+    ) -> None:
         """Sample each sequence's next token and decide whether it stops."""
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         decode = self.model.tokenizer.decode if self.model.tokenizer is not None else lambda ids: ""
-        for s, token in zip(seqs, tokens):
+        for i, s, token in zip(indices, seqs, tokens):
             s.output.append(token)
             cut = _cut_at_stop_string(decode(s.output), s.params.stop) if s.params.stop else None
             if token in s.stop_ids or cut is not None:
-                s.finish = "stop"
+                s.finish = FINISH_STOP
             elif len(s.output) >= s.params.max_tokens or s.length >= self.model.config.max_context:
-                s.finish = "length"
+                s.finish = FINISH_LENGTH
             if s.finish is not None:
-                s.text = cut if cut is not None else decode(s.output)
+                texts[i] = cut if cut is not None else decode(s.output)
 
 
 def _fault_in(pool: KVPool) -> None:
@@ -175,5 +158,5 @@ def generate(
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     blocks = sum(math.ceil((len(p) + sp.max_tokens) / block_size) for p, sp in zip(prompts, params))
-    engine = ColocatedEngine(model, kv_dtype=kv_dtype, n_blocks=max(blocks, 1), block_size=block_size)
+    engine = ReferenceEngine(model, kv_dtype=kv_dtype, n_blocks=max(blocks, 1), block_size=block_size)
     return engine.generate(prompts, params)

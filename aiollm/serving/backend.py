@@ -15,10 +15,7 @@ from typing import Protocol
 
 from aiollm.errors import AiollmError
 from aiollm.model.sampling import SamplingParams
-
-# Finish reasons, as OpenAI names them.
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
+from aiollm.model.sequence import FINISH_LENGTH, FINISH_STOP
 
 
 class Overloaded(AiollmError):
@@ -92,3 +89,15 @@ class Backend(Protocol):
         ...
 
     async def stats(self) -> BackendStats: ...
+
+__all__ = [
+    "FINISH_LENGTH",
+    "FINISH_STOP",
+    "Backend",
+    "BackendStats",
+    "GenerateRequest",
+    "ModelInfo",
+    "Overloaded",
+    "TokenDelta",
+    "Unavailable",
+]

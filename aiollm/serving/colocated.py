@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from aiollm.errors import require_positive
 from aiollm.model.llama import LlamaModel
+from aiollm.model.sequence import Sequence, new_sequence
 from aiollm.sched.prefill_batching import take_batch
 from aiollm.serving import runner
 from aiollm.serving.backend import BackendStats, GenerateRequest, Overloaded, TokenDelta
@@ -49,8 +50,8 @@ class ColocatedEngine:
     def __init__(self, model: LlamaModel, config: EngineConfig = EngineConfig()) -> None:
         self.model, self.config = model, config
         self.cache = runner.PagedCache(model, config.kv_blocks, config.block_size, config.kv_dtype)
-        self._waiting: OrderedDict[str, runner.Sequence] = OrderedDict()
-        self._running: dict[str, runner.Sequence] = {}
+        self._waiting: OrderedDict[str, Sequence] = OrderedDict()
+        self._running: dict[str, Sequence] = {}
         # per request: its deltas, then None once it was cancelled
         self._outputs: dict[str, asyncio.Queue[TokenDelta | None]] = {}
         self._cancelled: set[str] = set()
@@ -71,7 +72,7 @@ class ColocatedEngine:
     async def submit(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         if len(self._waiting) >= self.config.max_waiting:
             raise Overloaded(f"{len(self._waiting)} requests already wait for prefill")
-        seq = runner.new_sequence(request.request_id, list(request.prompt_ids), request.sampling, self.model)
+        seq = new_sequence(request.request_id, list(request.prompt_ids), request.sampling, self.model)
         if self.cache.blocks_for(seq.max_length) > self.cache.total_blocks:
             raise ValueError(f"request {request.request_id} needs more KV than the whole pool holds")
         queue: asyncio.Queue[TokenDelta | None] = asyncio.Queue()
@@ -131,7 +132,7 @@ class ColocatedEngine:
                 self._wake.clear()
                 await self._wake.wait()
 
-    def _admit(self) -> list[runner.Sequence]:
+    def _admit(self) -> list[Sequence]:
         """FCFS prompts up to L_m whose whole completion fits in the free KV blocks."""
         c = self.config
         room = c.max_running - len(self._running)
@@ -151,7 +152,7 @@ class ColocatedEngine:
             batch.append(seq)
         return batch
 
-    def _emit(self, seqs: list[runner.Sequence], tokens: list[int]) -> None:
+    def _emit(self, seqs: list[Sequence], tokens: list[int]) -> None:
         for seq, token in zip(seqs, tokens):
             queue = self._outputs.get(seq.request_id)
             if queue is not None:
@@ -159,7 +160,7 @@ class ColocatedEngine:
             if seq.finish is not None:
                 self._finish(seq)
 
-    def _finish(self, seq: runner.Sequence) -> None:
+    def _finish(self, seq: Sequence) -> None:
         self._running.pop(seq.request_id, None)
         self._waiting.pop(seq.request_id, None)
         self.cache.free(seq)

@@ -10,7 +10,6 @@ runs it with `asyncio.to_thread` and keeps its event loop answering messages dur
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -18,45 +17,11 @@ from aiollm.kv.blocks import BlockAllocator
 from aiollm.kv.pool import KVConfig, KVPool
 from aiollm.model.decode import decode_logits
 from aiollm.model.llama import LlamaModel
-from aiollm.model.sampling import SamplingParams, new_generator, sample
-from aiollm.serving.backend import FINISH_LENGTH, FINISH_STOP
+from aiollm.model.sampling import sample
+from aiollm.model.sequence import FINISH_LENGTH, FINISH_STOP, Sequence
 
 # (layer, k, v) of a packed prefill batch, k/v [n_tokens, n_kv_heads, head_dim]
 KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
-
-
-@dataclass
-class Sequence:
-    """Serving state of one request."""
-
-    request_id: str
-    # prompt token ids (after failover: the original prompt plus the tokens already generated)
-    prompt: list[int]
-    params: SamplingParams
-    # token ids that end it: the model's EOS ids (unless ignore_eos)
-    stop_ids: frozenset[int]
-    generator: torch.Generator | None
-    # most tokens prompt + completion may reach (the model's context)
-    max_context: int
-    output: list[int] = field(default_factory=list)
-    # KV blocks held in a paged cache
-    blocks: list[int] = field(default_factory=list)
-    finish: str | None = None
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    @property
-    def max_length(self) -> int:
-        """KV entries this sequence may need: prompt + max_tokens, capped by the context."""
-        return min(len(self.prompt) + self.params.max_tokens, self.max_context)
-
-
-def new_sequence(request_id: str, prompt: list[int], params: SamplingParams, model: LlamaModel) -> Sequence:
-    eos = frozenset(model.tokenizer.stop_ids if model.tokenizer else model.config.eos_ids)
-    stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
-    return Sequence(request_id, list(prompt), params, stop, new_generator(params), model.config.max_context)
 
 
 class PagedCache:

@@ -6,7 +6,7 @@ import torch
 
 import aiollm.model
 from aiollm.cli.generate import main
-from aiollm.model.engine import ColocatedEngine, generate
+from aiollm.model.engine import ReferenceEngine, generate
 from aiollm.model.sampling import SamplingParams
 from aiollm.testing.tiny_llama import write_hf_dir
 
@@ -44,7 +44,7 @@ def test_batched_greedy_equals_transformers(tiny):
 def test_mixed_length_batch_gives_solo_tokens(tiny, kv_dtype):
     model, _, _ = tiny
     params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
-    engine = ColocatedEngine(model, kv_dtype=kv_dtype, n_blocks=64, block_size=16)
+    engine = ReferenceEngine(model, kv_dtype=kv_dtype, n_blocks=64, block_size=16)
     batched = engine.generate(PROMPTS, params)
     for prompt, completion in zip(PROMPTS, batched):
         assert engine.generate([prompt], params)[0].token_ids == completion.token_ids
@@ -54,7 +54,7 @@ def test_mixed_length_batch_gives_solo_tokens(tiny, kv_dtype):
 def test_int4_kv_refuses_a_head_dim_its_layout_cannot_hold(tiny):
     model, _, _ = tiny  # head_dim 16: int4 needs a multiple of 32
     with pytest.raises(ValueError, match="int4 needs head_dim % 32 == 0"):
-        ColocatedEngine(model, kv_dtype="int4", n_blocks=8, block_size=16)
+        ReferenceEngine(model, kv_dtype="int4", n_blocks=8, block_size=16)
 
 
 def test_seeded_sampling_is_independent_of_the_batch(tiny):

@@ -8,7 +8,7 @@ import pytest
 
 from aiollm.errors import KVCacheFull
 from aiollm.model.sampling import SamplingParams
-from aiollm.serving import runner
+from aiollm.model.sequence import Sequence
 from aiollm.serving.fastdecode.messages import Admit, Release, RLoad
 from aiollm.serving.fastdecode.offloaded_executor import OffloadedExecutor
 
@@ -39,8 +39,8 @@ def _load(blocks: int, block_size: int = 16, dtype: str = "fp32") -> RLoad:
     )
 
 
-def _seq(rid: str, prompt_len: int, max_tokens: int) -> runner.Sequence:
-    seq = runner.Sequence(rid, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), frozenset(), None, 4096)
+def _seq(rid: str, prompt_len: int, max_tokens: int) -> Sequence:
+    seq = Sequence(rid, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), frozenset(), None, 4096)
     seq.output.append(7)  # the first token, from the prefill instance
     return seq
 

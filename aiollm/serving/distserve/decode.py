@@ -26,6 +26,7 @@ from aiollm.actors.ref import ActorRef
 from aiollm.errors import AiollmError, require_positive
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
+from aiollm.model.sequence import Sequence, new_sequence
 from aiollm.sched.decode_admission import DecodeAdmission
 from aiollm.serving import runner
 from aiollm.serving.distserve.messages import AckKV, Cancel, Decode, Delta, GetLoad, KVBlock, Load, PullKV, Tokens
@@ -61,16 +62,16 @@ class DecodeExecutor(Protocol):
     used_blocks: int
     block_size: int
 
-    def reserve(self, seq: runner.Sequence) -> None:
+    def reserve(self, seq: Sequence) -> None:
         """Hold room for the whole completion (admission already checked that it fits)."""
 
-    async def load_kv(self, seq: runner.Sequence, source: ActorRef) -> None:
+    async def load_kv(self, seq: Sequence, source: ActorRef) -> None:
         """Pull the prompt's KV from the prefill actor `source` and acknowledge it there."""
 
-    async def step(self, seqs: list[runner.Sequence]) -> list[int]:
+    async def step(self, seqs: list[Sequence]) -> list[int]:
         """One decode step: append each sequence's next token (and set its finish) and return them."""
 
-    def free(self, seq: runner.Sequence) -> None:
+    def free(self, seq: Sequence) -> None:
         """Give back what `seq` holds."""
 
 
@@ -86,32 +87,32 @@ class ColocatedExecutor:
     def used_blocks(self) -> int:
         return self.cache.used_blocks
 
-    def reserve(self, seq: runner.Sequence) -> None:
+    def reserve(self, seq: Sequence) -> None:
         self.cache.reserve(seq)
 
-    async def load_kv(self, seq: runner.Sequence, source: ActorRef) -> None:
+    async def load_kv(self, seq: Sequence, source: ActorRef) -> None:
         """A stream of one block per item, credit window = the blocks reserved; each lands in its own block."""
         async for block in source.stream(PullKV(seq.request_id), window=len(seq.blocks)):
             self._ingest(seq, block)
         await source.tell(AckKV(seq.request_id))
 
-    def _ingest(self, seq: runner.Sequence, block: KVBlock) -> None:
+    def _ingest(self, seq: Sequence, block: KVBlock) -> None:
         if not 0 <= block.index < len(seq.blocks):
             raise ValueError(f"KV block {block.index} outside the {len(seq.blocks)} blocks of {seq.request_id}")
         self.cache.pool.write_blocks(
             None, [seq.blocks[block.index]], block.k, block.v, k_scale=block.k_scale, v_scale=block.v_scale
         )
 
-    async def step(self, seqs: list[runner.Sequence]) -> list[int]:
+    async def step(self, seqs: list[Sequence]) -> list[int]:
         return await asyncio.to_thread(runner.decode_step, self.model, self.cache, seqs, self.config.attn_threads)
 
-    def free(self, seq: runner.Sequence) -> None:
+    def free(self, seq: Sequence) -> None:
         self.cache.free(seq)
 
 
 @dataclass
 class _Entry:
-    seq: runner.Sequence
+    seq: Sequence
     source: ActorRef
     reply_to: ActorRef
     pull: asyncio.Task | None = None
@@ -150,7 +151,7 @@ class DecodeInstance(Actor):
 
     @handler(Decode)
     async def on_decode(self, msg: Decode) -> None:
-        seq = runner.new_sequence(msg.request_id, msg.prompt_ids, msg.sampling.params(), self.model)
+        seq = new_sequence(msg.request_id, msg.prompt_ids, msg.sampling.params(), self.model)
         seq.output.append(msg.first_token)
         try:
             self.admission.enqueue(msg.request_id, seq.max_length)

@@ -24,6 +24,7 @@ from aiollm.actors.ref import ActorRef
 from aiollm.errors import AiollmError, require_positive
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
+from aiollm.model.sequence import Sequence, new_sequence
 from aiollm.sched.prefill_batching import take_batch
 from aiollm.serving import runner
 from aiollm.serving.distserve.messages import AckKV, Cancel, GetLoad, KVBlock, KVLost, Load, Prefill, Prefilled, PullKV
@@ -53,7 +54,7 @@ class PrefillConfig:
 
 @dataclass
 class _Held:
-    seq: runner.Sequence
+    seq: Sequence
     reply_to: ActorRef
     deadline: float
     pulling: bool = False
@@ -65,7 +66,7 @@ class PrefillInstance(Actor):
     def __init__(self, model: LlamaModel, config: PrefillConfig = PrefillConfig()) -> None:
         self.model, self.config = model, config
         self.cache = runner.PagedCache(model, config.kv_blocks, config.block_size, config.kv_dtype)
-        self._queue: OrderedDict[str, tuple[runner.Sequence, ActorRef]] = OrderedDict()
+        self._queue: OrderedDict[str, tuple[Sequence, ActorRef]] = OrderedDict()
         self._computing: set[str] = set()
         self._cancelled: set[str] = set()
         self._held: dict[str, _Held] = {}
@@ -92,7 +93,7 @@ class PrefillInstance(Actor):
 
     @handler(Prefill)
     async def on_prefill(self, msg: Prefill) -> None:
-        seq = runner.new_sequence(msg.request_id, msg.prompt_ids, msg.sampling.params(), self.model)
+        seq = new_sequence(msg.request_id, msg.prompt_ids, msg.sampling.params(), self.model)
         if self.cache.blocks_for(len(seq.prompt)) > self.cache.total_blocks:
             await msg.reply_to.tell(
                 Prefilled(
@@ -156,7 +157,7 @@ class PrefillInstance(Actor):
             self.cache.free(held.seq)
             self._wake.set()
 
-    def _next_batch(self) -> list[tuple[runner.Sequence, ActorRef]]:
+    def _next_batch(self) -> list[tuple[Sequence, ActorRef]]:
         """FCFS prompts up to L_m whose KV fits in the free part of the buffer."""
         entries = list(self._queue.values())
         count = take_batch([len(seq.prompt) for seq, _ in entries], self.config.max_batch_tokens)

@@ -25,6 +25,7 @@ from aiollm.actors.ref import ActorRef
 from aiollm.errors import AiollmError, KVCacheFull, require_positive
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
+from aiollm.model.sequence import Sequence
 from aiollm.serving import runner
 from aiollm.serving.fastdecode.messages import Admit, GetRLoad, Release, RLoad
 from aiollm.serving.fastdecode.pipeline import StepRow, decode_step, place
@@ -105,7 +106,7 @@ class OffloadedExecutor:
     def used_blocks(self) -> int:
         return sum(self.booked)
 
-    def reserve(self, seq: runner.Sequence) -> None:
+    def reserve(self, seq: Sequence) -> None:
         need = -(-seq.max_length // self.block_size)
         full = frozenset(i for i, cap in enumerate(self.capacity) if self.booked[i] + need > cap)
         if len(full) == len(self.workers):
@@ -116,7 +117,7 @@ class OffloadedExecutor:
         self.expected[worker] += seq.max_length
         self._placed[seq.request_id] = _Placed(next(self._ids), worker, need)
 
-    async def load_kv(self, seq: runner.Sequence, source: ActorRef) -> None:
+    async def load_kv(self, seq: Sequence, source: ActorRef) -> None:
         """The sequence's R-worker pulls the prompt's KV from `source` and acknowledges it there."""
         placed = self._placed[seq.request_id]
         if placed.worker < 0:
@@ -127,7 +128,7 @@ class OffloadedExecutor:
             Admit(placed.sid, seq.request_id, seq.length - 1, seq.max_length, source), timeout=60.0
         )
 
-    async def step(self, seqs: list[runner.Sequence]) -> list[int]:
+    async def step(self, seqs: list[Sequence]) -> list[int]:
         placed = [self._placed[s.request_id] for s in seqs]
         rows = [StepRow(p.sid, p.worker, s.output[-1], s.length - 1) for p, s in zip(placed, seqs)]
         pipeline = self.config.pipeline and len(rows) >= self.config.pipeline_min_batch
@@ -139,7 +140,7 @@ class OffloadedExecutor:
             lambda indices, logits: runner.sample_next([seqs[i] for i in indices], logits),
         )
 
-    def free(self, seq: runner.Sequence) -> None:
+    def free(self, seq: Sequence) -> None:
         """Give back the booking and release the sequence on its R-worker (a tell sent in the background: a
         Release that overtakes nothing is harmless, the R-worker drops unknown ids)."""
         placed = self._placed.pop(seq.request_id, None)

@@ -42,6 +42,7 @@ from aiollm.actors.ref import ActorRef
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
 from aiollm.model.sampling import SamplingParams
+from aiollm.model.sequence import Sequence, new_sequence
 from aiollm.sched.sls import LoadSchedule, SLSConfig
 from aiollm.serving import runner
 from aiollm.serving.distserve.messages import AckKV, Cancel, Delta, Generate, GetLoad, KVBlock, Load, PullKV, Tokens
@@ -100,7 +101,7 @@ class SWorkerConfig:
 class _Request:
     """A request from `Generate` (or a synthetic load-test sequence) until it finishes."""
 
-    seq: runner.Sequence
+    seq: Sequence
     reply_to: ActorRef | None
     # its id on its R-worker, and which R-worker (set when placed)
     sid: int = -1
@@ -179,7 +180,7 @@ class SWorker(Actor):
             await msg.reply_to.tell(Tokens([Delta(msg.request_id, [], error="overloaded")], self.name))
             return
         try:
-            seq = runner.new_sequence(msg.request_id, msg.prompt_ids, msg.sampling.params(), self.model)
+            seq = new_sequence(msg.request_id, msg.prompt_ids, msg.sampling.params(), self.model)
             self._check_fits(seq)
         except ValueError as exc:
             await msg.reply_to.tell(Tokens([Delta(msg.request_id, [], error=f"failed: {exc}")], self.name))
@@ -192,9 +193,7 @@ class SWorker(Actor):
         # + 1: the placeholder token fed at the first step counts as output, and each must decode max_tokens steps
         params = SamplingParams(max_tokens=msg.max_tokens + 1, ignore_eos=True)
         reqs = [
-            _Request(
-                runner.new_sequence(f"synthetic-{next(self._ids)}", [0] * n, params, self.model), None, synthetic=True
-            )
+            _Request(new_sequence(f"synthetic-{next(self._ids)}", [0] * n, params, self.model), None, synthetic=True)
             for n in msg.context_lens
         ]
         for req in reqs:
@@ -530,7 +529,7 @@ class SWorker(Actor):
             raise KeyError(f"no KV staged for {request_id!r} on {self.name}")
         return req
 
-    def _check_fits(self, seq: runner.Sequence) -> None:
+    def _check_fits(self, seq: Sequence) -> None:
         if len(self._dead) == len(self.workers):
             raise ValueError("every R-worker of this S-worker was lost")
         need = self.staging.blocks_for(seq.max_length)

@@ -1,0 +1,55 @@
+"""`Sequence`: the token state of one request, the one type every engine and serving role decodes with.
+
+A sequence holds its prompt, what it generated, how to sample (params and its own seeded generator), which
+tokens end it and how long it may grow; `finish` says why it ended. The serving roles add what they need around
+it (where its KV lives, who waits for its tokens) instead of redefining it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from aiollm.model.llama import LlamaModel
+from aiollm.model.sampling import SamplingParams, new_generator
+
+# Finish reasons, as OpenAI names them.
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass
+class Sequence:
+    """Token state of one request."""
+
+    request_id: str
+    # prompt token ids (after failover: the original prompt plus the tokens already generated)
+    prompt: list[int]
+    params: SamplingParams
+    # token ids that end it: the model's EOS ids (unless ignore_eos) and the request's stop_token_ids
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    # most tokens prompt + completion may reach (the model's context)
+    max_context: int
+    output: list[int] = field(default_factory=list)
+    # KV blocks held in a paged cache
+    blocks: list[int] = field(default_factory=list)
+    # FINISH_STOP or FINISH_LENGTH once it ended
+    finish: str | None = None
+
+    @property
+    def length(self) -> int:
+        """Prompt and generated tokens so far."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def max_length(self) -> int:
+        """KV entries this sequence may need: prompt + max_tokens, capped by the context."""
+        return min(len(self.prompt) + self.params.max_tokens, self.max_context)
+
+
+def new_sequence(request_id: str, prompt: list[int], params: SamplingParams, model: LlamaModel) -> Sequence:
+    eos = frozenset(model.tokenizer.stop_ids if model.tokenizer else model.config.eos_ids)
+    stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
+    return Sequence(request_id, list(prompt), params, stop, new_generator(params), model.config.max_context)
