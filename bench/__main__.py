@@ -4,10 +4,12 @@ import argparse
 import importlib
 import json
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 from aiollm.heap import keep_freed_memory
 from aiollm.report import print_figures
+from bench.table import this_cpu
 
 # benchmark name -> module under bench/
 BENCHMARKS = {
@@ -49,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.command.main(args)
     keep_freed_memory()  # as the roles' processes run (aiollm.heap): the bench hosts S-workers and baselines
     figures = args.module.run(args)
+    # where and when, for the README's table (bench table) and any history kept under bench/results/
+    figures.setdefault("cpu", this_cpu())
+    figures.setdefault("date", datetime.now(UTC).strftime("%Y-%m-%d"))
     print_figures(args.name, figures)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

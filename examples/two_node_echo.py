@@ -1,4 +1,4 @@
-"""Two aiollm nodes as OS processes talking over TCP on 127.0.0.1 — run with `make demo`.
+"""Two aiollm nodes as OS processes talking over TCP on 127.0.0.1 — run with `python examples/two_node_echo.py`.
 
 What it shows, printing each step: a node started with the `echo` role and an empty node on which
 an actor is spawned remotely; an ask, a tell, an ask carrying a tensor out of band, a stream under
