@@ -90,6 +90,7 @@ class Backend(Protocol):
 
     async def stats(self) -> BackendStats: ...
 
+
 __all__ = [
     "FINISH_LENGTH",
     "FINISH_STOP",
