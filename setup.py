@@ -12,8 +12,9 @@ setup(
     name="aiollm",
     version="0.1.0",
     description="An asyncio actor framework for disaggregated LLM serving (DistServe + FastDecode)",
-    # Upper bound: the inline fast path (aiollm/actors/inline.py) is verified on 3.11-3.13; newer: untested plain path
-    python_requires=">=3.11,<3.14",
+    # The versions CI tests. On 3.12/3.13 the inline fast path is verified, but asyncio's own event loop (not
+    # uvloop, which nodes run) does not push back on a TCP sender there, which three transport tests catch.
+    python_requires=">=3.11,<3.12",
     packages=packages,
     package_dir={"aiollm.transports": "transports"},
     # DistServe's published A100 latency profiles (Apache-2.0, LICENSE beside them), read by aiollm.planner.profiles

@@ -35,9 +35,7 @@ from aiollm.deploy.spec import ClusterSpec
 from aiollm.errors import AiollmError, ProtocolError
 from aiollm.log import get_logger
 
-
-def _log():
-    return get_logger("graph")
+_log = get_logger("graph")
 
 
 @dataclass
@@ -201,7 +199,7 @@ class Graph:
             try:
                 await self.ref(f"{handle.url}/{SYSTEM_ACTOR}").ask(Shutdown(), timeout)
             except (AiollmError, TimeoutError) as exc:
-                _log().info("shutdown request failed", node=handle.url, error=str(exc))
+                _log.info("shutdown request failed", node=handle.url, error=str(exc))
         for attempt in (None, proc.terminate, proc.kill):
             if proc.returncode is not None:
                 return

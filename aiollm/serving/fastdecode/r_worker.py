@@ -34,8 +34,7 @@ if TYPE_CHECKING:
     pass
 
 
-def _log():
-    return get_logger("r_worker")
+_log = get_logger("r_worker")
 
 
 class AdmissionRefused(KVCacheFull):

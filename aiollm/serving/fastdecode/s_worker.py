@@ -53,8 +53,7 @@ if TYPE_CHECKING:
     pass
 
 
-def _log():
-    return get_logger("s_worker")
+_log = get_logger("s_worker")
 
 
 @dataclass(frozen=True)
@@ -170,7 +169,7 @@ class SWorker(Actor):
             try:
                 await self.workers[worker].tell(Release(sids))
             except Exception as exc:  # the R-worker is gone too: nothing left to free there
-                _log().warning("release on stop failed", worker=self.r_urls[worker], error=str(exc))
+                _log.warning("release on stop failed", worker=self.r_urls[worker], error=str(exc))
 
     # --- handlers: they only change state and wake the loop -----------------------------------
 
@@ -278,7 +277,7 @@ class SWorker(Actor):
                 # go out now, the repeated step feeds them
                 await self._send(list(self._live.values()))
             except Exception as exc:
-                _log().exception("decode step failed", worker=self.name, batch=len(self._live), step=self.step_no)
+                _log.exception("decode step failed", worker=self.name, batch=len(self._live), step=self.step_no)
                 for req in list(self._live.values()):
                     await self._finish(req, error=f"failed: decode step: {exc}")
 
@@ -373,7 +372,7 @@ class SWorker(Actor):
         try:
             await self.workers[req.worker].ask(msg, timeout=60.0)
         except Exception as exc:  # RemoteError (e.g. AdmissionRefused), TimeoutError, the R-worker gone
-            _log().warning("R-worker refused or failed admission", request_id=seq.request_id, error=str(exc))
+            _log.warning("R-worker refused or failed admission", request_id=seq.request_id, error=str(exc))
             if seq.request_id not in self._live:  # a synthetic sequence being added: its Synthetic ask fails
                 self._unplace(req)
                 raise
@@ -394,7 +393,7 @@ class SWorker(Actor):
         self._dead.add(worker)
         self.capacity[worker] = 0
         # an orderly stop (the cluster shutting down) is not a fault worth a warning
-        (_log().info if reason == "node stopped" else _log().warning)(
+        (_log.info if reason == "node stopped" else _log.warning)(
             "R-worker lost; re-placing its sequences",
             worker=self.r_urls[worker],
             reason=reason,
@@ -505,7 +504,7 @@ class SWorker(Actor):
             try:
                 await self.workers[req.worker].tell(Release([req.sid]))
             except Exception as exc:  # the R-worker is gone: nothing left to free there
-                _log().warning("release failed", request_id=rid, error=str(exc))
+                _log.warning("release failed", request_id=rid, error=str(exc))
         self._unplace(req)
         if self.schedule is not None and req.start >= 0:
             self.schedule.remove_sequence(len(req.seq.prompt), req.seq.max_length, req.start, self.step_no)
