@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec_flag(parser, "--max-running", "decode.max_running", "most sequences per decode step")
     spec_flag(parser, "--r-workers", "decode.r_workers", "R-worker processes per decode instance (FastDecode offload)")
     spec_flag(parser, "--r-kv-memory", "r_worker.kv_memory", "KV budget of each R-worker, e.g. 1GiB")
+    spec_flag(parser, "--api-key", "frontend.api_key", "clients must send it as a Bearer token (or AIOLLM_API_KEY)")
     spec_flag(parser, "--log-level", "log_level", "log level of the nodes")
     spec_flag(
         parser,

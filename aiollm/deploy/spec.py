@@ -207,10 +207,13 @@ class ControllerSpec(_Role):
     prefill_queue_limit: int = 4
     # requests queued in the controller; one more is refused with HTTP 429
     max_waiting: int = 4096
+    # seconds a request waits for a live prefill and decode instance (one restarting) before it fails
+    resume_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _require(self.prefill_queue_limit >= 1, "prefill_queue_limit", f"must be >= 1, got {self.prefill_queue_limit}")
         _require(self.max_waiting >= 1, "max_waiting", f"must be >= 1, got {self.max_waiting}")
+        _require(self.resume_timeout_s > 0, "resume_timeout_s", f"must be > 0, got {self.resume_timeout_s}")
         self._check_role(1)
 
 
@@ -221,9 +224,14 @@ class FrontendSpec(_Role):
     port: int = 8000
     # HTTP generation requests served at once; one more gets 429
     max_in_flight: int = 512
+    # largest request body in bytes; a larger one gets 413 before it is parsed
+    max_body_bytes: int = 4 * 1024**2
+    # clients of /v1/ must send `Authorization: Bearer api_key`; "" : the AIOLLM_API_KEY variable, else no key
+    api_key: str = ""
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "host", "must name an interface")
+        _require(self.max_body_bytes >= 1024, "max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
         _require(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
         _require(self.max_in_flight >= 1, "max_in_flight", f"must be >= 1, got {self.max_in_flight}")
         self._check_role(1)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import jinja2
@@ -27,9 +28,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from aiollm.errors import require_positive
 from aiollm.frontend import protocol as oai
 from aiollm.frontend.detokenize import IncrementalText
+from aiollm.frontend.limits import ApiKey, BodyLimit
 from aiollm.frontend.metrics import CONTENT_TYPE, ServingMetrics
 from aiollm.log import get_logger
-from aiollm.model.sampling import SamplingParams
+from aiollm.model.sampling import MAX_SEED, SamplingParams
 from aiollm.serving.backend import FINISH_STOP, Backend, GenerateRequest, ModelInfo, Overloaded, Unavailable
 
 _log = get_logger("frontend")
@@ -60,19 +62,34 @@ class FrontendConfig:
     # max_tokens when a request omits it (capped by the context): decode instances reserve KV for the
     # whole completion, so "the rest of an 8k context" for every chat request would starve admission
     default_max_tokens: int = 1024
+    # largest request body; a larger one is refused (413) before a byte of it is parsed
+    max_body_bytes: int = 4 * 1024**2
+    # seconds a client refused for overload is told to wait (the Retry-After header of a 429)
+    retry_after_s: float = 1.0
+    # clients of /v1/ must send `Authorization: Bearer api_key`; "" : no key needed
+    api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"FrontendConfig.port must be in [0, 65535], got {self.port}")
-        require_positive(self, "max_in_flight", "default_max_tokens")
+        require_positive(self, "max_in_flight", "default_max_tokens", "max_body_bytes", "retry_after_s")
 
 
 class HTTPError(Exception):
-    """An error answered to the client in OpenAI's shape."""
+    """An error answered to the client in OpenAI's shape (with `Retry-After` when the client should retry)."""
 
-    def __init__(self, status: int, message: str, err_type: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        err_type: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ):
         super().__init__(message)
         self.status, self.body = status, oai.error_body(message, err_type, param, code)
+        self.headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
 
 
 def _bad(message: str, param: str | None, code: str | None = None) -> HTTPError:
@@ -90,6 +107,9 @@ class Frontend:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="aiollm", docs_url=None, redoc_url=None)
+        app.add_middleware(BodyLimit, max_bytes=self.config.max_body_bytes)
+        if self.config.api_key:
+            app.add_middleware(ApiKey, key=self.config.api_key)
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -103,15 +123,18 @@ class Frontend:
 
         @app.exception_handler(HTTPError)
         async def _http_error(_: Request, exc: HTTPError) -> JSONResponse:
-            return JSONResponse(exc.body, status_code=exc.status)
+            return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
 
         @app.get("/health")
         async def health() -> Response:
             try:
-                await self.backend.stats()
+                stats = await self.backend.stats()
             except Unavailable as exc:
                 raise HTTPError(503, str(exc), "service_unavailable") from exc
-            return JSONResponse({"status": "ok"})
+            if not stats.serving:
+                dead = sorted(n for n, up in stats.alive.items() if not up)
+                raise HTTPError(503, f"no live prefill or decode path (down: {', '.join(dead)})", "service_unavailable")
+            return JSONResponse({"status": "ok", "instances": stats.alive})
 
         @app.get("/v1/models")
         async def models() -> dict:
@@ -131,13 +154,18 @@ class Frontend:
         @app.get("/metrics")
         async def metrics() -> Response:
             self.metrics.in_flight.set(self._in_flight)
-            return Response(self.metrics.render(await self.backend.stats()), media_type=CONTENT_TYPE)
+            try:
+                stats = await self.backend.stats()
+            except Unavailable:  # the frontend's own figures still count; the backend's read as down
+                stats = None
+            return Response(self.metrics.render(stats), media_type=CONTENT_TYPE)
 
         @app.post("/v1/completions")
         async def completions(body: oai.CompletionRequest, request: Request) -> Response:
             self._check_model(body.model)
             if isinstance(body.prompt, str):
-                ids = self.tokenizer.encode(body.prompt)
+                # in a thread: a long prompt must not stall the event loop that streams everyone's tokens
+                ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt)
             else:
                 ids = self._check_ids(body.prompt)
             return await self._respond(request, body, ids, chat=False)
@@ -150,7 +178,7 @@ class Frontend:
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             except (ValueError, jinja2.TemplateError) as exc:  # e.g. a role the model's template refuses
                 raise _bad(f"messages: the chat template refused them: {exc}", "messages") from exc
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
             return await self._respond(request, body, ids, chat=True)
 
         return app
@@ -193,14 +221,19 @@ class Frontend:
                 param,
                 "context_length_exceeded",
             )
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            seed=body.seed,
-            ignore_eos=body.ignore_eos,
-        )
+        # a request without a seed gets one here, so that a resume after a fault draws what it would have drawn
+        seed = body.seed % (MAX_SEED + 1) if body.seed is not None else secrets.randbelow(MAX_SEED + 1)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                seed=seed,
+                ignore_eos=body.ignore_eos,
+            )
+        except ValueError as exc:  # messages start with the field's name
+            raise _bad(str(exc), str(exc).split(":", 1)[0]) from exc
 
     async def _respond(self, request: Request, body, ids: list[int], chat: bool) -> Response:
         sampling = self._sampling(body, len(ids), chat)
@@ -210,6 +243,7 @@ class Frontend:
                 f"Too many requests in flight ({self.config.max_in_flight}); retry later.",
                 "rate_limit_error",
                 code="rate_limit_exceeded",
+                retry_after=self.config.retry_after_s,
             )
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         run = _Run(self, request, GenerateRequest(request_id, tuple(ids), sampling), body.stops)
@@ -217,7 +251,9 @@ class Frontend:
         try:
             first = await anext(pieces)
         except Overloaded as exc:
-            raise HTTPError(429, str(exc), "rate_limit_error", code="overloaded") from exc
+            raise HTTPError(
+                429, str(exc), "rate_limit_error", code="overloaded", retry_after=self.config.retry_after_s
+            ) from exc
         except Unavailable as exc:
             raise HTTPError(503, str(exc), "service_unavailable") from exc
         model = self.info.name

@@ -58,6 +58,13 @@ class ServingMetrics:
         self.kv_used = Gauge("aiollm_kv_blocks_used", "KV blocks in use, all instances", registry=r)
         self.kv_total = Gauge("aiollm_kv_blocks_total", "KV blocks in total, all instances", registry=r)
         self.in_flight = Gauge("aiollm_frontend_requests_in_flight", "HTTP requests being served", registry=r)
+        self.backend_up = Gauge("aiollm_backend_up", "1 while the frontend reaches its backend, else 0", registry=r)
+        self.instance_up = Gauge(
+            "aiollm_instance_up", "1 while the controller counts the instance alive, else 0", ["instance"], registry=r
+        )
+        self.instance_kv = Gauge(
+            "aiollm_instance_kv_blocks_used", "KV blocks held per instance", ["instance"], registry=r
+        )
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent deltas
 
     def tokens_generated(self, count: int) -> None:
@@ -77,18 +84,29 @@ class ServingMetrics:
             if first is not None and n_tokens > 1:
                 self.tpot.observe((last - first) / (n_tokens - 1))
 
-    def render(self, stats: BackendStats) -> bytes:
-        """Refresh the load gauges from `stats` and return the exposition text."""
+    def render(self, stats: BackendStats | None) -> bytes:
+        """Refresh the load gauges from `stats` and return the exposition text; None: the backend is
+        unreachable (its gauges read as down, the frontend's own figures still count)."""
         now = time.monotonic()
         while self._recent and self._recent[0][0] < now - _RATE_WINDOW_S:
             self._recent.popleft()
         self.tokens_per_second.set(sum(n for _, n in self._recent) / _RATE_WINDOW_S)
+        self.backend_up.set(0 if stats is None else 1)
+        if stats is None:
+            self.instance_up.clear()
+            return generate_latest(self.registry)
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_total.set(stats.kv_blocks_total)
-        for gauge, queues in ((self.prefill_queue, stats.prefill_queues), (self.decode_queue, stats.decode_queues)):
+        per_instance = (
+            (self.prefill_queue, stats.prefill_queues),
+            (self.decode_queue, stats.decode_queues),
+            (self.instance_up, {n: int(up) for n, up in stats.alive.items()}),
+            (self.instance_kv, stats.instance_kv_blocks_used),
+        )
+        for gauge, values in per_instance:
             gauge.clear()
-            for name, length in queues.items():
-                gauge.labels(instance=name).set(length)
+            for name, value in values.items():
+                gauge.labels(instance=name).set(value)
         return generate_latest(self.registry)

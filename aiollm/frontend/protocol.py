@@ -14,8 +14,21 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from aiollm.model.sampling import MAX_INT
+
 # OpenAI caps `stop` at 4 sequences.
 MAX_STOP_SEQUENCES = 4
+# a seed is an int64, as OpenAI's and vLLM's are
+INT64 = 2**63
+
+
+def valid_text(value: str, what: str) -> str:
+    """`value` if it is valid Unicode; a lone surrogate ("\\ud800" in the JSON) has no UTF-8 form and no tokens."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode: {exc.reason} at position {exc.start}") from None
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -30,12 +43,12 @@ class _SamplingFields(BaseModel):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=MAX_INT)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -71,7 +84,7 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
-        return stops
+        return [valid_text(s, "a stop sequence") for s in stops]
 
     @property
     def stops(self) -> list[str]:
@@ -82,7 +95,7 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -100,7 +113,7 @@ class CompletionRequest(_SamplingFields):
                 value = value[0]
         if isinstance(value, str) and not value:
             raise ValueError("prompt must not be empty")
-        return value
+        return valid_text(value, "the prompt") if isinstance(value, str) else value
 
     @field_validator("echo")
     @classmethod
@@ -134,21 +147,21 @@ class ChatMessage(BaseModel):
     @classmethod
     def _text_only(cls, value):
         if isinstance(value, str):
-            return value
+            return valid_text(value, "the content")
         parts = []
         for part in value:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("only text content parts are supported")
             parts.append(part["text"])
-        return "".join(parts)
+        return valid_text("".join(parts), "the content")
 
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
 
     @field_validator("logprobs")

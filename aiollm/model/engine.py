@@ -118,7 +118,7 @@ class ReferenceEngine:
         self, seqs: list[SequenceState], indices: list[int], logits: torch.Tensor, texts: dict[int, str]
     ) -> None:
         """Sample each sequence's next token and decide whether it stops."""
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = sample(logits, [s.params for s in seqs], [s.draws for s in seqs])
         decode = self.model.tokenizer.decode if self.model.tokenizer is not None else lambda ids: ""
         for i, s, token in zip(indices, seqs, tokens):
             s.output.append(token)

@@ -1,16 +1,31 @@
 """Choosing the next token: greedy, or temperature with top-k / top-p, reproducible with a seed.
 
-`SamplingParams` is what a request carries (frozen, validated once at the edge); `Sampler` turns a
-batch of fp32 logits into token ids, each row with its own parameters and its own generator, so a
+`SamplingParams` is what a request carries (frozen, validated once at the edge); `sample` turns a
+batch of fp32 logits into token ids, each row with its own parameters and its own `Draws`, so a
 seeded request gives the same tokens whatever else shares its batch.
+
+A request's random draws are keyed by its seed and the index of the token being drawn, not by a
+generator's running state: token i is drawn from a generator seeded with mix(seed, i). A request
+resumed elsewhere after n tokens (its instance died; the prompt now holds those n tokens) starts at
+index n (`first_index`) and draws exactly what the uninterrupted request would have drawn.
 """
 
+import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from aiollm.native import fused_ops
+
+# Bounds the wire (int64, msgpack) and the sampler (fp32 logits) can hold; a value outside is refused at the door.
+MAX_INT = 2**31 - 1
+MAX_SEED = 2**63 - 1
+MAX_TEMPERATURE = 100.0
+# Below this a temperature only sharpens the distribution onto its argmax (fp32 logits), and dividing by a
+# value near 0 overflows: such requests are sampled greedily, as vLLM does.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -34,35 +49,64 @@ class SamplingParams:
     # keep generating past the model's end-of-sequence ids (benchmarks: a fixed number of tokens)
     ignore_eos: bool = False
 
+    # index of the first token this run draws: the tokens a request already generated before it was
+    # resumed (its prompt then ends with them); seeded draws are keyed by token index
+    first_index: int = 0
+
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be an int >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k: must be an int >= 0, got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        _check_int("max_tokens", self.max_tokens, 1, MAX_INT)
+        if not isinstance(self.temperature, int | float) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature: must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        _check_int("top_k", self.top_k, 0, MAX_INT)
+        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_SEED)
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop: must be a tuple of non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids: must be non-negative ints, got {self.stop_token_ids!r}")
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token, 0, MAX_INT)
+        _check_int("first_index", self.first_index, 0, MAX_INT)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
-def new_generator(params: SamplingParams) -> torch.Generator | None:
-    """The generator of one request: seeded if asked, None for greedy (it draws nothing)."""
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name}: must be an integer in [{low}, {high}], got {value!r}")
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers that spreads every input bit over the output."""
+    x &= 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+class Draws:
+    """The random draws of one request, keyed by (seed, token index): `next()` is the generator for the
+    token at `index`, then moves on to the next index."""
+
+    def __init__(self, seed: int, index: int = 0) -> None:
+        self.seed, self.index = seed, index
+
+    def next(self) -> torch.Generator:
+        generator = torch.Generator()
+        generator.manual_seed(_mix64(_mix64(self.seed) ^ (self.index * 0x9E3779B97F4A7C15)) >> 1)
+        self.index += 1
+        return generator
+
+
+def new_draws(params: SamplingParams) -> Draws | None:
+    """The draws of one request from its first token to draw: seeded if asked, None for greedy (it draws
+    nothing)."""
     if params.greedy:
         return None
-    generator = torch.Generator()
-    if params.seed is None:
-        generator.manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
-    else:
-        generator.manual_seed(params.seed)
-    return generator
+    seed = params.seed if params.seed is not None else random.SystemRandom().randrange(MAX_SEED)
+    return Draws(seed, params.first_index)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -79,10 +123,11 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> list[int]:
-    """Next token of each row of fp32 logits [b, vocab]; row i uses params[i] and generators[i]."""
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], draws: Sequence[Draws | None]) -> list[int]:
+    """Next token of each row of fp32 logits [b, vocab]; row i uses params[i] and draws[i].
+
+    A row whose distribution is not finite (a model that produced NaN for it) takes its argmax instead of
+    failing the batch: one request's numbers never cost the others their step."""
     if logits.shape[0] != len(params):
         raise ValueError(f"params: {len(params)} given for {logits.shape[0]} rows of logits")
     native = fused_ops.native(logits) and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
@@ -90,6 +135,9 @@ def sample(
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = filter_logits(logits[i].float() / p.temperature, p.top_k, p.top_p)
-        tokens[i] = int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=generators[i]).item())
+        generator = draws[i].next()  # drawn even when the row falls back, so later indices stay aligned
+        probs = torch.softmax(filter_logits(logits[i].float() / p.temperature, p.top_k, p.top_p), dim=-1)
+        if not math.isfinite(float(probs.sum())):
+            continue
+        tokens[i] = int(torch.multinomial(probs, 1, generator=generator).item())
     return tokens

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from aiollm.model.llama import LlamaModel
-from aiollm.model.sampling import SamplingParams, new_generator
+from aiollm.model.sampling import Draws, SamplingParams, new_draws
 
 # Finish reasons, as OpenAI names them.
 FINISH_STOP = "stop"
@@ -29,7 +27,8 @@ class Sequence:
     params: SamplingParams
     # token ids that end it: the model's EOS ids (unless ignore_eos) and the request's stop_token_ids
     stop_ids: frozenset[int]
-    generator: torch.Generator | None
+    # its random draws (None: greedy)
+    draws: Draws | None
     # most tokens prompt + completion may reach (the model's context)
     max_context: int
     output: list[int] = field(default_factory=list)
@@ -52,4 +51,4 @@ class Sequence:
 def new_sequence(request_id: str, prompt: list[int], params: SamplingParams, model: LlamaModel) -> Sequence:
     eos = frozenset(model.tokenizer.stop_ids if model.tokenizer else model.config.eos_ids)
     stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
-    return Sequence(request_id, list(prompt), params, stop, new_generator(params), model.config.max_context)
+    return Sequence(request_id, list(prompt), params, stop, new_draws(params), model.config.max_context)

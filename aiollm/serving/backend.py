@@ -60,9 +60,22 @@ class BackendStats:
     prefill_queues: dict[str, int] = field(default_factory=dict)
     # requests waiting for admission at each decode instance, by name
     decode_queues: dict[str, int] = field(default_factory=dict)
-    # KV blocks in use and in total, summed over instances
+    # KV blocks in use and in total, summed over live instances
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    # each instance's liveness and the KV blocks it holds, by name (empty for a single in-process engine)
+    alive: dict[str, bool] = field(default_factory=dict)
+    instance_kv_blocks_used: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def serving(self) -> bool:
+        """Whether a request can be served now: a live prefill and a live decode instance (or no instances
+        to lose: an in-process engine)."""
+        if not self.alive:
+            return True
+        return any(self.alive.get(n) for n in self.prefill_queues) and any(
+            self.alive.get(n) for n in self.decode_queues
+        )
 
 
 @dataclass(frozen=True)

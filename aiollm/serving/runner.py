@@ -76,7 +76,7 @@ class PagedCache:
 
 def sample_next(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
     """Sample each sequence's next token, append it, and apply the stop rules."""
-    tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    tokens = sample(logits, [s.params for s in seqs], [s.draws for s in seqs])
     for s, token in zip(seqs, tokens):
         s.output.append(token)
         if token in s.stop_ids:

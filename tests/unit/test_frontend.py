@@ -81,6 +81,8 @@ class ScriptedBackend:
             decode_queues={"d0": 0},
             kv_blocks_used=7,
             kv_blocks_total=64,
+            alive={"p0": True, "d0": self.mode != "decode-dead"},
+            instance_kv_blocks_used={"p0": 3, "d0": 4 if self.mode != "decode-dead" else 0},
         )
 
 
@@ -166,6 +168,9 @@ async def test_stop_string_truncates_and_cancels(served):
         ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"presence_penalty": 1.0}, 400, "presence_penalty"),
         ({"model": "gpt-4"}, 404, "model"),
+        ({"seed": 2**64}, 400, "seed"),
+        ({"extra_body": {"top_k": 2**64}}, 400, "top_k"),
+        ({"max_tokens": 2**40}, 400, "max_tokens"),
     ],
 )
 async def test_bad_parameters_name_the_parameter(served, kwargs, status, param):
@@ -241,14 +246,127 @@ async def test_models_health_metrics(served):
     assert [m.id for m in models.data] == ["tiny"]
     await client.completions.create(model="tiny", prompt="Hi", max_tokens=5)
     async with httpx.AsyncClient() as http:
-        assert (await http.get(f"http://127.0.0.1:{port}/health")).json() == {"status": "ok"}
+        health = (await http.get(f"http://127.0.0.1:{port}/health")).json()
+        assert health == {"status": "ok", "instances": {"p0": True, "d0": True}}
         text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
     for line in (
         "aiollm_time_to_first_token_seconds_count 1.0",
         "aiollm_time_per_output_token_seconds_count 1.0",
         'aiollm_prefill_queue_length{instance="p0"} 0.0',
         "aiollm_kv_blocks_used 7.0",
+        'aiollm_instance_up{instance="d0"} 1.0',
+        'aiollm_instance_kv_blocks_used{instance="p0"} 3.0',
+        "aiollm_backend_up 1.0",
         "aiollm_generation_tokens_total 5.0",
         'aiollm_requests_total{outcome="length"} 1.0',
     ):
         assert line in text
+
+
+async def test_a_tiny_temperature_is_sampled_greedily_and_an_unseeded_request_gets_a_seed(served):
+    backend, client, _ = served
+    await client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=1e-39)
+    await client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0.7)
+    await client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0.7, seed=-5)
+    tiny, unseeded, negative = (r.sampling for r in backend.requests)
+    assert tiny.greedy and not unseeded.greedy and unseeded.seed is not None
+    assert negative.seed == (-5) % 2**63
+
+
+async def test_health_is_503_without_a_decode_path_and_metrics_survive_a_lost_backend(served):
+    backend, _, port = served
+    async with httpx.AsyncClient() as http:
+        backend.mode = "decode-dead"
+        response = await http.get(f"http://127.0.0.1:{port}/health")
+        assert response.status_code == 503 and "d0" in response.json()["error"]["message"]
+        assert 'aiollm_instance_up{instance="d0"} 0.0' in (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+        backend.mode = None
+
+        async def unreachable():
+            raise Unavailable("controller unreachable")
+
+        backend.stats = unreachable
+        response = await http.get(f"http://127.0.0.1:{port}/metrics")
+        assert response.status_code == 200 and "aiollm_backend_up 0.0" in response.text
+        assert (await http.get(f"http://127.0.0.1:{port}/health")).status_code == 503
+
+
+async def test_overload_says_when_to_retry(served):
+    backend, _, port = served
+    backend.mode = "overloaded"
+    async with httpx.AsyncClient() as http:
+        response = await http.post(
+            f"http://127.0.0.1:{port}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+        )
+    assert response.status_code == 429 and response.headers["retry-after"] == "1"
+
+
+async def test_an_oversized_body_is_refused_before_it_is_parsed():
+    backend = ScriptedBackend()
+    config = FrontendConfig(port=0, vocab_size=256, max_body_bytes=4096)
+    frontend = Frontend(backend, CharTokenizer(), ModelInfo("tiny", max_context=64), config)
+    server, task, port = await start_server(frontend.app, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    try:
+        async with httpx.AsyncClient() as http:
+            response = await http.post(url, json={"model": "tiny", "prompt": "x" * 10_000})
+            assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+            async def chunks():  # no Content-Length: the bytes are counted as they arrive
+                for _ in range(10):
+                    yield b"x" * 1000
+
+            response = await http.post(url, content=chunks(), headers={"content-type": "application/json"})
+            assert response.status_code == 413
+            ok = await http.post(url, json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+            assert ok.status_code == 200
+        assert len(backend.requests) == 1
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def test_the_api_key_guards_v1_but_not_health():
+    backend = ScriptedBackend()
+    config = FrontendConfig(port=0, vocab_size=256, api_key="sesame-0123456789")
+    frontend = Frontend(backend, CharTokenizer(), ModelInfo("tiny", max_context=64), config)
+    server, task, port = await start_server(frontend.app, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        for key in ("wrong", "none"):
+            client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                await client.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+            await client.close()
+        client = openai.AsyncOpenAI(base_url=base, api_key="sesame-0123456789", max_retries=0)
+        out = await client.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+        assert out.choices[0].text == REPLY[:2]
+        await client.close()
+        async with httpx.AsyncClient() as http:
+            assert (await http.get(f"http://127.0.0.1:{port}/health")).status_code == 200
+            assert (await http.get(f"{base}/models")).status_code == 401
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def test_a_lone_surrogate_is_a_400_naming_the_field(served):
+    _, _, port = served
+    # the JSON escapes a lone surrogate, as a client that does not check would send it
+    bodies = [
+        ('{"model": "tiny", "prompt": "caf\\ud800", "max_tokens": 2}', "prompt", "/v1/completions"),
+        ('{"model": "tiny", "prompt": "Hi", "stop": ["\\udfff"], "max_tokens": 2}', "stop", "/v1/completions"),
+        (
+            '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}',
+            "messages",
+            "/v1/chat/completions",
+        ),
+    ]
+    async with httpx.AsyncClient() as http:
+        for body, param, path in bodies:
+            response = await http.post(
+                f"http://127.0.0.1:{port}{path}", content=body, headers={"content-type": "application/json"}
+            )
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == param and "not valid Unicode" in error["message"]

@@ -20,11 +20,13 @@ def add_arguments(parser) -> None:
         parser, "--prefill-queue-limit", "controller.prefill_queue_limit", "requests sent ahead to one prefill instance"
     )
     spec_flag(parser, "--max-waiting", "controller.max_waiting", "queued requests before HTTP 429")
+    spec_flag(parser, "--resume-timeout", "controller.resume_timeout_s", "seconds a request waits for a live instance")
 
 
 def controller_config(spec: ClusterSpec) -> ControllerConfig:
+    c = spec.controller
     return ControllerConfig(
-        prefill_queue_limit=spec.controller.prefill_queue_limit, max_waiting=spec.controller.max_waiting
+        prefill_queue_limit=c.prefill_queue_limit, max_waiting=c.max_waiting, resume_timeout_s=c.resume_timeout_s
     )
 
 

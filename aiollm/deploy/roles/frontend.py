@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 from aiollm.actors.node import Node
 from aiollm.deploy.roles import Wiring, add_actor, spec_flag
@@ -26,20 +27,30 @@ def add_arguments(parser) -> None:
     spec_flag(parser, "--http-host", "frontend.host", "HTTP interface")
     spec_flag(parser, "--http-port", "frontend.port", "HTTP port")
     spec_flag(parser, "--max-in-flight", "frontend.max_in_flight", "HTTP requests served at once")
+    spec_flag(parser, "--max-body-bytes", "frontend.max_body_bytes", "largest request body (413 beyond)")
+    spec_flag(parser, "--api-key", "frontend.api_key", "clients must send it as a Bearer token (or AIOLLM_API_KEY)")
+
+
+def frontend_config(spec: ClusterSpec, vocab_size: int) -> FrontendConfig:
+    f = spec.frontend
+    return FrontendConfig(
+        host=f.host,
+        port=f.port,
+        max_in_flight=f.max_in_flight,
+        vocab_size=vocab_size,
+        max_body_bytes=f.max_body_bytes,
+        api_key=f.api_key or os.environ.get("AIOLLM_API_KEY", ""),
+    )
 
 
 async def start(node: Node, spec: ClusterSpec, wiring: Wiring) -> dict[str, str]:
     actor = wiring.actor or "frontend"
     tokenizer, config = load_tokenizer(spec.model.name)
-    client = ClusterClient(wiring.controller)
+    client = ClusterClient(wiring.controller, spec.controller.resume_timeout_s)
     ref = await node.spawn(client, actor)
     f = spec.frontend
-    frontend = Frontend(
-        client,
-        tokenizer,
-        ModelInfo(served_name(spec.model.name), config.max_context),
-        FrontendConfig(host=f.host, port=f.port, max_in_flight=f.max_in_flight, vocab_size=config.vocab),
-    )
+    info = ModelInfo(served_name(spec.model.name), config.max_context)
+    frontend = Frontend(client, tokenizer, info, frontend_config(spec, config.vocab))
     _, task, _ = await start_server(frontend.app, f.host, f.port)
     _servers.add(task)
     return {actor: ref.url}
