@@ -20,6 +20,7 @@ BENCHMARKS = {
     "fastdecode": "bench.fastdecode",
     "serve": "bench.serve",
     "planner": "bench.planner",
+    "faults": "bench.faults",
 }
 # other commands -> module with add_arguments(parser) and main(args) -> exit status
 COMMANDS = {

@@ -85,6 +85,9 @@ FIGURES: tuple[Figure, ...] = (
     Figure("transport", "ratio_tcp_vs_raw_64MiB", "tcp transport / raw sockets, 64 MiB frames", Target(">=", 0.85)),
     Figure("transport", "ratio_ask_rtt_vs_raw", "actor ask round trip / raw socket round trip", Target("<=", 3)),
     Figure("transport", "ask_rtt_pinned_us", "actor ask round trip, both ends on one CPU", Target("<=", 40), unit="µs"),
+    Figure("faults", "requests_lost", "requests lost while every role is killed in turn", Target("<=", 0)),
+    Figure("faults", "outputs_identical_fraction", "outputs equal to the fault-free pass", Target(">=", 1)),
+    Figure("faults", "goodput_under_faults_vs_fault_free", "goodput under faults / fault-free", Target(">=", 0.8)),
 )
 
 

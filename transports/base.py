@@ -144,6 +144,12 @@ class Connection(ABC):
         loop = asyncio.get_running_loop()
         self._delivery = loop.create_task(_deliver_loop(self, on_frame, on_end, allocate))
 
+    def set_limits(self, config: TransportConfig) -> None:
+        """Apply `config`'s frame limits from the next frame received on. A node accepts only small frames until
+        the peer has authenticated, then raises them. Transports that never read an announced size into
+        memory before checking it (inproc) have nothing to change."""
+        return
+
     @abstractmethod
     async def close(self) -> None:
         """Close the connection; idempotent."""

@@ -100,13 +100,9 @@ class _FrameProtocol(asyncio.BufferedProtocol):
 
     def __init__(self, config: TransportConfig) -> None:
         opts = options_for(config, "tcp", DEFAULT_OPTIONS)
-        self.config = config
         self.direct_min = int(opts["tcp.direct_min_bytes"])
         self.join_max = int(opts["tcp.join_max_bytes"])
-        # Largest header a control-only frame may carry (both limits apply to it).
-        self.header_max = min(config.max_header_bytes, config.max_frame_bytes, 2**32 - 1)
-        # Largest header `send_nowait` writes (a control-only frame small enough to be joined).
-        self.nowait_max = min(self.header_max, self.join_max)
+        self.set_limits(config)
         scratch = max(int(opts["tcp.scratch_bytes"]), PREFIX.size + 8 * config.max_buffers)
         self.scratch = memoryview(bytearray(scratch))
         self.rpos = self.wpos = 0
@@ -134,6 +130,13 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.on_frame: FrameHandler | None = None
         self.on_end: EndHandler | None = None
         self.hold: asyncio.Future | None = None
+
+    def set_limits(self, config: TransportConfig) -> None:
+        self.config = config
+        # Largest header a control-only frame may carry (both limits apply to it).
+        self.header_max = min(config.max_header_bytes, config.max_frame_bytes, 2**32 - 1)
+        # Largest header `send_nowait` writes (a control-only frame small enough to be joined).
+        self.nowait_max = min(self.header_max, self.join_max)
 
     # -- asyncio callbacks -------------------------------------------------------------------
 
@@ -425,6 +428,9 @@ class TcpConnection(Connection):
         sock = protocol.transport.get_extra_info("sockname")
         self.local_address = f"tcp://{sock[0]}:{sock[1]}"
         self.peer_address = protocol.peername()
+
+    def set_limits(self, config: TransportConfig) -> None:
+        self._p.set_limits(config)
 
     async def send(self, header: Buffer, buffers: Sequence[Buffer] = ()) -> None:
         """Write one frame; returns once the kernel has taken all of it (buffers may then be reused).

@@ -121,6 +121,9 @@ class UcxConnection(Connection):
 
     # -- sending -------------------------------------------------------------------------------
 
+    def set_limits(self, config: TransportConfig) -> None:
+        self._config = config
+
     async def send(self, header: Buffer, buffers: Sequence[Buffer] = ()) -> None:
         """Send one frame; returns once UCX completed every message (buffers may then be reused).
 

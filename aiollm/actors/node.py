@@ -14,7 +14,7 @@ import itertools
 import os
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiollm.actors.actor import Actor
 from aiollm.actors.auth import PeerInfo, handshake
@@ -42,6 +42,10 @@ _log = get_logger("actors.node")
 
 
 _node_ids = itertools.count()
+# Before a peer authenticates it may send frames of at most this size (a Hello or a Proof is ~100 bytes), and at
+# most this many connections may be authenticating at once: a stranger costs a node little memory, and no more.
+PREAUTH_FRAME_BYTES = 4096
+MAX_PENDING_HANDSHAKES = 64
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,13 @@ class Node:
         self._all_peers: set[Peer] = set()
         self._connecting: dict[str, asyncio.Future] = {}
         self._transport = config.transport_config()
+        # what a connection may send before it authenticated: a handshake frame, nothing near the real limits
+        self._preauth = replace(
+            self._transport,
+            max_header_bytes=min(PREAUTH_FRAME_BYTES, self._transport.max_header_bytes),
+            max_frame_bytes=min(PREAUTH_FRAME_BYTES, self._transport.max_frame_bytes),
+        )
+        self._authenticating = 0
         self._stopping = False
         self._stopped: asyncio.Event | None = None
 
@@ -284,20 +295,30 @@ class Node:
             del self._connecting[node_url]
 
     async def _handshake(self, conn: Connection, initiator: bool) -> PeerInfo:
+        """Authenticate `conn` under small frame limits (nothing larger than a handshake frame is read into memory
+        before the peer proves it knows the secret), then raise them to this node's."""
         config = self.config
+        conn.set_limits(self._preauth)
         try:
-            return await handshake(
+            info = await handshake(
                 conn, self.codec, config.secret, self.url, config.max_frame_bytes, initiator, config.handshake_timeout
             )
         except BaseException:
             await conn.close()
             raise
+        conn.set_limits(self._transport)
+        return info
 
     async def _accept(self, conn: Connection) -> None:
         """Serve one incoming connection: authenticate, then read it until it closes."""
         if self._stopping:
             await conn.close()
             return
+        if self._authenticating >= MAX_PENDING_HANDSHAKES:
+            _log.warning("too many unauthenticated connections: refused", peer=conn.peer_address)
+            await conn.close()
+            return
+        self._authenticating += 1
         try:
             info = await self._handshake(conn, initiator=False)
         except AuthenticationFailed as exc:
@@ -306,6 +327,8 @@ class Node:
         except (NodeUnreachable, ClosedError, ChannelBroken) as exc:
             _log.info("connection dropped during handshake", peer=conn.peer_address, reason=str(exc))
             return
+        finally:
+            self._authenticating -= 1
         peer = self._add_peer(conn, info.node or conn.peer_address, info)
         await peer.finished
 

@@ -75,6 +75,17 @@ def _parser(add_help: bool = True) -> _Parser:
     return parser
 
 
+def read_secret(path: Path) -> bytes:
+    """The cluster secret in `path`; ValueError when others than its owner may read it (whoever reads the
+    secret can join the cluster and spawn actors on it)."""
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        raise ValueError(
+            f"the secret file {path} is readable by others (mode {mode & 0o777:03o}); restrict it: chmod 600 {path}"
+        )
+    return path.read_bytes().strip()
+
+
 @dataclass(frozen=True)
 class NodeLaunch:
     """Everything `python -m aiollm.node` was asked to run, parsed and validated."""
@@ -121,9 +132,11 @@ def parse(argv: list[str] | None) -> NodeLaunch:
         if address.path:
             parser.error(f"address {url!r}: a node address has no actor path")
     try:
-        secret = args.secret_file.read_bytes().strip()
+        secret = read_secret(args.secret_file)
     except OSError as exc:
         parser.error(f"cannot read the secret file: {exc.strerror}: {args.secret_file}")
+    except ValueError as exc:
+        parser.error(str(exc))
     n = spec.node
     try:
         config = NodeConfig(

@@ -5,10 +5,11 @@ Disaggregated: every prefill and decode instance, the controller and the fronten
 always reaps its processes), each configured by the same spec file. The instances start first, in parallel
 (each loads the model; an offloaded decode instance's R-worker processes start just before it and it is pointed
 at them), then the controller, then the frontend. `serve` returns once the frontend answers /health, and
-`supervise` runs until interrupted: a prefill or decode instance whose process exits (crashed, killed, OOM) is
-started again with `--controller`, so it re-registers under its name and gets work again (the controller failed
-its requests over meanwhile), up to `MAX_RESTARTS` times per instance; if the controller, the frontend or an
-R-worker exits, or an instance keeps dying, every node is stopped.
+`supervise` runs until interrupted and starts every node whose process exits (crashed, killed, OOM) again at the
+address it had, so every reference to it stays valid: an instance re-registers with the controller under its
+name (the controller resumed its requests elsewhere or held them meanwhile), a restarted controller takes the
+instances back while the frontend submits its requests again, a frontend serves on its port again. `serve` never
+exits because one node died.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import asyncio
 import signal
 import socket
 import sys
+import time
 import urllib.request
-from dataclasses import dataclass, replace
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from aiollm.actors.node import NodeConfig
@@ -28,19 +31,32 @@ from aiollm.deploy.roles.common import served_name
 from aiollm.deploy.spec import ClusterSpec
 
 READY_TIMEOUT_S = 300.0
-# restarts of one prefill/decode instance before the cluster gives up
-MAX_RESTARTS = 3
+# a node restarted this many times within RESTART_WINDOW_S seconds is left down (it dies of itself)
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+
+
+@dataclass(frozen=True)
+class Started:
+    """How one node was started, to start it again at the same address."""
+
+    role: str
+    wiring: Wiring
+    # the address it bound (a restart binds it again, so every peer's ref to it stays valid)
+    listen: str
 
 
 @dataclass
 class LocalCluster:
-    """A running local cluster: its graph, the API's base URL, and how to restart each instance."""
+    """A running local cluster: its graph, the API's base URL, and how each node was started."""
 
     graph: Graph
+    # the spec as started (a free frontend port chosen), which restarts use too
+    spec: ClusterSpec
     base_url: str
     controller: str
-    # instance node URL -> (role, wiring) it was started with
-    instances: dict[str, tuple[str, Wiring]]
+    # node URL -> how it was started
+    nodes: dict[str, Started] = field(default_factory=dict)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -77,24 +93,20 @@ async def start_cluster(graph: Graph, spec: ClusterSpec) -> LocalCluster:
     until the frontend answers."""
     if not spec.frontend.port:
         spec = spec.override({"frontend.port": free_port(spec.frontend.host)})
-    instances: dict[str, tuple[str, Wiring]] = {}
+    cluster = LocalCluster(graph, spec, f"http://{spec.frontend.host}:{spec.frontend.port}", "")
 
-    async def instance(role: str, wiring: Wiring) -> NodeHandle:
+    async def node(role: str, wiring: Wiring = Wiring()) -> NodeHandle:
         handle = await graph.start_node(role, process=True, spec=spec, wiring=wiring)
-        instances[handle.url] = (role, wiring)
+        cluster.nodes[handle.url] = Started(role, wiring, handle.url)
         return handle
 
     async def decode(i: int) -> NodeHandle:
-        r_workers = await asyncio.gather(
-            *(graph.start_node("r-worker", process=True, spec=spec) for _ in range(spec.decode.r_workers))
-        )
+        r_workers = await asyncio.gather(*(node("r-worker") for _ in range(spec.decode.r_workers)))
         urls = tuple(h.actors["r-worker"] for h in r_workers)
-        return await instance(
-            "decode", Wiring(actor=f"decode{i}", r_workers=urls, step_log=_step_log(spec, f"decode{i}"))
-        )
+        return await node("decode", Wiring(actor=f"decode{i}", r_workers=urls, step_log=_step_log(spec, f"decode{i}")))
 
     prefills = [
-        instance("prefill", Wiring(actor=f"prefill{i}", step_log=_step_log(spec, f"prefill{i}")))
+        node("prefill", Wiring(actor=f"prefill{i}", step_log=_step_log(spec, f"prefill{i}")))
         for i in range(spec.prefill.count)
     ]
     handles = await asyncio.gather(*prefills, *(decode(i) for i in range(spec.decode.count)))
@@ -103,22 +115,21 @@ async def start_cluster(graph: Graph, spec: ClusterSpec) -> LocalCluster:
         prefill={n: u for n, u in actors if n.startswith("prefill")},
         decode={n: u for n, u in actors if n.startswith("decode")},
     )
-    controller = next(
-        iter((await graph.start_node("controller", process=True, spec=spec, wiring=wiring)).actors.values())
-    )
-    await graph.start_node("frontend", process=True, spec=spec, wiring=Wiring(controller=controller))
-    base = f"http://{spec.frontend.host}:{spec.frontend.port}"
-    while not await asyncio.to_thread(_healthy, f"{base}/health"):
+    cluster.controller = next(iter((await node("controller", wiring)).actors.values()))
+    await node("frontend", Wiring(controller=cluster.controller))
+    while not await asyncio.to_thread(_healthy, f"{cluster.base_url}/health"):
         await asyncio.sleep(0.2)
-    return LocalCluster(graph, base, controller, instances)
+    return cluster
 
 
-async def supervise(cluster: LocalCluster, spec: ClusterSpec, stop: asyncio.Event) -> int:
-    """Run until `stop` is set (0); restart instance nodes that exit; 1 when another node exits or an instance
-    exhausted its restarts."""
+async def supervise(cluster: LocalCluster, stop: asyncio.Event) -> int:
+    """Run until `stop` is set (0), starting every node that exits again at its address: an instance re-registers
+    with the controller, a controller takes the instances back, a frontend serves on its port again, an R-worker's
+    decode instance takes it back. A node that keeps dying (`MAX_RESTARTS` within `RESTART_WINDOW_S`) is left
+    down, and the rest serve on; nothing one node does stops the others."""
     graph = cluster.graph
     stopped = asyncio.ensure_future(stop.wait())
-    restarts: dict[str, int] = {}
+    restarts: dict[str, list[float]] = defaultdict(list)
     try:
         while True:
             exits = {asyncio.ensure_future(h.process.wait()): h for h in graph.nodes if h.process.returncode is None}
@@ -128,24 +139,37 @@ async def supervise(cluster: LocalCluster, spec: ClusterSpec, stop: asyncio.Even
             if stopped in done:
                 return 0
             for handle in (exits[f] for f in done):
-                started = cluster.instances.pop(handle.url, None)
-                status = handle.process.returncode
-                name = started[1].actor if started else ""
-                if started is None or restarts.get(name, 0) >= MAX_RESTARTS:
-                    print(f"aiollm: node {handle.url} exited with status {status}; stopping", file=sys.stderr)
-                    return 1
-                role, wiring = started
-                restarts[name] = restarts.get(name, 0) + 1
-                print(
-                    f"aiollm: {name} exited with status {status}; starting it again ({restarts[name]}/{MAX_RESTARTS})",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                again = replace(wiring, controller=cluster.controller)
-                new = await graph.start_node(role, process=True, spec=spec, wiring=again)
-                cluster.instances[new.url] = (role, wiring)
+                graph.nodes.remove(handle)
+                await _restart(cluster, handle, restarts[handle.url])
     finally:
         stopped.cancel()
+
+
+async def _restart(cluster: LocalCluster, handle: NodeHandle, times: list[float]) -> None:
+    started = cluster.nodes.get(handle.url)
+    status = handle.process.returncode
+    now = time.monotonic()
+    times[:] = [t for t in times if t > now - RESTART_WINDOW_S]
+    if started is None or len(times) >= MAX_RESTARTS:
+        print(f"aiollm: node {handle.url} exited with status {status}; left down", file=sys.stderr, flush=True)
+        return
+    times.append(now)
+    name = started.wiring.actor or started.role
+    print(
+        f"aiollm: {name} ({handle.url}) exited with status {status}; starting it again "
+        f"({len(times)}/{MAX_RESTARTS} in {RESTART_WINDOW_S:g} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    wiring = started.wiring
+    if started.role in ("prefill", "decode"):  # join the running controller under its name
+        wiring = replace(wiring, controller=cluster.controller)
+    try:
+        await cluster.graph.start_node(
+            started.role, process=True, spec=cluster.spec, wiring=wiring, listen=started.listen
+        )
+    except RuntimeError as exc:  # it did not come up; the next exit check sees no process for it
+        print(f"aiollm: {name} did not start again: {exc}", file=sys.stderr, flush=True)
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -166,15 +190,16 @@ async def serve_cluster(spec: ClusterSpec) -> int:
         print(
             f"aiollm: serving {served_name(spec.model.name)} at {cluster.base_url}/v1 ({spec.describe()})", flush=True
         )
-        return await supervise(cluster, spec, _stop_on_signals())
+        return await supervise(cluster, _stop_on_signals())
 
 
 def run_colocated(spec: ClusterSpec) -> int:
     """The colocated baseline: one process batching prefill and decode together, behind the same HTTP API."""
     import torch
 
+    from aiollm.deploy.roles.frontend import frontend_config
     from aiollm.deploy.roles.prefill import compute_bound_length
-    from aiollm.frontend.app import Frontend, FrontendConfig, start_server
+    from aiollm.frontend.app import Frontend, start_server
     from aiollm.model.loader import load
     from aiollm.serving.backend import ModelInfo
     from aiollm.serving.colocated import ColocatedEngine, EngineConfig
@@ -200,7 +225,7 @@ def run_colocated(spec: ClusterSpec) -> int:
             engine,
             model.tokenizer,
             ModelInfo(served_name(spec.model.name), model.config.max_context),
-            FrontendConfig(host=f.host, port=f.port, max_in_flight=f.max_in_flight, vocab_size=model.config.vocab),
+            frontend_config(spec, model.config.vocab),
         )
         server, task, port = await start_server(frontend.app, f.host, f.port)
         print(f"aiollm: serving {served_name(spec.model.name)} at http://{f.host}:{port}/v1 (colocated)", flush=True)

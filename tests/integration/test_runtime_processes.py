@@ -138,6 +138,10 @@ def run_cli(*args: str, secret: Path | None = None) -> subprocess.CompletedProce
 def test_cli_help_and_one_line_errors(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET)
+    secret.chmod(0o600)
+    open_secret = tmp_path / "open-secret"
+    open_secret.write_bytes(SECRET)
+    open_secret.chmod(0o644)
     help_text = run_cli("--help").stdout
     assert "roles:" in help_text and "echo" in help_text and "empty" in help_text
     for args, secret_file, text in [
@@ -146,6 +150,7 @@ def test_cli_help_and_one_line_errors(tmp_path: Path) -> None:
         (["--role", "echo", "--listen", "carrier-pigeon://x"], secret, "unknown scheme"),
         (["--role", "echo"], None, "required: --secret-file"),
         (["--role", "echo", "--secret-file", str(tmp_path / "missing")], None, "cannot read the secret file"),
+        (["--role", "echo", "--secret-file", str(open_secret)], None, "readable by others (mode 644)"),
     ]:
         result = run_cli(*args, secret=secret_file)
         assert result.returncode == 2, result.stderr
@@ -158,6 +163,7 @@ def test_cli_node_prints_ready_line_and_stops_on_sigterm(tmp_path: Path) -> None
 
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET)
+    secret.chmod(0o600)
     proc = subprocess.Popen(
         [sys.executable, "-m", "aiollm.node", "--role", "echo", "--secret-file", str(secret), "--log-level", "WARNING"],
         stdout=subprocess.PIPE,

@@ -121,6 +121,7 @@ def test_role_flags_override_the_config_and_wiring_round_trips(tmp_path):
 def test_node_cli_reads_the_spec_and_its_role_section(tmp_path):
     secret = tmp_path / "secret"
     secret.write_bytes(b"s" * 32)
+    secret.chmod(0o600)
     config = tmp_path / "c.toml"
     config.write_text(
         '[prefill]\nlisten = "tcp://127.0.0.1:0"\nadvertise = "tcp://host-a:0"\n[node]\nmailbox_size = 9\n'
@@ -145,6 +146,7 @@ def test_each_role_help_lists_its_own_options_and_a_bad_spec_exits_2(tmp_path):
     assert all(role in _node("--help").stdout for role in ROLES)
     secret = tmp_path / "secret"
     secret.write_bytes(b"s" * 32)
+    secret.chmod(0o600)
     bad = tmp_path / "bad.toml"
     bad.write_text("[decode]\nmax_running = 0\n")
     out = _node("--role", "decode", "--secret-file", str(secret), "--config", str(bad))

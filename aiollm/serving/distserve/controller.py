@@ -73,9 +73,13 @@ class ControllerConfig:
     load_poll_s: float = 0.5
     # seconds between probes of a dead instance's last address (it is taken back when it answers)
     revive_probe_s: float = 2.0
+    # seconds a request waits for a live prefill and decode instance (one restarting, say) before it fails
+    resume_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        require_positive(self, "prefill_queue_limit", "max_waiting", "load_poll_s", "revive_probe_s")
+        require_positive(
+            self, "prefill_queue_limit", "max_waiting", "load_poll_s", "revive_probe_s", "resume_timeout_s"
+        )
         if self.max_retries < 0:
             raise ValueError(f"ControllerConfig.max_retries must be >= 0, got {self.max_retries}")
 
@@ -112,6 +116,8 @@ class _Request:
     prefill: str | None = None
     decode: str | None = None
     retries: int = 0
+    # when it last entered the queue (it fails if no prefill and decode path comes up within resume_timeout_s)
+    queued_at: float = 0.0
 
     @property
     def current_prompt(self) -> list[int]:
@@ -121,6 +127,11 @@ class _Request:
     @property
     def remaining(self) -> int:
         return self.sampling.max_tokens - len(self.generated)
+
+    @property
+    def next_index(self) -> int:
+        """Index of the next token to draw: seeded draws are keyed by it, so a resumed request draws the same."""
+        return self.sampling.first_index + len(self.generated)
 
 
 class Controller(Actor):
@@ -161,6 +172,7 @@ class Controller(Actor):
         self._tasks = [
             asyncio.create_task(self._poll_loads(), name="controller-loads"),
             asyncio.create_task(self._probe_dead(), name="controller-revive"),
+            asyncio.create_task(self._expire_waiting(), name="controller-expire"),
         ]
 
     async def on_stop(self) -> None:
@@ -175,7 +187,8 @@ class Controller(Actor):
         if len(self._queue) >= self.config.max_waiting:
             await msg.reply_to.tell(Tokens([Delta(msg.request_id, [], error="overloaded")]))
             return
-        req = _Request(msg.request_id, list(msg.prompt_ids), msg.sampling, msg.reply_to, time.monotonic())
+        now = time.monotonic()
+        req = _Request(msg.request_id, list(msg.prompt_ids), msg.sampling, msg.reply_to, now, queued_at=now)
         self._requests[req.request_id] = req
         self._queue.append(req)
         await self._dispatch()
@@ -199,7 +212,7 @@ class Controller(Actor):
     @handler(GetLoad)
     async def on_get_load(self, msg: GetLoad) -> Load:
         loads = {name: self._loads.get(name) for name in self._urls}
-        live = [load for load in loads.values() if load is not None]
+        live = [load for name, load in loads.items() if load is not None and self._instance_alive(name)]
         return Load(
             waiting=len(self._queue) + sum(self.dispatcher.prefill[n].queued for n in self._prefill_names),
             running=sum(self.dispatcher.decode[n].running for n in self._decode_names),
@@ -207,6 +220,11 @@ class Controller(Actor):
             kv_blocks_total=sum(load.kv_blocks_total for load in live),
             prefill_queues={n: self.dispatcher.prefill[n].queued for n in self._prefill_names},
             decode_queues={n: loads[n].waiting if loads[n] else 0 for n in self._decode_names},
+            alive={n: self._instance_alive(n) for n in self._urls},
+            # a dead instance holds nothing this cluster can use
+            instance_kv_blocks_used={
+                n: loads[n].kv_blocks_used if loads[n] and self._instance_alive(n) else 0 for n in self._urls
+            },
         )
 
     # ---- from the instances -----------------------------------------------------------------
@@ -338,32 +356,32 @@ class Controller(Actor):
     # ---- internals ----------------------------------------------------------------------------
 
     async def _dispatch(self) -> None:
-        """Send queue heads to the prefill instance with the shortest queue while it has room."""
-        while self._queue:
+        """Send queue heads to the prefill instance with the shortest queue while it has room; while no prefill or
+        no decode instance is alive the queue waits for one to come back (`_expire_waiting` bounds the wait)."""
+        while self._queue and self.dispatcher.any_alive("decode"):
             name = self.dispatcher.choose_prefill()
             if name is None:
-                await self._fail(self._queue.popleft(), "unavailable: no live prefill instance")
-                continue
+                return
             if self.dispatcher.prefill[name].queued >= self.config.prefill_queue_limit:
                 return
             req = self._queue.popleft()
             prompt = req.current_prompt
             self.dispatcher.assign_prefill(name, len(prompt))
             req.stage, req.prefill, req.decode = "prefill", name, None
-            sampling = msgspec.structs.replace(req.sampling, max_tokens=req.remaining)
+            sampling = msgspec.structs.replace(req.sampling, max_tokens=req.remaining, first_index=req.next_index)
             await self._tell(name, Prefill(req.request_id, prompt, sampling, self.ref))
 
     async def _to_decode(self, req: _Request) -> None:
         name = self.dispatcher.choose_decode(self._decode_need(req))
-        if name is None:
+        if name is None:  # back to the queue, with its tokens so far, until a decode instance comes back
             await self._tell(req.prefill, Cancel(req.request_id))
-            await self._fail(req, "unavailable: no live decode instance")
+            self._requeue(req)
             return
         self.dispatcher.assign_decode(name, self._decode_need(req))
         req.stage, req.decode = "decode", name
         # the decode side continues after the generated tokens; the last one is its first input
         prompt, first = req.current_prompt[:-1], req.generated[-1]
-        sampling = msgspec.structs.replace(req.sampling, max_tokens=req.remaining + 1)
+        sampling = msgspec.structs.replace(req.sampling, max_tokens=req.remaining + 1, first_index=req.next_index)
         await self._tell(name, Decode(req.request_id, prompt, first, sampling, self._refs[req.prefill], self.ref))
 
     def _decode_need(self, req: _Request) -> int:
@@ -379,17 +397,32 @@ class Controller(Actor):
         await self._reply(req.reply_to, [Delta(req.request_id, tokens, finish)])
 
     async def _retry(self, req: _Request, reason: str) -> None:
+        """Resume a request whose instance failed: back to the head of the queue with its tokens so far, where it
+        waits (up to `resume_timeout_s`) if no instance of a kind it needs is alive."""
         if req.retries >= self.config.max_retries or req.remaining <= 0:
             await self._fail(req, f"failed: {reason}; retries spent")
             return
-        for kind in ("prefill", "decode"):
-            if not self.dispatcher.any_alive(kind):
-                await self._fail(req, f"failed: {reason}; no live {kind} instance")
-                return
         _log.warning("request failed over", request_id=req.request_id, reason=reason, retry=req.retries + 1)
         req.retries += 1
+        self._requeue(req)
+
+    def _requeue(self, req: _Request) -> None:
         req.stage, req.prefill, req.decode = "waiting", None, None
+        req.queued_at = time.monotonic()
         self._queue.appendleft(req)
+
+    async def _expire_waiting(self) -> None:
+        """Fail the requests that waited `resume_timeout_s` for a live prefill and decode instance in vain."""
+        while True:
+            await asyncio.sleep(min(1.0, self.config.resume_timeout_s / 4))
+            missing = [kind for kind in ("prefill", "decode") if not self.dispatcher.any_alive(kind)]
+            if not missing:
+                continue
+            deadline = time.monotonic() - self.config.resume_timeout_s
+            for req in [r for r in self._queue if r.queued_at < deadline]:
+                self._queue.remove(req)
+                waited = self.config.resume_timeout_s
+                await self._fail(req, f"unavailable: no live {' or '.join(missing)} instance within {waited:g} s")
 
     async def _fail(self, req: _Request, error: str) -> None:
         self._requests.pop(req.request_id, None)

@@ -62,6 +62,9 @@ class DecodeExecutor(Protocol):
     used_blocks: int
     block_size: int
 
+    def bind(self, owner: ActorRef) -> None:
+        """The decode instance whose sequences these are (whoever holds KV elsewhere frees it when it dies)."""
+
     def reserve(self, seq: Sequence) -> None:
         """Hold room for the whole completion (admission already checked that it fits)."""
 
@@ -86,6 +89,9 @@ class ColocatedExecutor:
     @property
     def used_blocks(self) -> int:
         return self.cache.used_blocks
+
+    def bind(self, owner: ActorRef) -> None:
+        """Nothing to do: the KV lives and dies with this process."""
 
     def reserve(self, seq: Sequence) -> None:
         self.cache.reserve(seq)
@@ -137,6 +143,7 @@ class DecodeInstance(Actor):
         self._steps = StepLog(config.step_log) if config.step_log else None
 
     async def on_start(self) -> None:
+        self.executor.bind(self.ref)
         self._task = asyncio.create_task(self._loop(), name=f"{self.name}-loop")
 
     async def on_stop(self) -> None:

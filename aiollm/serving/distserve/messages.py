@@ -29,10 +29,20 @@ class Sampling(msgspec.Struct, frozen=True):
     top_p: float
     seed: int | None
     ignore_eos: bool
+    # index of the first token this run draws (tokens generated before a resume)
+    first_index: int = 0
 
     @classmethod
     def of(cls, params: SamplingParams) -> Sampling:
-        return cls(params.max_tokens, params.temperature, params.top_k, params.top_p, params.seed, params.ignore_eos)
+        return cls(
+            params.max_tokens,
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            params.seed,
+            params.ignore_eos,
+            params.first_index,
+        )
 
     def params(self, max_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(
@@ -42,6 +52,7 @@ class Sampling(msgspec.Struct, frozen=True):
             top_p=self.top_p,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            first_index=self.first_index,
         )
 
 
@@ -182,3 +193,6 @@ class Load(Message, tag="ds.load"):
     # per-instance queue lengths (controller summary only), by instance name
     prefill_queues: dict[str, int] = {}
     decode_queues: dict[str, int] = {}
+    # each instance's liveness as the controller sees it, and the KV blocks it holds (controller summary only)
+    alive: dict[str, bool] = {}
+    instance_kv_blocks_used: dict[str, int] = {}

@@ -220,7 +220,8 @@ class PrefillInstance(Actor):
             await asyncio.sleep(min(1.0, self.config.lease_s / 4))
             now = time.monotonic()
             for rid, held in list(self._held.items()):
-                if held.deadline < now and not held.pulling:
+                # a pull still open a whole lease past the deadline has a dead puller whose stream was never closed
+                if held.deadline < now and (not held.pulling or held.deadline + self.config.lease_s < now):
                     _log.warning("KV lease expired", instance=self.name, request_id=rid)
                     self._release(rid)
                     await self._tell(held.reply_to, KVLost(rid, self.name))

@@ -33,6 +33,9 @@ class Admit(Message, tag="fd.admit"):
     # the actor that streams the prompt's KV (`PullKV` -> `KVBlock`s, then `AckKV`); None holds
     # `n_tokens` zero-valued entries instead (load tests that need long contexts without prefilling them)
     source: ActorRef | None = None
+    # the S-worker or decode instance the sequence belongs to: the R-worker watches it and frees everything it
+    # holds for it when it dies (a restarted owner starts with none of its old sequences)
+    owner: ActorRef | None = None
 
 
 class Attend(Message, tag="fd.attend"):

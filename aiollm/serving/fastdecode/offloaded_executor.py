@@ -18,19 +18,23 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from dataclasses import dataclass
 
 from aiollm.actors.node import Node
 from aiollm.actors.ref import ActorRef
-from aiollm.errors import AiollmError, KVCacheFull, require_positive
+from aiollm.errors import AiollmError, KVCacheFull, NodeUnreachable, require_positive
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
 from aiollm.model.sequence import Sequence
 from aiollm.serving import runner
 from aiollm.serving.fastdecode.messages import Admit, GetRLoad, Release, RLoad
-from aiollm.serving.fastdecode.pipeline import StepRow, decode_step, place
+from aiollm.serving.fastdecode.pipeline import RWorkerLost, StepRow, decode_step, place
 
 _log = get_logger("offloaded_executor")
+
+# seconds between probes of a lost R-worker
+REVIVE_PROBE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -75,8 +79,15 @@ class OffloadedExecutor:
         self.booked = [0] * len(workers)
         self.expected = [0] * len(workers)
         self.total_blocks = sum(self.capacity)
+        # R-workers taking sequences; one lost (a failed step or admission) is probed until it answers again
+        self.alive = [True] * len(workers)
+        self._revivals: dict[int, asyncio.Task] = {}
         self._placed: dict[str, _Placed] = {}
-        self._ids = itertools.count()
+        # sequence ids start at a random offset: an instance restarted at the same address never reuses the ids
+        # its earlier life left on an R-worker that has not yet noticed that life ended
+        self._ids = itertools.count(random.getrandbits(40) << 20)
+        # the actor whose sequences these are (set by the decode instance); R-workers free them when it dies
+        self.owner: ActorRef | None = None
         self._releases: set[asyncio.Task] = set()
 
     @classmethod
@@ -106,9 +117,13 @@ class OffloadedExecutor:
     def used_blocks(self) -> int:
         return sum(self.booked)
 
+    def bind(self, owner: ActorRef) -> None:
+        """Admit sequences as `owner`'s, so an R-worker frees them when the decode instance dies."""
+        self.owner = owner
+
     def reserve(self, seq: Sequence) -> None:
         need = -(-seq.max_length // self.block_size)
-        full = frozenset(i for i, cap in enumerate(self.capacity) if self.booked[i] + need > cap)
+        full = frozenset(i for i, cap in enumerate(self.capacity) if not self.alive[i] or self.booked[i] + need > cap)
         if len(full) == len(self.workers):
             self._placed[seq.request_id] = _Placed(-1, -1, need)
             return
@@ -124,21 +139,55 @@ class OffloadedExecutor:
             free = max(c - b for c, b in zip(self.capacity, self.booked))
             raise KVCacheFull(placed.blocks, free, max(self.capacity))
         # KV entries before the first decode step: the prompt (the first token is fed, not cached yet)
-        await self.workers[placed.worker].ask(
-            Admit(placed.sid, seq.request_id, seq.length - 1, seq.max_length, source), timeout=60.0
-        )
+        admit = Admit(placed.sid, seq.request_id, seq.length - 1, seq.max_length, source, owner=self.owner)
+        try:
+            await self.workers[placed.worker].ask(admit, timeout=60.0)
+        except NodeUnreachable:
+            self._lost(placed.worker)
+            raise
 
     async def step(self, seqs: list[Sequence]) -> list[int]:
         placed = [self._placed[s.request_id] for s in seqs]
         rows = [StepRow(p.sid, p.worker, s.output[-1], s.length - 1) for p, s in zip(placed, seqs)]
         pipeline = self.config.pipeline and len(rows) >= self.config.pipeline_min_batch
-        return await decode_step(
-            self.model,
-            self.workers,
-            rows,
-            pipeline,
-            lambda indices, logits: runner.sample_next([seqs[i] for i in indices], logits),
-        )
+        try:
+            return await decode_step(
+                self.model,
+                self.workers,
+                rows,
+                pipeline,
+                lambda indices, logits: runner.sample_next([seqs[i] for i in indices], logits),
+            )
+        except RWorkerLost as exc:
+            self._lost(exc.worker)
+            raise
+
+    def _lost(self, worker: int) -> None:
+        """Place nothing more on `worker` until it answers again (the launcher restarts it at its address)."""
+        if not self.alive[worker]:
+            return
+        self.alive[worker] = False
+        _log.warning("R-worker lost: placing on the others until it answers", worker=self.workers[worker].url)
+        self._revivals[worker] = asyncio.get_running_loop().create_task(self._revive(worker))
+
+    async def _revive(self, worker: int) -> None:
+        ref = self.workers[worker]
+        while True:
+            await asyncio.sleep(REVIVE_PROBE_S)
+            try:
+                load: RLoad = await ref.ask(GetRLoad(), timeout=5.0)
+            except (AiollmError, TimeoutError):
+                continue
+            if (load.block_size, load.dtype) != (self.block_size, self.kv_dtype):
+                _log.error("R-worker came back with another KV layout; left out", worker=ref.url)
+                return
+            # what it holds now is what is left of this executor's own bookings there (freed as they end)
+            self.capacity[worker] = load.blocks_total - max(0, load.blocks_used - self.booked[worker])
+            self.total_blocks = sum(self.capacity)
+            self.alive[worker] = True
+            self._revivals.pop(worker, None)
+            _log.warning("R-worker answers again", worker=ref.url)
+            return
 
     def free(self, seq: Sequence) -> None:
         """Give back the booking and release the sequence on its R-worker (a tell sent in the background: a

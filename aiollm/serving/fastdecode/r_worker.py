@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from aiollm.actors.actor import Actor, handler
+from aiollm.actors.messages import Terminated
 from aiollm.errors import KVCacheFull
 from aiollm.kv.blocks import BlockAllocator
 from aiollm.kv.pool import DEFAULT_KV_DTYPE, KVConfig, KVPool
@@ -164,6 +165,9 @@ class RWorker(Actor):
         self.threads = int(threads)
         # mini-batch group -> (its row count, the step's checked index arrays: aiollm.kv DecodeStep)
         self._steps: dict[int, tuple] = {}
+        # owner actor URL -> the sequences held for it; sequence -> its owner's URL
+        self._owned: dict[str, set[int]] = {}
+        self._owner_of: dict[int, str] = {}
 
     @handler(Admit)
     async def admit(self, msg: Admit) -> RLoad:
@@ -181,16 +185,35 @@ class RWorker(Actor):
             ) from None
         if msg.source is None:
             store.fill_zeros(msg.seq)
-            return store.load()
-        try:
-            window = store.blocks_for(msg.n_tokens)
-            async for block in msg.source.stream(PullKV(msg.request_id), window=window):
-                store.ingest(msg.seq, block)
-            await msg.source.tell(AckKV(msg.request_id))
-        except BaseException:
-            store.release(msg.seq)
-            raise
+        else:
+            try:
+                window = store.blocks_for(msg.n_tokens)
+                async for block in msg.source.stream(PullKV(msg.request_id), window=window):
+                    store.ingest(msg.seq, block)
+                await msg.source.tell(AckKV(msg.request_id))
+            except BaseException:
+                store.release(msg.seq)
+                raise
+        if msg.owner is not None:
+            await self._own(msg.owner, msg.seq)
         return store.load()
+
+    async def _own(self, owner, seq: int) -> None:
+        if owner.url not in self._owned:
+            self._owned[owner.url] = set()
+            await self.watch(owner)
+        self._owned[owner.url].add(seq)
+        self._owner_of[seq] = owner.url
+
+    @handler(Terminated)
+    async def on_owner_lost(self, msg: Terminated) -> None:
+        """An owner died: nobody will step or release its sequences any more, so free them all now."""
+        seqs = self._owned.pop(msg.url, set())
+        for seq in seqs:
+            self._owner_of.pop(seq, None)
+            self.store.release(seq)
+        if seqs:
+            _log.warning("owner lost: its sequences freed", owner=msg.url, sequences=len(seqs), reason=msg.reason)
 
     @handler(Attend)
     async def attend(self, msg: Attend) -> Attended:
@@ -228,6 +251,9 @@ class RWorker(Actor):
     async def release(self, msg: Release) -> None:
         for seq in msg.seqs:
             self.store.release(seq)
+            owner = self._owner_of.pop(seq, None)
+            if owner is not None:
+                self._owned[owner].discard(seq)
 
     @handler(GetRLoad)
     async def get_load(self, msg: GetRLoad) -> RLoad:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -126,7 +127,9 @@ class SWorker(Actor):
         self._waiting: deque[_Request] = deque()
         self._live: dict[str, _Request] = {}
         self._cancelled: set[str] = set()
-        self._ids = itertools.count()
+        # sequence ids on the R-workers start at a random offset: a restarted S-worker never reuses ids its earlier
+        # life left on an R-worker that has not yet noticed that life ended
+        self._ids = itertools.count(random.getrandbits(40) << 20)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.step_no = 0
@@ -368,7 +371,8 @@ class SWorker(Actor):
         a new synthetic one joins only once admitted, so a step never names a sequence its R-worker lacks."""
         seq = req.seq
         n_tokens = seq.length - 1  # KV entries before the next decode step (its fed token is not cached yet)
-        msg = Admit(req.sid, seq.request_id, n_tokens, seq.max_length, None if req.synthetic else self.ref)
+        source = None if req.synthetic else self.ref
+        msg = Admit(req.sid, seq.request_id, n_tokens, seq.max_length, source, owner=self.ref)
         try:
             await self.workers[req.worker].ask(msg, timeout=60.0)
         except Exception as exc:  # RemoteError (e.g. AdmissionRefused), TimeoutError, the R-worker gone

@@ -1,0 +1,282 @@
+"""Faults: the same trace served without and with a schedule of faults (every role killed or stopped in turn).
+
+    python -m bench faults [--requests 60] [--rate 1.0] [--json PATH] [--plot faults.png]
+
+One `python -m aiollm serve` cluster (the bundled model, 1 prefill and 1 offloaded decode instance with 2
+R-workers, the controller and the frontend, each its own process) serves a fixed workload twice: ShareGPT
+prompts at a steady rate, alternately greedy and seeded sampling, through the official openai client. The first
+pass is fault-free; during the second the schedule SIGKILLs the decode instance, the prefill instance, an
+R-worker, the controller, stops the decode instance with SIGSTOP for 10 s, and SIGKILLs the frontend (whose
+streams break: the client sends those requests again, as any client of a restarted server would).
+
+Figures (JSON keys): `requests_total`, `requests_lost` (requests that ended in an error; target 0),
+`requests_resent_by_client` (the frontend kill's broken streams), `outputs_identical_fraction` (texts equal to
+the fault-free pass, target 1.0, with `_greedy` and `_seeded`), `goodput_under_faults_vs_fault_free` (requests
+meeting the SLOs per second, faulted / fault-free; target >= 0.8), and per fault kind
+`recovery_seconds_p50_KIND` / `recovery_seconds_max_KIND`: over the requests streaming when the fault struck,
+the time from the fault to their next token. `kv_repull_vs_reprefill_seconds` is null: recovery always
+prefills again (the prompt plus the tokens so far); a KV re-pull path does not exist yet. A cut link between
+hosts needs network namespaces and is not part of this bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import openai
+
+from aiollm.report import table
+
+# (seconds into the trace, kind, role, signal, seconds stopped)
+SCHEDULE = (
+    (6.0, "decode_kill", "decode", signal.SIGKILL, 0.0),
+    (16.0, "prefill_kill", "prefill", signal.SIGKILL, 0.0),
+    (26.0, "r_worker_kill", "r-worker", signal.SIGKILL, 0.0),
+    (36.0, "controller_kill", "controller", signal.SIGKILL, 0.0),
+    (46.0, "decode_stop", "decode", signal.SIGSTOP, 10.0),
+    (62.0, "frontend_kill", "frontend", signal.SIGKILL, 0.0),
+)
+# the SLOs goodput counts against: generous, since the point is what faults cost, not the box's speed
+TTFT_SLO_S, TPOT_SLO_S = 5.0, 0.5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=60, help="requests per pass")
+    parser.add_argument("--rate", type=float, default=1.0, help="requests per second (steady arrivals)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    parser.add_argument("--max-prompt-len", type=int, default=256, help="longest ShareGPT prompt kept, tokens")
+    parser.add_argument("--plot", type=Path, default=Path("faults.png"), help="PNG of requests over time")
+
+
+@dataclass
+class Outcome:
+    """One request as its client saw it (times in seconds from the pass's start)."""
+
+    arrival: float
+    text: str = ""
+    token_times: list[float] = field(default_factory=list)
+    error: str = ""
+    resent: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and bool(self.token_times)
+
+
+def _prompts(n: int, max_len: int) -> list[list[int]]:
+    from aiollm.model.loader import load_tokenizer
+    from aiollm.planner.datasets import read_sharegpt, sharegpt_pairs
+
+    tokenizer, _ = load_tokenizer("smollm2")
+    conversations, _ = read_sharegpt()
+    out = []
+    for prompt, _ in sharegpt_pairs(conversations, 0):
+        ids = tokenizer.encode(prompt)
+        if 4 <= len(ids) <= max_len:
+            out.append(ids)
+        if len(out) == n:
+            return out
+    raise RuntimeError(f"only {len(out)} ShareGPT prompts of at most {max_len} tokens")
+
+
+class Cluster:
+    """`python -m aiollm serve` on a free port; `kill(role)` signals one of its node processes."""
+
+    def __init__(self, directory: Path) -> None:
+        config = directory / "cluster.toml"
+        config.write_text(
+            '[model]\nname = "smollm2"\n[decode]\nr_workers = 2\n[r_worker]\nkv_memory = "256MiB"\n'
+            "[node]\nheartbeat_interval = 0.5\nheartbeat_timeout = 2.5\n[controller]\nresume_timeout_s = 90\n"
+            "[frontend]\nport = 0\n"
+        )
+        self.log = (directory / "serve.log").open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "aiollm", "serve", "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
+        line = ""
+        while "serving" not in line:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError(f"serve exited with status {self.proc.returncode}; see {self.log.name}")
+        self.base_url = line.split(" at ")[1].split()[0]
+
+    def pid(self, role: str) -> int:
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
+        for pid in map(int, out.stdout.split()):
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if f"--role {role} " in cmd + " ":
+                return pid
+        raise RuntimeError(f"no {role} process")
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+async def _request(client: openai.AsyncOpenAI, i: int, prompt: list[int], args, start: float) -> Outcome:
+    """Stream request i; on a broken connection (a killed frontend) send it again after a pause, as a client
+    of a restarted server does. Even i are greedy, odd i seeded sampling."""
+    outcome = Outcome(time.perf_counter() - start)
+    sampling = {"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": 10_000 + i}
+    deadline = time.perf_counter() + 180
+    while True:
+        text, times = [], []
+        try:
+            stream = await client.completions.create(
+                model="smollm2",
+                prompt=prompt,
+                max_tokens=args.max_tokens,
+                stream=True,
+                extra_body={"ignore_eos": True},
+                **sampling,
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    text.append(chunk.choices[0].text)
+                    times.append(time.perf_counter() - start)
+            outcome.text, outcome.token_times = "".join(text), outcome.token_times + times
+            return outcome
+        except openai.APIConnectionError as exc:
+            if time.perf_counter() > deadline:
+                outcome.error = f"connection: {exc}"
+                return outcome
+            outcome.resent += 1
+            outcome.token_times += times
+            await asyncio.sleep(1.0)
+        except openai.APIError as exc:
+            outcome.error = f"{type(exc).__name__}: {exc}"
+            outcome.token_times += times
+            return outcome
+
+
+async def _pass(cluster: Cluster, prompts: list[list[int]], args, faults: bool) -> tuple[list[Outcome], list, float]:
+    client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="bench", max_retries=0, timeout=300)
+    start = time.perf_counter()
+    injected: list[tuple[float, str]] = []
+
+    async def timed(i: int) -> Outcome:
+        await asyncio.sleep(max(0.0, start + i / args.rate - time.perf_counter()))
+        return await _request(client, i, prompts[i], args, start)
+
+    async def schedule() -> None:
+        for at, kind, role, sig, stopped in SCHEDULE:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            pid = cluster.pid(role)
+            os.kill(pid, sig)
+            injected.append((time.perf_counter() - start, kind))
+            print(f"  t={injected[-1][0]:5.1f} s: {kind} (pid {pid})", flush=True)
+            if stopped:
+                await asyncio.sleep(stopped)
+                os.kill(pid, signal.SIGCONT)
+
+    tasks = [asyncio.create_task(timed(i)) for i in range(len(prompts))]
+    faulter = asyncio.create_task(schedule()) if faults else None
+    outcomes = await asyncio.gather(*tasks)
+    if faulter is not None:
+        await faulter
+    await client.close()
+    return list(outcomes), injected, time.perf_counter() - start
+
+
+def _goodput(outcomes: list[Outcome], duration: float) -> float:
+    good = 0
+    for o in outcomes:
+        if not o.ok:
+            continue
+        ttft = o.token_times[0] - o.arrival
+        tpot = (o.token_times[-1] - o.token_times[0]) / max(1, len(o.token_times) - 1)
+        good += ttft <= TTFT_SLO_S and tpot <= TPOT_SLO_S
+    return good / duration
+
+
+def _recovery(outcomes: list[Outcome], at: float) -> list[float]:
+    """For each request streaming at `at` (arrived, not finished): seconds from `at` to its next token."""
+    out = []
+    for o in outcomes:
+        if o.arrival < at and o.token_times and o.token_times[-1] > at:
+            out.append(next(t for t in o.token_times if t > at) - at)
+    return out
+
+
+def _plot(path: Path, clean: list[Outcome], faulted: list[Outcome], injected: list) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for outcomes, label in ((clean, "fault-free"), (faulted, "under faults")):
+        done = sorted(o.token_times[-1] for o in outcomes if o.ok)
+        ax.step(done, range(1, len(done) + 1), where="post", label=label)
+    for at, kind in injected:
+        ax.axvline(at, color="red", alpha=0.4, linestyle="--")
+        ax.text(at, ax.get_ylim()[1] * 0.95, kind, rotation=90, va="top", fontsize=7, color="red")
+    ax.set_xlabel("seconds into the trace")
+    ax.set_ylabel("requests completed")
+    ax.set_title("Requests completed over time, with the faults marked")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict:
+    prompts = _prompts(args.requests, args.max_prompt_len)
+    with tempfile.TemporaryDirectory(prefix="aiollm-faults-") as tmp:
+        cluster = Cluster(Path(tmp))
+        try:
+            print(f"fault-free pass: {args.requests} requests at {args.rate} req/s", flush=True)
+            clean, _, clean_s = asyncio.run(_pass(cluster, prompts, args, faults=False))
+            print("pass under faults:", flush=True)
+            faulted, injected, faulted_s = asyncio.run(_pass(cluster, prompts, args, faults=True))
+        finally:
+            cluster.close()
+    same = [c.ok and f.ok and c.text == f.text for c, f in zip(clean, faulted)]
+    figures: dict = {
+        "requests_total": len(faulted),
+        "requests_lost": sum(not f.ok for f in faulted),
+        "requests_lost_fault_free": sum(not c.ok for c in clean),
+        "requests_resent_by_client": sum(f.resent > 0 for f in faulted),
+        "outputs_identical_fraction": sum(same) / len(same),
+        "outputs_identical_fraction_greedy": float(np.mean(same[0::2])),
+        "outputs_identical_fraction_seeded": float(np.mean(same[1::2])),
+        "goodput_fault_free_rps": _goodput(clean, clean_s),
+        "goodput_under_faults_rps": _goodput(faulted, faulted_s),
+        "slo_ttft_s": TTFT_SLO_S,
+        "slo_tpot_s": TPOT_SLO_S,
+        "kv_repull_vs_reprefill_seconds": None,
+        "errors": sorted({f.error[:200] for f in faulted if f.error}),
+    }
+    fault_free = figures["goodput_fault_free_rps"]
+    figures["goodput_under_faults_vs_fault_free"] = (
+        figures["goodput_under_faults_rps"] / fault_free if fault_free else None
+    )
+    rows = []
+    for at, kind in injected:
+        stalls = _recovery(faulted, at)
+        p50 = float(np.median(stalls)) if stalls else None
+        worst = float(max(stalls)) if stalls else None
+        figures[f"recovery_seconds_p50_{kind}"], figures[f"recovery_seconds_max_{kind}"] = p50, worst
+        rows.append({"fault": kind, "at_s": round(at, 1), "streaming": len(stalls), "p50_s": p50, "max_s": worst})
+    print(table(rows))
+    _plot(args.plot, clean, faulted, injected)
+    print(f"wrote {args.plot}")
+    return figures
