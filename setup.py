@@ -44,6 +44,7 @@ setup(
         "test": [
             "ruff>=0.6",
             "import-linter>=2.0",
+            "hypothesis>=6.100",
             "pytest>=8",
             "pytest-asyncio>=0.23",
             "pytest-timeout>=2.2",

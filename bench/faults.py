@@ -1,6 +1,6 @@
 """Faults: the same trace served without and with a schedule of faults (every role killed or stopped in turn).
 
-    python -m bench faults [--requests 60] [--rate 1.0] [--json PATH] [--plot faults.png]
+    python -m bench faults [--requests 150] [--rate 2.0] [--json PATH] [--plot faults.png]
 
 One `python -m aiollm serve` cluster (the bundled model, 1 prefill and 1 offloaded decode instance with 2
 R-workers, the controller and the frontend, each its own process) serves a fixed workload twice: ShareGPT
@@ -14,7 +14,8 @@ Figures (JSON keys): `requests_total`, `requests_lost` (requests that ended in a
 the fault-free pass, target 1.0, with `_greedy` and `_seeded`), `goodput_under_faults_vs_fault_free` (requests
 meeting the SLOs per second, faulted / fault-free; target >= 0.8), and per fault kind
 `recovery_seconds_p50_KIND` / `recovery_seconds_max_KIND`: over the requests streaming when the fault struck,
-the time from the fault to their next token. `kv_repull_vs_reprefill_seconds` is null: recovery always
+the time from the fault to their next token, and `completion_gap_seconds_KIND`: from the fault to the next request
+completed by anyone. `kv_repull_vs_reprefill_seconds` is null: recovery always
 prefills again (the prompt plus the tokens so far); a KV re-pull path does not exist yet. A cut link between
 hosts needs network namespaces and is not part of this bench.
 """
@@ -51,9 +52,9 @@ TTFT_SLO_S, TPOT_SLO_S = 5.0, 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=60, help="requests per pass")
-    parser.add_argument("--rate", type=float, default=1.0, help="requests per second (steady arrivals)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    parser.add_argument("--requests", type=int, default=150, help="requests per pass")
+    parser.add_argument("--rate", type=float, default=2.0, help="requests per second (steady arrivals)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--max-prompt-len", type=int, default=256, help="longest ShareGPT prompt kept, tokens")
     parser.add_argument("--plot", type=Path, default=Path("faults.png"), help="PNG of requests over time")
 
@@ -216,6 +217,12 @@ def _recovery(outcomes: list[Outcome], at: float) -> list[float]:
     return out
 
 
+def _completion_gap(outcomes: list[Outcome], at: float) -> float | None:
+    """Seconds from `at` to the next request completed after it."""
+    done = [o.token_times[-1] for o in outcomes if o.ok and o.token_times[-1] > at]
+    return min(done) - at if done else None
+
+
 def _plot(path: Path, clean: list[Outcome], faulted: list[Outcome], injected: list) -> None:
     import matplotlib
 
@@ -275,7 +282,10 @@ def run(args: argparse.Namespace) -> dict:
         p50 = float(np.median(stalls)) if stalls else None
         worst = float(max(stalls)) if stalls else None
         figures[f"recovery_seconds_p50_{kind}"], figures[f"recovery_seconds_max_{kind}"] = p50, worst
-        rows.append({"fault": kind, "at_s": round(at, 1), "streaming": len(stalls), "p50_s": p50, "max_s": worst})
+        gap = figures[f"completion_gap_seconds_{kind}"] = _completion_gap(faulted, at)
+        rows.append(
+            {"fault": kind, "at_s": round(at, 1), "streaming": len(stalls), "p50_s": p50, "max_s": worst, "gap_s": gap}
+        )
     print(table(rows))
     _plot(args.plot, clean, faulted, injected)
     print(f"wrote {args.plot}")

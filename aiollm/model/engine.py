@@ -16,8 +16,8 @@ from aiollm.kv.blocks import BlockAllocator, BlockTable
 from aiollm.kv.pool import KVConfig, KVPool
 from aiollm.model.decode import decode_logits
 from aiollm.model.llama import LlamaModel
-from aiollm.model.sampling import SamplingParams, sample
-from aiollm.model.sequence import FINISH_LENGTH, FINISH_STOP, new_sequence
+from aiollm.model.sampling import SamplingParams
+from aiollm.model.sequence import FINISH_STOP, new_sequence, sample_next
 from aiollm.model.sequence import Sequence as SequenceState
 
 
@@ -117,16 +117,13 @@ class ReferenceEngine:
     def _append(
         self, seqs: list[SequenceState], indices: list[int], logits: torch.Tensor, texts: dict[int, str]
     ) -> None:
-        """Sample each sequence's next token and decide whether it stops."""
-        tokens = sample(logits, [s.params for s in seqs], [s.draws for s in seqs])
+        """Sample each sequence's next token and decide whether it stops (stop strings too: the text is here)."""
+        sample_next(seqs, logits)
         decode = self.model.tokenizer.decode if self.model.tokenizer is not None else lambda ids: ""
-        for i, s, token in zip(indices, seqs, tokens):
-            s.output.append(token)
+        for i, s in zip(indices, seqs):
             cut = _cut_at_stop_string(decode(s.output), s.params.stop) if s.params.stop else None
-            if token in s.stop_ids or cut is not None:
+            if cut is not None:
                 s.finish = FINISH_STOP
-            elif len(s.output) >= s.params.max_tokens or s.length >= self.model.config.max_context:
-                s.finish = FINISH_LENGTH
             if s.finish is not None:
                 texts[i] = cut if cut is not None else decode(s.output)
 

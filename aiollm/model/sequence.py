@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from aiollm.model.llama import LlamaModel
-from aiollm.model.sampling import Draws, SamplingParams, new_draws
+from aiollm.model.sampling import Draws, SamplingParams, new_draws, sample
 
 # Finish reasons, as OpenAI names them.
 FINISH_STOP = "stop"
@@ -52,3 +54,16 @@ def new_sequence(request_id: str, prompt: list[int], params: SamplingParams, mod
     eos = frozenset(model.tokenizer.stop_ids if model.tokenizer else model.config.eos_ids)
     stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
     return Sequence(request_id, list(prompt), params, stop, new_draws(params), model.config.max_context)
+
+
+def sample_next(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    """Sample each sequence's next token from its row of `logits`, append it, and apply the stop rules (a stop
+    id ends it with FINISH_STOP, max_tokens or the context with FINISH_LENGTH)."""
+    tokens = sample(logits, [s.params for s in seqs], [s.draws for s in seqs])
+    for s, token in zip(seqs, tokens):
+        s.output.append(token)
+        if token in s.stop_ids:
+            s.finish = FINISH_STOP
+        elif len(s.output) >= s.params.max_tokens or s.length >= s.max_context:
+            s.finish = FINISH_LENGTH
+    return tokens

@@ -17,8 +17,7 @@ from aiollm.kv.blocks import BlockAllocator
 from aiollm.kv.pool import KVConfig, KVPool
 from aiollm.model.decode import decode_logits
 from aiollm.model.llama import LlamaModel
-from aiollm.model.sampling import sample
-from aiollm.model.sequence import FINISH_LENGTH, FINISH_STOP, Sequence
+from aiollm.model.sequence import Sequence, sample_next
 
 # (layer, k, v) of a packed prefill batch, k/v [n_tokens, n_kv_heads, head_dim]
 KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -72,18 +71,6 @@ class PagedCache:
         """Store K/V of positions [start, start + len(k)) of one sequence at one layer."""
         slots = torch.tensor(self.slots(seq, start, start + k.shape[0]), dtype=torch.int64)
         self.pool.write(layer, slots, k, v)
-
-
-def sample_next(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-    """Sample each sequence's next token, append it, and apply the stop rules."""
-    tokens = sample(logits, [s.params for s in seqs], [s.draws for s in seqs])
-    for s, token in zip(seqs, tokens):
-        s.output.append(token)
-        if token in s.stop_ids:
-            s.finish = FINISH_STOP
-        elif len(s.output) >= s.params.max_tokens or s.length >= s.max_context:
-            s.finish = FINISH_LENGTH
-    return tokens
 
 
 def prefill(model: LlamaModel, seqs: list[Sequence], sink: KVSink) -> list[int]:

@@ -26,8 +26,7 @@ from aiollm.actors.ref import ActorRef
 from aiollm.errors import AiollmError, KVCacheFull, NodeUnreachable, require_positive
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
-from aiollm.model.sequence import Sequence
-from aiollm.serving import runner
+from aiollm.model.sequence import Sequence, sample_next
 from aiollm.serving.fastdecode.messages import Admit, GetRLoad, Release, RLoad
 from aiollm.serving.fastdecode.pipeline import RWorkerLost, StepRow, decode_step, place
 
@@ -156,7 +155,7 @@ class OffloadedExecutor:
                 self.workers,
                 rows,
                 pipeline,
-                lambda indices, logits: runner.sample_next([seqs[i] for i in indices], logits),
+                lambda indices, logits: sample_next([seqs[i] for i in indices], logits),
             )
         except RWorkerLost as exc:
             self._lost(exc.worker)

@@ -43,7 +43,7 @@ from aiollm.actors.ref import ActorRef
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
 from aiollm.model.sampling import SamplingParams
-from aiollm.model.sequence import Sequence, new_sequence
+from aiollm.model.sequence import Sequence, new_sequence, sample_next
 from aiollm.sched.sls import LoadSchedule, SLSConfig
 from aiollm.serving import runner
 from aiollm.serving.distserve.messages import AckKV, Cancel, Delta, Generate, GetLoad, KVBlock, Load, PullKV, Tokens
@@ -472,7 +472,7 @@ class SWorker(Actor):
             self.workers,
             rows,
             pipeline,
-            lambda indices, logits: runner.sample_next([live[i].seq for i in indices], logits),
+            lambda indices, logits: sample_next([live[i].seq for i in indices], logits),
         )
         ended = time.perf_counter()
         self._trace.append((ended - started, len(live), held, self._started_now, ended, time.process_time() - cpu))
