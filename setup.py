@@ -45,6 +45,7 @@ setup(
             "ruff>=0.6",
             "import-linter>=2.0",
             "hypothesis>=6.100",
+            "schemathesis>=4",
             "pytest>=8",
             "pytest-asyncio>=0.23",
             "pytest-timeout>=2.2",
