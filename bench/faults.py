@@ -15,8 +15,10 @@ the fault-free pass, target 1.0, with `_greedy` and `_seeded`), `goodput_under_f
 meeting the SLOs per second, faulted / fault-free; target >= 0.8), and per fault kind
 `recovery_seconds_p50_KIND` / `recovery_seconds_max_KIND`: over the requests streaming when the fault struck,
 the time from the fault to their next token, and `completion_gap_seconds_KIND`: from the fault to the next request
-completed by anyone. `kv_repull_vs_reprefill_seconds` is null: recovery always
-prefills again (the prompt plus the tokens so far); a KV re-pull path does not exist yet. A cut link between
+completed by anyone. `kv_repull_seconds` / `kv_reprefill_seconds` (and their ratio
+`kv_repull_vs_reprefill_seconds`): for a request of `--resume-prompt-len` tokens whose decode instance dies before
+decoding a token, the seconds from the death to its next token, from a second decode instance, with its KV pulled
+again from the prefill instance or prefilled again (in-process nodes over TCP, median of 3). A cut link between
 hosts needs network namespaces and is not part of this bench.
 """
 
@@ -57,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--max-prompt-len", type=int, default=256, help="longest ShareGPT prompt kept, tokens")
     parser.add_argument("--plot", type=Path, default=Path("faults.png"), help="PNG of requests over time")
+    parser.add_argument(
+        "--resume-prompt-len", type=int, default=1024, help="prompt tokens of the KV re-pull vs re-prefill timing"
+    )
 
 
 @dataclass
@@ -223,6 +228,56 @@ def _completion_gap(outcomes: list[Outcome], at: float) -> float | None:
     return min(done) - at if done else None
 
 
+async def _resume_seconds(model, prompt: list[int], repull: bool) -> float:
+    """Seconds from the death of a request's decode instance (before it decoded a token) to the request's next
+    token, served by a second decode instance: its KV pulled again from the prefill instance, or prefilled again.
+    In-process nodes over TCP; the dead instance never pulled, so the cost is the recovery path alone."""
+    from aiollm.actors import Node, NodeConfig
+    from aiollm.model.sampling import SamplingParams
+    from aiollm.serving.backend import GenerateRequest
+    from aiollm.serving.distserve.client import ClusterClient
+    from aiollm.serving.distserve.controller import Controller, ControllerConfig
+    from aiollm.serving.distserve.decode import DecodeConfig, DecodeInstance
+    from aiollm.serving.distserve.prefill import PrefillConfig, PrefillInstance
+    from aiollm.testing.silent_decode import SilentDecode
+
+    blocks = len(prompt) // 16 + 8
+    nodes = []
+    for _ in range(5):
+        node = Node(NodeConfig(secret=b"bench-faults-resume-secret-0123"))
+        await node.start(["tcp://127.0.0.1:0"])
+        nodes.append(node)
+    try:
+        prefill_url = (await nodes[0].spawn(PrefillInstance(model, PrefillConfig(kv_blocks=blocks)), "p")).url
+        silent = SilentDecode()
+        silent_url = (await nodes[1].spawn(silent, "d0")).url
+        decode = DecodeInstance(model, DecodeConfig(kv_blocks=blocks * 2))
+        decode_url = (await nodes[2].spawn(decode, "d1")).url
+        urls = {"d0": silent_url, "d1": decode_url}
+        controller = Controller({"p": prefill_url}, urls, ControllerConfig(repull=repull))
+        client = ClusterClient((await nodes[3].spawn(controller, "c")).url)
+        await nodes[4].spawn(client, "f")
+        times: list[float] = []
+
+        async def stream() -> None:
+            request = GenerateRequest("r", tuple(prompt), SamplingParams(max_tokens=4, ignore_eos=True))
+            async for _ in client.submit(request):
+                times.append(time.perf_counter())
+
+        streaming = asyncio.create_task(stream())
+        while not (silent.got and times):
+            await asyncio.sleep(0.01)
+        died = time.perf_counter()
+        await nodes[1].stop()
+        while len(times) < 2:
+            await asyncio.sleep(0.001)
+        await streaming
+        return times[1] - died
+    finally:
+        for node in reversed(nodes):
+            await node.stop()
+
+
 def _plot(path: Path, clean: list[Outcome], faulted: list[Outcome], injected: list) -> None:
     import matplotlib
 
@@ -269,9 +324,17 @@ def run(args: argparse.Namespace) -> dict:
         "goodput_under_faults_rps": _goodput(faulted, faulted_s),
         "slo_ttft_s": TTFT_SLO_S,
         "slo_tpot_s": TPOT_SLO_S,
-        "kv_repull_vs_reprefill_seconds": None,
         "errors": sorted({f.error[:200] for f in faulted if f.error}),
     }
+    from aiollm.model.loader import load
+
+    model = load("smollm2")
+    long_prompt = [i for p in prompts for i in p][: args.resume_prompt_len]
+    for repull in (True, False):
+        key = "kv_repull_seconds" if repull else "kv_reprefill_seconds"
+        figures[key] = float(np.median([asyncio.run(_resume_seconds(model, long_prompt, repull)) for _ in range(3)]))
+    figures["kv_repull_vs_reprefill_seconds"] = figures["kv_repull_seconds"] / figures["kv_reprefill_seconds"]
+    figures["kv_resume_prompt_tokens"] = len(long_prompt)
     fault_free = figures["goodput_fault_free_rps"]
     figures["goodput_under_faults_vs_fault_free"] = (
         figures["goodput_under_faults_rps"] / fault_free if fault_free else None

@@ -58,6 +58,13 @@ class ServingMetrics:
         self.kv_used = Gauge("aiollm_kv_blocks_used", "KV blocks in use, all instances", registry=r)
         self.kv_total = Gauge("aiollm_kv_blocks_total", "KV blocks in total, all instances", registry=r)
         self.in_flight = Gauge("aiollm_frontend_requests_in_flight", "HTTP requests being served", registry=r)
+        self.resumed = Gauge(
+            "aiollm_requests_resumed",
+            "Requests resumed after a lost process, by how: KV pulled again (repull), prefilled again (reprefill), "
+            "submitted again to a restarted controller (resubmitted)",
+            ["how"],
+            registry=r,
+        )
         self.backend_up = Gauge("aiollm_backend_up", "1 while the frontend reaches its backend, else 0", registry=r)
         self.instance_up = Gauge(
             "aiollm_instance_up", "1 while the controller counts the instance alive, else 0", ["instance"], registry=r
@@ -105,6 +112,9 @@ class ServingMetrics:
             (self.instance_up, {n: int(up) for n, up in stats.alive.items()}),
             (self.instance_kv, stats.instance_kv_blocks_used),
         )
+        self.resumed.clear()
+        for how, count in stats.resumed.items():
+            self.resumed.labels(how=how).set(count)
         for gauge, values in per_instance:
             gauge.clear()
             for name, value in values.items():

@@ -66,6 +66,8 @@ class BackendStats:
     # each instance's liveness and the KV blocks it holds, by name (empty for a single in-process engine)
     alive: dict[str, bool] = field(default_factory=dict)
     instance_kv_blocks_used: dict[str, int] = field(default_factory=dict)
+    # requests resumed after losing an instance, by how ("repull", "reprefill")
+    resumed: dict[str, int] = field(default_factory=dict)
 
     @property
     def serving(self) -> bool:

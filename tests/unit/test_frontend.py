@@ -83,6 +83,7 @@ class ScriptedBackend:
             kv_blocks_total=64,
             alive={"p0": True, "d0": self.mode != "decode-dead"},
             instance_kv_blocks_used={"p0": 3, "d0": 4 if self.mode != "decode-dead" else 0},
+            resumed={"repull": 2, "reprefill": 1},
         )
 
 
@@ -257,6 +258,7 @@ async def test_models_health_metrics(served):
         'aiollm_instance_up{instance="d0"} 1.0',
         'aiollm_instance_kv_blocks_used{instance="p0"} 3.0',
         "aiollm_backend_up 1.0",
+        'aiollm_requests_resumed{how="repull"} 2.0',
         "aiollm_generation_tokens_total 5.0",
         'aiollm_requests_total{outcome="length"} 1.0',
     ):

@@ -168,4 +168,5 @@ class ClusterClient(Actor):
             kv_blocks_total=load.kv_blocks_total,
             alive=dict(load.alive),
             instance_kv_blocks_used=dict(load.instance_kv_blocks_used),
+            resumed=dict(load.resumed) | {"resubmitted": self.resubmitted},
         )

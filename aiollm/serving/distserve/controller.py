@@ -75,6 +75,9 @@ class ControllerConfig:
     revive_probe_s: float = 2.0
     # seconds a request waits for a live prefill and decode instance (one restarting, say) before it fails
     resume_timeout_s: float = 30.0
+    # a request whose decode instance died before decoding a token has another decode instance pull its KV from
+    # the prefill instance again instead of prefilling it again
+    repull: bool = True
 
     def __post_init__(self) -> None:
         require_positive(
@@ -118,6 +121,8 @@ class _Request:
     retries: int = 0
     # when it last entered the queue (it fails if no prefill and decode path comes up within resume_timeout_s)
     queued_at: float = 0.0
+    # tokens the current decode instance has sent (0: its KV may still sit on the prefill instance)
+    decoded: int = 0
 
     @property
     def current_prompt(self) -> list[int]:
@@ -153,6 +158,10 @@ class Controller(Actor):
         self._refs: dict[str, ActorRef] = {}
         self._queue: deque[_Request] = deque()
         self._requests: dict[str, _Request] = {}
+        # requests whose KV a prefill instance holds for a decode instance to come (one died before pulling it)
+        self._parked: deque[_Request] = deque()
+        # how lost requests were resumed: KV pulled again from the prefill instance, or prefilled again
+        self.resumed = {"repull": 0, "reprefill": 0}
         self._loads: dict[str, Load] = {}
         # the most recent finished requests, for inspection
         self.finished: deque[RequestTiming] = deque(maxlen=1000)
@@ -200,6 +209,9 @@ class Controller(Actor):
             return
         if req.stage == "waiting":
             self._queue.remove(req)
+        elif req.stage == "parked":
+            self._parked.remove(req)
+            await self._tell(req.prefill, Cancel(req.request_id))
         elif req.stage == "prefill":
             self.dispatcher.prefill_done(req.prefill, len(req.current_prompt))
             await self._tell(req.prefill, Cancel(req.request_id))
@@ -221,6 +233,7 @@ class Controller(Actor):
             prefill_queues={n: self.dispatcher.prefill[n].queued for n in self._prefill_names},
             decode_queues={n: loads[n].waiting if loads[n] else 0 for n in self._decode_names},
             alive={n: self._instance_alive(n) for n in self._urls},
+            resumed=dict(self.resumed),
             # a dead instance holds nothing this cluster can use
             instance_kv_blocks_used={
                 n: loads[n].kv_blocks_used if loads[n] and self._instance_alive(n) else 0 for n in self._urls
@@ -261,6 +274,7 @@ class Controller(Actor):
                 await self._retry(req, delta.error)
                 continue
             req.generated += delta.token_ids
+            req.decoded += len(delta.token_ids)
             req.token_times += [now] * len(delta.token_ids)
             out[req.reply_to].append(Delta(req.request_id, delta.token_ids, delta.finish))
             if delta.finish is not None:
@@ -273,6 +287,11 @@ class Controller(Actor):
     @handler(KVLost)
     async def on_kv_lost(self, msg: KVLost) -> None:
         req = self._requests.get(msg.request_id)
+        if req is not None and req.stage == "parked" and req.prefill == msg.source:
+            self._parked.remove(req)
+            await self._retry(req, f"KV lease expired on {msg.source} while no decode instance was alive")
+            await self._dispatch()
+            return
         if req is None or req.stage != "decode" or req.prefill != msg.source:
             return
         self.dispatcher.decode_done(req.decode, self._decode_need(req))
@@ -319,6 +338,12 @@ class Controller(Actor):
                 await self._retry(req, f"prefill instance {name} lost ({reason})")
             elif req.stage == "decode" and req.decode == name:
                 self.dispatcher.decode_done(name, self._decode_need(req))
+                if self.config.repull and req.decoded == 0 and self._instance_alive(req.prefill):
+                    # nothing decoded yet: its KV is still on the prefill instance for another decode instance
+                    self.resumed["repull"] += 1
+                    _log.warning("request re-pulls its KV", request_id=req.request_id, lost=name)
+                    await self._to_decode(req, park=True)
+                    continue
                 await self._tell(req.prefill, Cancel(req.request_id))
                 await self._retry(req, f"decode instance {name} lost ({reason})")
 
@@ -358,6 +383,8 @@ class Controller(Actor):
     async def _dispatch(self) -> None:
         """Send queue heads to the prefill instance with the shortest queue while it has room; while no prefill or
         no decode instance is alive the queue waits for one to come back (`_expire_waiting` bounds the wait)."""
+        while self._parked and self.dispatcher.any_alive("decode"):
+            await self._to_decode(self._parked.popleft(), park=True)
         while self._queue and self.dispatcher.any_alive("decode"):
             name = self.dispatcher.choose_prefill()
             if name is None:
@@ -371,14 +398,21 @@ class Controller(Actor):
             sampling = msgspec.structs.replace(req.sampling, max_tokens=req.remaining, first_index=req.next_index)
             await self._tell(name, Prefill(req.request_id, prompt, sampling, self.ref))
 
-    async def _to_decode(self, req: _Request) -> None:
+    async def _to_decode(self, req: _Request, park: bool = False) -> None:
+        """Send a prefilled request to the least-loaded decode instance. With none alive it goes back to the
+        queue with its tokens so far (its KV freed), or with `park` waits with its KV held on the prefill
+        instance (the lease bounds the wait)."""
         name = self.dispatcher.choose_decode(self._decode_need(req))
-        if name is None:  # back to the queue, with its tokens so far, until a decode instance comes back
+        if name is None:
+            if park:
+                req.stage, req.decode = "parked", None
+                self._parked.append(req)
+                return
             await self._tell(req.prefill, Cancel(req.request_id))
             self._requeue(req)
             return
         self.dispatcher.assign_decode(name, self._decode_need(req))
-        req.stage, req.decode = "decode", name
+        req.stage, req.decode, req.decoded = "decode", name, 0
         # the decode side continues after the generated tokens; the last one is its first input
         prompt, first = req.current_prompt[:-1], req.generated[-1]
         sampling = msgspec.structs.replace(req.sampling, max_tokens=req.remaining + 1, first_index=req.next_index)
@@ -404,6 +438,7 @@ class Controller(Actor):
             return
         _log.warning("request failed over", request_id=req.request_id, reason=reason, retry=req.retries + 1)
         req.retries += 1
+        self.resumed["reprefill"] += 1
         self._requeue(req)
 
     def _requeue(self, req: _Request) -> None:

@@ -196,3 +196,5 @@ class Load(Message, tag="ds.load"):
     # each instance's liveness as the controller sees it, and the KV blocks it holds (controller summary only)
     alive: dict[str, bool] = {}
     instance_kv_blocks_used: dict[str, int] = {}
+    # requests resumed after losing an instance, by how: "repull" (KV pulled again), "reprefill"
+    resumed: dict[str, int] = {}

@@ -58,6 +58,8 @@ class _Held:
     reply_to: ActorRef
     deadline: float
     pulling: bool = False
+    # cancelled while a pull was streaming it: freed when the stream ends
+    cancelled: bool = False
 
 
 class PrefillInstance(Actor):
@@ -117,8 +119,11 @@ class PrefillInstance(Actor):
         if self._queue.pop(rid, None) is None and rid in self._computing:
             self._cancelled.add(rid)
         held = self._held.get(rid)
-        if held is not None and not held.pulling:
-            self._release(rid)
+        if held is not None:
+            if held.pulling:
+                held.cancelled = True
+            else:
+                self._release(rid)
 
     @handler(PullKV)
     async def on_pull(self, msg: PullKV):
@@ -134,8 +139,13 @@ class PrefillInstance(Actor):
                 sent += 1
         finally:
             held.pulling = False
-            if sent < len(held.seq.blocks):  # the puller went away mid-stream: it will not ack
+            # a puller that went away mid-stream will not ack; the KV stays until the controller either has
+            # another decode instance pull it again (cheaper than prefilling it again) or cancels it, or the
+            # lease ends
+            if held.cancelled:
                 self._release(msg.request_id)
+            elif sent < len(held.seq.blocks):
+                _log.info("KV pull broke off; held for another", instance=self.name, request_id=msg.request_id)
 
     @handler(AckKV)
     async def on_ack(self, msg: AckKV) -> None:
