@@ -46,6 +46,7 @@ setup(
             "import-linter>=2.0",
             "hypothesis>=6.100",
             "schemathesis>=4",
+            "trustme>=1.1",
             "pytest>=8",
             "pytest-asyncio>=0.23",
             "pytest-timeout>=2.2",

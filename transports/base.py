@@ -235,6 +235,7 @@ class Transport(ABC):
 _SCHEMES = {
     "inproc": "aiollm.transports.inproc",
     "tcp": "aiollm.transports.tcp",
+    "tls": "aiollm.transports.tls",
     "ucx": "aiollm.transports.ucx",
 }
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import struct
 from collections import deque
 from collections.abc import Awaitable, Sequence
@@ -95,11 +96,17 @@ _PREFIX, _SIZES, _HEADER, _ALLOC, _BODY = range(5)
 _CLOSE_WAIT = 2.0
 
 
+# Bytes of encrypted data a TLS connection may hold unsent before `send` waits (a write high mark of 0, what
+# plain TCP uses, leaves TLS's own buffer never drained enough to resume).
+TLS_WRITE_HIGH = 256 * 1024
+
+
 class _FrameProtocol(asyncio.BufferedProtocol):
     """The asyncio side of one TCP connection: parses incoming frames and tracks write flow control."""
 
-    def __init__(self, config: TransportConfig) -> None:
+    def __init__(self, config: TransportConfig, scheme: str = "tcp") -> None:
         opts = options_for(config, "tcp", DEFAULT_OPTIONS)
+        self.scheme = scheme
         self.direct_min = int(opts["tcp.direct_min_bytes"])
         self.join_max = int(opts["tcp.join_max_bytes"])
         self.set_limits(config)
@@ -146,7 +153,10 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.set_write_buffer_limits(high=0, low=0)  # type: ignore[attr-defined]
+        if transport.get_extra_info("sslcontext") is None:
+            transport.set_write_buffer_limits(high=0, low=0)  # type: ignore[attr-defined]
+        else:  # TLS encrypts a copy at write time (buffers are free to reuse at once); flow control bounds memory
+            transport.set_write_buffer_limits(high=TLS_WRITE_HIGH)  # type: ignore[attr-defined]
         if self.on_connected is not None:
             self.on_connected(self)
 
@@ -415,7 +425,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
 
     def peername(self) -> str:
         peer = self.transport.get_extra_info("peername") if self.transport else None
-        return f"tcp://{peer[0]}:{peer[1]}" if peer else "tcp://?"
+        return f"{self.scheme}://{peer[0]}:{peer[1]}" if peer else f"{self.scheme}://?"
 
 
 class TcpConnection(Connection):
@@ -426,7 +436,7 @@ class TcpConnection(Connection):
         self._receiving = False
         self._turns: deque[asyncio.Future] = deque()
         sock = protocol.transport.get_extra_info("sockname")
-        self.local_address = f"tcp://{sock[0]}:{sock[1]}"
+        self.local_address = f"{protocol.scheme}://{sock[0]}:{sock[1]}"
         self.peer_address = protocol.peername()
 
     def set_limits(self, config: TransportConfig) -> None:
@@ -609,34 +619,51 @@ class TcpListener(Listener):
 
 
 class TcpTransport(Transport):
-    """Frames over TCP sockets on whatever asyncio event loop is running (uvloop or stdlib)."""
+    """Frames over TCP sockets on whatever asyncio event loop is running (uvloop or stdlib). A subclass that
+    returns SSL contexts from `server_ssl` / `client_ssl` carries the same frames inside TLS (tls.py)."""
+
+    scheme = "tcp"
+
+    def server_ssl(self, config: TransportConfig) -> ssl.SSLContext | None:
+        """The SSL context of a listener (None: plain TCP)."""
+        return None
+
+    def client_ssl(self, config: TransportConfig) -> ssl.SSLContext | None:
+        """The SSL context of a connecting side (None: plain TCP)."""
+        return None
 
     async def listen(self, address: Address, handler: ConnectionHandler, config: TransportConfig) -> Listener:
         """Bind and listen; with port 0 the listener's `address` carries the port the kernel chose."""
         options_for(config, "tcp", DEFAULT_OPTIONS)
+        context = self.server_ssl(config)
         listener = TcpListener(handler)
 
         def factory() -> _FrameProtocol:
-            protocol = _FrameProtocol(config)
+            protocol = _FrameProtocol(config, self.scheme)
             protocol.on_connected = listener.accepted
             return protocol
 
         loop = asyncio.get_running_loop()
-        listener.server = await loop.create_server(factory, address.host, address.port, reuse_address=True)
+        listener.server = await loop.create_server(factory, address.host, address.port, reuse_address=True, ssl=context)
         port = listener.server.sockets[0].getsockname()[1]
-        listener.address = f"tcp://{address.host}:{port}"
+        listener.address = f"{self.scheme}://{address.host}:{port}"
         return listener
 
     async def connect(self, address: Address, config: TransportConfig) -> Connection:
-        """Connect within `config.connect_timeout`; `NodeUnreachable` if refused or timed out."""
+        """Connect within `config.connect_timeout`; `NodeUnreachable` if refused, timed out, or (TLS) the
+        peer's certificate or ours is refused."""
         loop = asyncio.get_running_loop()
-        url = f"tcp://{address.host}:{address.port}"
+        url = f"{self.scheme}://{address.host}:{address.port}"
+        context = self.client_ssl(config)
+        tls = {"ssl": context, "server_hostname": address.host} if context is not None else {}
         try:
             async with asyncio.timeout(config.connect_timeout):
-                _, protocol = await loop.create_connection(lambda: _FrameProtocol(config), address.host, address.port)
+                _, protocol = await loop.create_connection(
+                    lambda: _FrameProtocol(config, self.scheme), address.host, address.port, **tls
+                )
         except TimeoutError:
             raise NodeUnreachable(f"{url}: no connection within {config.connect_timeout} s") from None
-        except OSError as exc:
+        except OSError as exc:  # ssl.SSLError included: a refused certificate
             raise NodeUnreachable(f"{url}: {exc.strerror or exc}") from None
         return TcpConnection(protocol)
 

@@ -70,6 +70,8 @@ class NodeConfig:
     stream_window: int = 8
     # Name of the node's inproc address (default: unique per process).
     name: str = ""
+    # Transport options by scheme (e.g. {"tls.cert": PATH, "tls.key": PATH, "tls.ca": PATH} for tls://).
+    transport_options: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.secret, bytes) or len(self.secret) < 16:
@@ -86,7 +88,9 @@ class NodeConfig:
 
     def transport_config(self) -> TransportConfig:
         return TransportConfig(
-            max_frame_bytes=self.max_frame_bytes, max_header_bytes=min(self.max_frame_bytes, 16 * 1024 * 1024)
+            max_frame_bytes=self.max_frame_bytes,
+            max_header_bytes=min(self.max_frame_bytes, 16 * 1024 * 1024),
+            options=dict(self.transport_options),
         )
 
 

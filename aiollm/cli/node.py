@@ -70,6 +70,9 @@ def _parser(add_help: bool = True) -> _Parser:
     spec_flag(parser, "--heartbeat-timeout", "node.heartbeat_timeout", "seconds of silence: peer dead", metavar="S")
     spec_flag(parser, "--mailbox-size", "node.mailbox_size", "messages a mailbox holds before senders wait")
     spec_flag(parser, "--max-frame-bytes", "node.max_frame_bytes", "largest frame accepted or sent")
+    spec_flag(parser, "--tls-cert", "node.tls_cert", "tls://: this node's certificate chain (PEM)", metavar="PEM")
+    spec_flag(parser, "--tls-key", "node.tls_key", "tls://: this node's private key (PEM)", metavar="PEM")
+    spec_flag(parser, "--tls-ca", "node.tls_ca", "tls://: the cluster's CA certificate (PEM)", metavar="PEM")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of key=value")
     return parser
@@ -146,6 +149,7 @@ def parse(argv: list[str] | None) -> NodeLaunch:
             mailbox_size=n.mailbox_size,
             max_frame_bytes=n.max_frame_bytes,
             name=args.name,
+            transport_options=n.transport_options,
         )
     except ValueError as exc:
         parser.error(str(exc))

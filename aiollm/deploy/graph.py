@@ -128,6 +128,8 @@ class Graph:
             cmd += ["--listen", listen]
         cmd += ["--heartbeat-interval", str(c.heartbeat_interval), "--heartbeat-timeout", str(c.heartbeat_timeout)]
         cmd += ["--mailbox-size", str(c.mailbox_size), "--max-frame-bytes", str(c.max_frame_bytes)]
+        for key, value in c.transport_options:  # tls.cert -> --tls-cert
+            cmd += [f"--{key.replace('.', '-')}", value]
         cmd += ["--log-level", self.log_level, *args]
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
         handle = NodeHandle(url="", process=proc)

@@ -85,6 +85,7 @@ def node_config(spec: ClusterSpec, secret: bytes) -> NodeConfig:
         heartbeat_timeout=n.heartbeat_timeout,
         mailbox_size=n.mailbox_size,
         max_frame_bytes=n.max_frame_bytes,
+        transport_options=n.transport_options,
     )
 
 

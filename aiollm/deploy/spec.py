@@ -80,6 +80,16 @@ class NodeSpec(_Section):
     mailbox_size: int = 256
     # largest frame a node accepts or sends, in bytes
     max_frame_bytes: int = 2 * 1024**3
+    # for tls:// addresses (mutual TLS): this node's certificate chain, its key, and the cluster's CA (PEM
+    # paths; "" : the AIOLLM_TLS_CERT / _KEY / _CA variables)
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+
+    @property
+    def transport_options(self) -> tuple[tuple[str, str], ...]:
+        files = {"tls.cert": self.tls_cert, "tls.key": self.tls_key, "tls.ca": self.tls_ca}
+        return tuple((key, path) for key, path in files.items() if path)
 
     def __post_init__(self) -> None:
         _require(self.heartbeat_interval > 0, "heartbeat_interval", "must be > 0")

@@ -6,10 +6,12 @@ skipped only when its binding is not installed.
 
 import asyncio
 import importlib.util
+import os
 import uuid
 from typing import NamedTuple
 
 import pytest
+import trustme
 import uvloop
 
 from aiollm.transports import Connection, Listener, TransportConfig, connect, listen
@@ -18,6 +20,7 @@ UCX_MISSING = importlib.util.find_spec("ucxx") is None
 SCHEMES = [
     "inproc",
     "tcp",
+    "tls",
     pytest.param(
         "ucx",
         marks=[
@@ -28,6 +31,27 @@ SCHEMES = [
 ]
 # Seconds any single step of a test may take before it counts as a hang.
 STEP = 10.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tls_certificates(tmp_path_factory):
+    """A cluster CA and one node certificate for 127.0.0.1, given to tls:// through its environment variables
+    (the suite's configs carry no options, as in production where the variables hold the paths)."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    directory = tmp_path_factory.mktemp("tls")
+    paths = {"AIOLLM_TLS_CA": directory / "ca.pem", "AIOLLM_TLS_CERT": directory / "node.pem"}
+    ca.cert_pem.write_to_path(str(paths["AIOLLM_TLS_CA"]))
+    cert.private_key_and_cert_chain_pem.write_to_path(str(paths["AIOLLM_TLS_CERT"]))
+    paths["AIOLLM_TLS_KEY"] = paths["AIOLLM_TLS_CERT"]
+    saved = {key: os.environ.get(key) for key in paths}
+    os.environ.update({key: str(path) for key, path in paths.items()})
+    yield ca
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def pytest_asyncio_loop_factories(config, item):

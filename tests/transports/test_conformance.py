@@ -121,7 +121,7 @@ async def test_concurrent_senders_frames_stay_whole(pair):
 # Receiver-side bounds used by the clogged test: inproc's queue is set small; TCP buffers what the
 # kernel allows (tcp_rmem max + tcp_wmem max, up to 32 + 4 MiB) plus the transport's scratch.
 CLOG_CONFIG = TransportConfig(options={"inproc.queue_bytes": str(4 * MiB), "inproc.queue_frames": "8"})
-CLOG_BOUND = {"inproc": 5 * MiB, "tcp": 48 * MiB, "ucx": 48 * MiB}
+CLOG_BOUND = {"inproc": 5 * MiB, "tcp": 48 * MiB, "tls": 48 * MiB, "ucx": 48 * MiB}
 
 
 async def wait_until_stalled(counter: list[int], task: asyncio.Task, quiet: float = 0.3) -> None:
