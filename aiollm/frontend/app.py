@@ -348,9 +348,10 @@ class _Run:
         finally:
             self.frontend._in_flight -= 1
             watcher.cancel()
+            # counted before the await below: a dropped stream's task may be cancelled again while it waits
+            metrics.request_done(outcome, self.arrival, first, last, self.num_tokens)
             if outcome == "aborted":
                 await asyncio.shield(backend.cancel(rid))
-            metrics.request_done(outcome, self.arrival, first, last, self.num_tokens)
 
     async def _watch_disconnect(self) -> None:
         """Cancel the backend request once the HTTP client has gone."""

@@ -238,7 +238,15 @@ async def test_disconnect_cancels_the_request(served):
             if len(backend.cancelled) == 2:
                 break
             await asyncio.sleep(0.02)
-    assert len(backend.cancelled) == 2 and not backend.active
+        assert len(backend.cancelled) == 2 and not backend.active
+        counted = []
+        for _ in range(100):  # dropped streams count as aborted
+            metrics = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+            counted = [line for line in metrics.splitlines() if line.startswith("aiollm_requests_total")]
+            if counted == ['aiollm_requests_total{outcome="aborted"} 2.0']:
+                break
+            await asyncio.sleep(0.05)
+        assert counted == ['aiollm_requests_total{outcome="aborted"} 2.0']
 
 
 async def test_models_health_metrics(served):
