@@ -20,6 +20,11 @@ completed by anyone. `kv_repull_seconds` / `kv_reprefill_seconds` (and their rat
 decoding a token, the seconds from the death to its next token, from a second decode instance, with its KV pulled
 again from the prefill instance or prefilled again (in-process nodes over TCP, median of 3). A cut link between
 hosts needs network namespaces and is not part of this bench.
+
+Overload: then a burst of 10x the frontend's limit of requests in flight arrives at once. `overload_outcomes`
+counts how each ended (completed, or 429 with Retry-After), `overload_accepted_not_completed` (target 0) and
+`overload_refused_without_retry_after` (target 0) the failures of the rule, and `overload_rss_growth_mib_max` the
+largest growth of any node process's resident memory over the burst.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ SCHEDULE = (
 )
 # the SLOs goodput counts against: generous, since the point is what faults cost, not the box's speed
 TTFT_SLO_S, TPOT_SLO_S = 5.0, 0.5
+# the frontend's limit of requests in flight, and the burst sent at once against it (10x)
+OVERLOAD_IN_FLIGHT = 64
+OVERLOAD_BURST = 10 * OVERLOAD_IN_FLIGHT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,7 +111,7 @@ class Cluster:
         config.write_text(
             '[model]\nname = "smollm2"\n[decode]\nr_workers = 2\n[r_worker]\nkv_memory = "256MiB"\n'
             "[node]\nheartbeat_interval = 0.5\nheartbeat_timeout = 2.5\n[controller]\nresume_timeout_s = 90\n"
-            "[frontend]\nport = 0\n"
+            f"[frontend]\nport = 0\nmax_in_flight = {OVERLOAD_IN_FLIGHT}\n"
         )
         self.log = (directory / "serve.log").open("w")
         self.proc = subprocess.Popen(
@@ -126,6 +134,21 @@ class Cluster:
             if f"--role {role} " in cmd + " ":
                 return pid
         raise RuntimeError(f"no {role} process")
+
+    def rss_mib(self) -> dict[str, float]:
+        """Resident memory of each node process, by role (and pid, for roles with several)."""
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
+        rss = {}
+        for pid in map(int, out.stdout.split()):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            role = cmd[cmd.index(b"--role") + 1].decode() if b"--role" in cmd else "?"
+            kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+            rss[f"{role}:{pid}"] = kib / 1024
+        return rss
 
     def close(self) -> None:
         self.proc.send_signal(signal.SIGINT)
@@ -200,6 +223,39 @@ async def _pass(cluster: Cluster, prompts: list[list[int]], args, faults: bool) 
         await faulter
     await client.close()
     return list(outcomes), injected, time.perf_counter() - start
+
+
+async def _burst(cluster: Cluster, prompts: list[list[int]], args) -> dict:
+    """OVERLOAD_BURST requests at once against a frontend that serves OVERLOAD_IN_FLIGHT: every accepted request
+    must complete, every other get 429 with Retry-After, and no process may grow without bound."""
+    client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="bench", max_retries=0, timeout=600)
+    before = cluster.rss_mib()
+
+    async def one(i: int) -> str:
+        try:
+            out = await client.completions.with_raw_response.create(
+                model="smollm2", prompt=prompts[i % len(prompts)], max_tokens=16, temperature=0
+            )
+            return "completed" if out.parse().choices[0].finish_reason else "no finish"
+        except openai.RateLimitError as exc:
+            return "429 retry-after" if exc.response.headers.get("retry-after") else "429"
+        except openai.APIError as exc:
+            return f"error: {type(exc).__name__}"
+
+    outcomes = await asyncio.gather(*(one(i) for i in range(OVERLOAD_BURST)))
+    after = cluster.rss_mib()
+    await client.close()
+    counts = {kind: outcomes.count(kind) for kind in sorted(set(outcomes))}
+    growth = {name: after[name] - before[name] for name in after if name in before}
+    return {
+        "overload_burst_requests": OVERLOAD_BURST,
+        "overload_frontend_max_in_flight": OVERLOAD_IN_FLIGHT,
+        "overload_outcomes": counts,
+        "overload_refused_without_retry_after": counts.get("429", 0),
+        "overload_accepted_not_completed": sum(n for k, n in counts.items() if not k.startswith(("completed", "429"))),
+        "overload_rss_growth_mib_max": max(growth.values()) if growth else None,
+        "overload_rss_after_mib": after,
+    }
 
 
 def _goodput(outcomes: list[Outcome], duration: float) -> float:
@@ -309,6 +365,8 @@ def run(args: argparse.Namespace) -> dict:
             clean, _, clean_s = asyncio.run(_pass(cluster, prompts, args, faults=False))
             print("pass under faults:", flush=True)
             faulted, injected, faulted_s = asyncio.run(_pass(cluster, prompts, args, faults=True))
+            print(f"burst: {OVERLOAD_BURST} requests at once, {OVERLOAD_IN_FLIGHT} served at a time", flush=True)
+            overload = asyncio.run(_burst(cluster, prompts, args))
         finally:
             cluster.close()
     same = [c.ok and f.ok and c.text == f.text for c, f in zip(clean, faulted)]
@@ -325,6 +383,7 @@ def run(args: argparse.Namespace) -> dict:
         "slo_ttft_s": TTFT_SLO_S,
         "slo_tpot_s": TPOT_SLO_S,
         "errors": sorted({f.error[:200] for f in faulted if f.error}),
+        **overload,
     }
     from aiollm.model.loader import load
 
