@@ -19,7 +19,7 @@ from aiollm.serving.distserve.client import ClusterClient
 from aiollm.testing.actor_helpers import SECRET
 from aiollm.testing.tiny_llama import write_hf_dir
 
-# a dead peer is noticed within HEARTBEAT_TIMEOUT; the controller probes dead instances every 2 s
+# a dead peer is noticed within HEARTBEAT_TIMEOUT; the controller probes dead instances every 0.5 s
 CONFIG = NodeConfig(secret=SECRET, heartbeat_interval=0.2, heartbeat_timeout=1.0)
 PROMPT = [1, 17, 42, 99, 7, 3]
 

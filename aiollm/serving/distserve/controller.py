@@ -72,7 +72,7 @@ class ControllerConfig:
     # seconds between load polls of the instances (for /metrics)
     load_poll_s: float = 0.5
     # seconds between probes of a dead instance's last address (it is taken back when it answers)
-    revive_probe_s: float = 2.0
+    revive_probe_s: float = 0.5
     # seconds a request waits for a live prefill and decode instance (one restarting, say) before it fails
     resume_timeout_s: float = 30.0
     # a request whose decode instance died before decoding a token has another decode instance pull its KV from
