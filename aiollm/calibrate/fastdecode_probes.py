@@ -83,16 +83,7 @@ def measure_r(model_name: str, seq_len: int, batch: int = 16, repeats: int = 3) 
     c = model.config
     block = 16
     per_seq = -(-(seq_len + 1) // block)
-    pool = KVPool(
-        KVConfig(
-            n_layers=c.n_layers,
-            n_blocks=batch * per_seq,
-            n_kv_heads=c.n_kv_heads,
-            head_dim=c.head_dim,
-            block_size=block,
-            dtype="fp16",
-        )
-    )
+    pool = KVPool(KVConfig.for_model(c, batch * per_seq, block, "fp16"))
     for arr in (pool.k, pool.v, pool.k_scale, pool.v_scale):  # touch the memory: untouched pages all map the
         if arr is not None:  # one shared zero page and read far too fast
             arr.fill(1)

@@ -72,16 +72,7 @@ def measure_profile(
         for batch, ctx in QUICK_DECODE if quick else DECODE_GRID:
             block = 16
             per_seq = -(-(ctx + 1) // block)
-            pool = KVPool(
-                KVConfig(
-                    n_layers=c.n_layers,
-                    n_blocks=batch * per_seq,
-                    n_kv_heads=c.n_kv_heads,
-                    head_dim=c.head_dim,
-                    block_size=block,
-                    dtype=kv_dtype,
-                )
-            )
+            pool = KVPool(KVConfig.for_model(c, batch * per_seq, block, kv_dtype))
             tables = torch.arange(batch * per_seq, dtype=torch.int32).reshape(batch, per_seq)
             lens = torch.full((batch,), ctx + 1, dtype=torch.int32)
             slots = tables[:, ctx // block].long() * block + ctx % block

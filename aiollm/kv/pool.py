@@ -50,7 +50,7 @@ class KVConfig:
     n_kv_heads: int
     head_dim: int
     block_size: int = 16
-    dtype: str = "fp16"
+    dtype: str = DEFAULT_KV_DTYPE
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "n_blocks", "n_kv_heads", "head_dim", "block_size"):
@@ -81,6 +81,21 @@ class KVConfig:
         return self.bytes_per_block * self.n_blocks
 
     @classmethod
+    def for_model(
+        cls, model_config, n_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, dtype: str = DEFAULT_KV_DTYPE
+    ) -> "KVConfig":
+        """The KV shape of a model (anything with `n_layers`, `n_kv_heads`, `head_dim`: a ModelConfig)."""
+        c = model_config
+        return cls(
+            n_layers=c.n_layers,
+            n_blocks=n_blocks,
+            n_kv_heads=c.n_kv_heads,
+            head_dim=c.head_dim,
+            block_size=block_size,
+            dtype=dtype,
+        )
+
+    @classmethod
     def from_budget(
         cls,
         budget_bytes: int,
@@ -89,7 +104,7 @@ class KVConfig:
         n_kv_heads: int,
         head_dim: int,
         block_size: int = 16,
-        dtype: str = "fp16",
+        dtype: str = DEFAULT_KV_DTYPE,
     ) -> "KVConfig":
         """As many blocks as fit in `budget_bytes`; ValueError if not even one does."""
         probe = cls(

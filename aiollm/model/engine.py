@@ -50,16 +50,7 @@ class ReferenceEngine:
         self.model = model
         self.block_size = block_size
         self.n_threads = n_threads
-        self.pool = KVPool(
-            KVConfig(
-                n_layers=c.n_layers,
-                n_blocks=n_blocks,
-                block_size=block_size,
-                n_kv_heads=c.n_kv_heads,
-                head_dim=c.head_dim,
-                dtype=kv_dtype,
-            )
-        )
+        self.pool = KVPool(KVConfig.for_model(c, n_blocks, block_size, kv_dtype))
         _fault_in(self.pool)
         self.allocator = BlockAllocator(n_blocks)
 

@@ -29,16 +29,7 @@ class PagedCache:
     def __init__(self, model: LlamaModel, n_blocks: int, block_size: int = 16, dtype: str = "fp32") -> None:
         c = model.config
         self.block_size = block_size
-        self.pool = KVPool(
-            KVConfig(
-                n_layers=c.n_layers,
-                n_blocks=n_blocks,
-                block_size=block_size,
-                n_kv_heads=c.n_kv_heads,
-                head_dim=c.head_dim,
-                dtype=dtype,
-            )
-        )
+        self.pool = KVPool(KVConfig.for_model(c, n_blocks, block_size, dtype))
         self.allocator = BlockAllocator(n_blocks)
         self.total_blocks = n_blocks
         self.used_blocks = 0

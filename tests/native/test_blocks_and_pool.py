@@ -5,7 +5,7 @@ import pytest
 
 from aiollm.errors import AiollmError, KVCacheFull
 from aiollm.kv.blocks import PAD, BlockAllocator, BlockTable
-from aiollm.kv.pool import KVConfig, KVPool
+from aiollm.kv.pool import DEFAULT_KV_DTYPE, KVConfig, KVPool
 from tests.native.conftest import reference
 
 
@@ -165,12 +165,13 @@ def test_kv_config_names_the_bad_field(field, value):
 
 
 def test_kv_config_sizes():
-    c = KVConfig(n_layers=30, n_blocks=10, n_kv_heads=3, head_dim=64)
-    assert c.block_size == 16 and c.dtype == "fp16"
+    assert KVConfig(n_layers=30, n_blocks=10, n_kv_heads=3, head_dim=64).dtype == DEFAULT_KV_DTYPE
+    c = KVConfig(n_layers=30, n_blocks=10, n_kv_heads=3, head_dim=64, dtype="fp16")
+    assert c.block_size == 16
     assert c.bytes_per_block == 30 * 2 * 3 * 16 * 64 * 2 and c.nbytes == 10 * c.bytes_per_block
     i8 = KVConfig(n_layers=30, n_blocks=10, n_kv_heads=3, head_dim=64, dtype="int8")
     assert i8.bytes_per_block == 30 * (2 * 3 * 16 * 64 + 2 * 3 * 16 * 2)  # fp16 scales
-    fit = KVConfig.from_budget(1 << 20, n_layers=30, n_kv_heads=3, head_dim=64)
+    fit = KVConfig.from_budget(1 << 20, n_layers=30, n_kv_heads=3, head_dim=64, dtype="fp16")
     assert fit.n_blocks == (1 << 20) // c.bytes_per_block
     assert KVPool(fit).k.nbytes + KVPool(fit).v.nbytes == fit.nbytes
     with pytest.raises(ValueError, match="budget_bytes"):
