@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, metavar="TOML", help="cluster spec; the flags below override it")
     spec_flag(parser, "--prefill", "prefill.count", "prefill instances")
     spec_flag(parser, "--decode", "decode.count", "decode instances")
+    spec_flag(parser, "--frontends", "frontend.count", "HTTP frontends, on --port and the ports after it")
     spec_flag(
         parser,
         "--colocated",

@@ -44,6 +44,8 @@ class Started:
     wiring: Wiring
     # the address it bound (a restart binds it again, so every peer's ref to it stays valid)
     listen: str
+    # role flags beside the spec (a frontend's HTTP port)
+    args: tuple[str, ...] = ()
 
 
 @dataclass
@@ -53,7 +55,8 @@ class LocalCluster:
     graph: Graph
     # the spec as started (a free frontend port chosen), which restarts use too
     spec: ClusterSpec
-    base_url: str
+    # the API's base URL of each frontend
+    base_urls: list[str]
     controller: str
     # node URL -> how it was started
     nodes: dict[str, Started] = field(default_factory=dict)
@@ -92,13 +95,17 @@ def node_config(spec: ClusterSpec, secret: bytes) -> NodeConfig:
 async def start_cluster(graph: Graph, spec: ClusterSpec) -> LocalCluster:
     """Start every node of `spec` on `graph` (instances in parallel, then controller, then frontend) and wait
     until the frontend answers."""
-    if not spec.frontend.port:
-        spec = spec.override({"frontend.port": free_port(spec.frontend.host)})
-    cluster = LocalCluster(graph, spec, f"http://{spec.frontend.host}:{spec.frontend.port}", "")
+    host = spec.frontend.host
+    if spec.frontend.port:
+        ports = [spec.frontend.port + i for i in range(spec.frontend.count)]
+    else:
+        ports = [free_port(host) for _ in range(spec.frontend.count)]
+        spec = spec.override({"frontend.port": ports[0]})
+    cluster = LocalCluster(graph, spec, [f"http://{host}:{port}" for port in ports], "")
 
-    async def node(role: str, wiring: Wiring = Wiring()) -> NodeHandle:
-        handle = await graph.start_node(role, process=True, spec=spec, wiring=wiring)
-        cluster.nodes[handle.url] = Started(role, wiring, handle.url)
+    async def node(role: str, wiring: Wiring = Wiring(), args: tuple[str, ...] = ()) -> NodeHandle:
+        handle = await graph.start_node(role, process=True, spec=spec, wiring=wiring, args=args)
+        cluster.nodes[handle.url] = Started(role, wiring, handle.url, args)
         return handle
 
     async def decode(i: int) -> NodeHandle:
@@ -117,9 +124,11 @@ async def start_cluster(graph: Graph, spec: ClusterSpec) -> LocalCluster:
         decode={n: u for n, u in actors if n.startswith("decode")},
     )
     cluster.controller = next(iter((await node("controller", wiring)).actors.values()))
-    await node("frontend", Wiring(controller=cluster.controller))
-    while not await asyncio.to_thread(_healthy, f"{cluster.base_url}/health"):
-        await asyncio.sleep(0.2)
+    frontend = Wiring(controller=cluster.controller)
+    await asyncio.gather(*(node("frontend", frontend, ("--http-port", str(port))) for port in ports))
+    for base in cluster.base_urls:
+        while not await asyncio.to_thread(_healthy, f"{base}/health"):
+            await asyncio.sleep(0.2)
     return cluster
 
 
@@ -167,7 +176,7 @@ async def _restart(cluster: LocalCluster, handle: NodeHandle, times: list[float]
         wiring = replace(wiring, controller=cluster.controller)
     try:
         await cluster.graph.start_node(
-            started.role, process=True, spec=cluster.spec, wiring=wiring, listen=started.listen
+            started.role, process=True, spec=cluster.spec, wiring=wiring, listen=started.listen, args=started.args
         )
     except RuntimeError as exc:  # it did not come up; the next exit check sees no process for it
         print(f"aiollm: {name} did not start again: {exc}", file=sys.stderr, flush=True)
@@ -189,7 +198,10 @@ async def serve_cluster(spec: ClusterSpec) -> int:
     async with Graph(config, startup_timeout=READY_TIMEOUT_S, log_level=spec.log_level) as graph:
         cluster = await start_cluster(graph, spec)
         print(
-            f"aiollm: serving {served_name(spec.model.name)} at {cluster.base_url}/v1 ({spec.describe()})", flush=True
+            f"aiollm: serving {served_name(spec.model.name)} at {cluster.base_urls[0]}/v1"
+            + "".join(f" (+ {url}/v1)" for url in cluster.base_urls[1:])
+            + f" ({spec.describe()})",
+            flush=True,
         )
         return await supervise(cluster, _stop_on_signals())
 

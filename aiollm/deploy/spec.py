@@ -219,6 +219,8 @@ class ControllerSpec(_Role):
     max_waiting: int = 4096
     # seconds a request waits for a live prefill and decode instance (one restarting) before it fails
     resume_timeout_s: float = 30.0
+    # a request whose decode instance died before decoding a token pulls its KV again instead of a re-prefill
+    repull: bool = True
 
     def __post_init__(self) -> None:
         _require(self.prefill_queue_limit >= 1, "prefill_queue_limit", f"must be >= 1, got {self.prefill_queue_limit}")
@@ -228,9 +230,11 @@ class ControllerSpec(_Role):
 
 
 class FrontendSpec(_Role):
+    # HTTP frontends (each its own process; one lost loses only its own connections)
+    count: int = 1
     # HTTP interface of the OpenAI-compatible API
     host: str = "127.0.0.1"
-    # HTTP port; 0 picks a free one
+    # HTTP port of the first frontend, the next ones on the ports after it; 0 picks free ones
     port: int = 8000
     # HTTP generation requests served at once; one more gets 429
     max_in_flight: int = 512
@@ -242,9 +246,10 @@ class FrontendSpec(_Role):
     def __post_init__(self) -> None:
         _require(bool(self.host), "host", "must name an interface")
         _require(self.max_body_bytes >= 1024, "max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
-        _require(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
+        _require(self.count >= 1, "count", f"must be >= 1, got {self.count}")
+        _require(0 <= self.port <= 65536 - self.count, "port", f"must be in 0..{65536 - self.count}, got {self.port}")
         _require(self.max_in_flight >= 1, "max_in_flight", f"must be >= 1, got {self.max_in_flight}")
-        self._check_role(1)
+        self._check_role(self.count)
 
 
 class ClusterSpec(_Section):

@@ -8,6 +8,7 @@ again, and that no process is left after.
 
 import concurrent.futures
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,7 +39,7 @@ def _cmdline(pid: int) -> str:
 class Serve:
     """`python -m aiollm serve --config F` on a free port, stopped (and its processes reaped) on exit."""
 
-    def __init__(self, directory: Path, r_workers: int = 0) -> None:
+    def __init__(self, directory: Path, r_workers: int = 0, frontends: int = 1) -> None:
         config = directory / "cluster.toml"
         config.write_text(
             f'[model]\nname = "{directory}"\n'
@@ -46,7 +47,7 @@ class Serve:
             f"[decode]\nr_workers = {r_workers}\n"
             '[r_worker]\nkv_memory = "64MiB"\n'
             "[controller]\nresume_timeout_s = 60\n"
-            "[frontend]\nport = 0\n"
+            f"[frontend]\nport = 0\ncount = {frontends}\n"
         )
         # the nodes' logs go to a file: a pipe nobody reads would fill and block them
         self.log = directory / f"serve-{time.monotonic_ns()}.log"
@@ -65,6 +66,7 @@ class Serve:
             self.close()
             raise AssertionError(f"serve did not come up (exit {self.proc.poll()}): {self.log.read_text()[-4000:]}")
         self.base_url = line.split(" at ")[1].split()[0]
+        self.base_urls = [self.base_url, *re.findall(r"\(\+ (\S+)\)", line)]
         self.model = directory.name
 
     def role_pid(self, role: str) -> int:
@@ -161,6 +163,39 @@ def test_a_killed_frontend_loses_only_its_connections_and_serves_again(model_dir
                 assert time.monotonic() < deadline, "the frontend was not started again"
                 time.sleep(0.5)
         assert serve.proc.poll() is None
+    finally:
+        left = serve.close()
+    assert not left
+
+
+@pytest.mark.slow
+def test_with_two_frontends_a_killed_one_costs_only_its_own_streams(model_dir):
+    serve = Serve(model_dir, frontends=2)
+    try:
+        assert len(serve.base_urls) == 2
+        other = serve.base_urls[1]
+        expected = [_ask(other, serve.model, i) for i in range(4)]
+        first = [p for p in _children(serve.proc.pid) if "--role frontend " in _cmdline(p) + " "]
+        port = serve.base_urls[0].rsplit(":", 1)[1].split("/")[0]
+        victim = next(p for p in first if f"--http-port {port}" in _cmdline(p))
+        streamed = []
+
+        def kill_once() -> None:
+            streamed.append(1)
+            if len(streamed) == 10:
+                os.kill(victim, signal.SIGKILL)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda i: _ask(other, serve.model, i, kill_once), range(4)))
+        assert len(streamed) > 10 and got == expected  # the other frontend's streams never noticed
+        deadline = time.monotonic() + 60
+        while True:  # and the killed one serves again on its port
+            try:
+                assert _ask(serve.base_urls[0], serve.model, 0) == expected[0]
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, "the killed frontend was not started again"
+                time.sleep(0.5)
     finally:
         left = serve.close()
     assert not left

@@ -26,7 +26,10 @@ def add_arguments(parser) -> None:
 def controller_config(spec: ClusterSpec) -> ControllerConfig:
     c = spec.controller
     return ControllerConfig(
-        prefill_queue_limit=c.prefill_queue_limit, max_waiting=c.max_waiting, resume_timeout_s=c.resume_timeout_s
+        prefill_queue_limit=c.prefill_queue_limit,
+        max_waiting=c.max_waiting,
+        resume_timeout_s=c.resume_timeout_s,
+        repull=c.repull,
     )
 
 
