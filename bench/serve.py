@@ -95,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the steps measured while it was served (for bench planner's simulator-vs-real check)",
     )
     parser.add_argument("--plot", type=Path, default=Path("bench/results/serve_attainment.png"))
+    parser.add_argument(
+        "--base-url",
+        metavar="URL",
+        help="measure this running deployment (any OpenAI-compatible server, e.g. http://host:8000/v1) instead of "
+        "starting the setups; give the TPOT SLO (--goodput tpot:MS) and the served --model",
+    )
 
 
 def _slos(items: list[str]) -> tuple[float, float]:
@@ -149,6 +155,16 @@ def _arrivals(n: int, burstiness: float, seed: int) -> np.ndarray:
     return times - times[0]
 
 
+class _External:
+    """A deployment someone else started: only its URL."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url, self.proc = base_url.rstrip("/"), None
+
+    def stop(self) -> None:
+        pass
+
+
 class _Server:
     """`python -m aiollm serve` in a subprocess; stopped with SIGINT (it stops its own nodes)."""
 
@@ -184,7 +200,7 @@ def _setup_argv(setup: str, args) -> list[str]:
 def _measure(servers: dict[str, _Server], args, requests, unit_times, rates) -> list[dict]:
     """Every rate against every setup, the setups alternating within each rate (both servers up all the
     time), so a change in the machine's background load hits both setups alike."""
-    meter = CoreMeter([server.proc.pid for server in servers.values()])
+    meter = CoreMeter([server.proc.pid for server in servers.values() if server.proc is not None])
     raw = []
     for server in servers.values():
         warm = [BenchRequest(requests[0].prompt_ids, 2)]
@@ -304,8 +320,8 @@ def run(args: argparse.Namespace) -> dict:
 
     ttft_slo, given_tpot = _slos(args.goodput)
     rates = sorted(float(r) for r in args.request_rate.split(","))
-    setups = [s for s in args.setups.split(",") if s]
-    if not rates or min(rates) <= 0 or any(s not in ("disaggregated", "colocated") for s in setups):
+    setups = ["external"] if args.base_url else [s for s in args.setups.split(",") if s]
+    if not rates or min(rates) <= 0 or any(s not in ("disaggregated", "colocated", "external") for s in setups):
         raise SystemExit("python -m bench serve: error: rates must be > 0; setups: disaggregated, colocated")
     both = set(setups) == {"disaggregated", "colocated"}
     if given_tpot == float("inf") and not both:
@@ -320,7 +336,7 @@ def run(args: argparse.Namespace) -> dict:
     servers: dict[str, _Server] = {}
     try:
         for setup in setups:
-            servers[setup] = _Server(_setup_argv(setup, args))
+            servers[setup] = _External(args.base_url) if setup == "external" else _Server(_setup_argv(setup, args))
         raw = _measure(servers, args, requests, unit_times, rates)
     finally:
         for server in servers.values():
@@ -333,6 +349,7 @@ def run(args: argparse.Namespace) -> dict:
         "ttft_slo_ms": ttft_slo * 1e3,
         "setup_disaggregated": f"{args.prefill} prefill + {args.decode} decode instances x {args.threads} threads",
         "setup_colocated": f"1 instance x {cores} threads",
+        "setup_external": args.base_url or "",
         "wall_s": time.perf_counter() - started,
         "setup_order": "both servers up for the whole run; the setups alternate within each rate",
     }
