@@ -177,6 +177,12 @@ class Graph:
         """A ref to any actor of the graph, bound to the driver node."""
         return self.driver.ref(url)
 
+    async def stop_node(self, handle: NodeHandle, timeout: float = 5.0) -> None:
+        """Stop one node of the graph (Shutdown, then SIGTERM, then SIGKILL) and forget it."""
+        if handle in self.nodes:
+            self.nodes.remove(handle)
+        await self._stop(handle, timeout)
+
     async def close(self, timeout: float = 5.0) -> None:
         """Stop every node: Shutdown, then SIGTERM, then SIGKILL for processes; always reap them."""
         try:

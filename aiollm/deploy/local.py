@@ -29,6 +29,9 @@ from aiollm.deploy.graph import Graph, NodeHandle
 from aiollm.deploy.roles import Wiring
 from aiollm.deploy.roles.common import served_name
 from aiollm.deploy.spec import ClusterSpec
+from aiollm.log import get_logger
+
+_log = get_logger("deploy.local")
 
 READY_TIMEOUT_S = 300.0
 # a node restarted this many times within RESTART_WINDOW_S seconds is left down (it dies of itself)
@@ -60,6 +63,8 @@ class LocalCluster:
     controller: str
     # node URL -> how it was started
     nodes: dict[str, Started] = field(default_factory=dict)
+    # set when nodes were added or retired on purpose (the supervisor then watches the new set)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -142,13 +147,17 @@ async def supervise(cluster: LocalCluster, stop: asyncio.Event) -> int:
     restarts: dict[str, list[float]] = defaultdict(list)
     try:
         while True:
+            cluster.changed.clear()
+            changed = asyncio.ensure_future(cluster.changed.wait())
             exits = {asyncio.ensure_future(h.process.wait()): h for h in graph.nodes if h.process.returncode is None}
-            done, _ = await asyncio.wait({stopped, *exits}, return_when=asyncio.FIRST_COMPLETED)
-            for future in exits:
+            done, _ = await asyncio.wait({stopped, changed, *exits}, return_when=asyncio.FIRST_COMPLETED)
+            for future in (changed, *exits):
                 future.cancel()
             if stopped in done:
                 return 0
-            for handle in (exits[f] for f in done):
+            for handle in (exits[f] for f in done if f in exits):
+                if handle not in graph.nodes:  # stopped on purpose (Graph.stop_node): no fault
+                    continue
                 graph.nodes.remove(handle)
                 await _restart(cluster, handle, restarts[handle.url])
     finally:
@@ -197,13 +206,31 @@ async def serve_cluster(spec: ClusterSpec) -> int:
     config = node_config(spec, secrets.token_hex(32).encode())
     async with Graph(config, startup_timeout=READY_TIMEOUT_S, log_level=spec.log_level) as graph:
         cluster = await start_cluster(graph, spec)
+        replanning = asyncio.create_task(_replan(cluster)) if spec.planner.replan else None
         print(
             f"aiollm: serving {served_name(spec.model.name)} at {cluster.base_urls[0]}/v1"
             + "".join(f" (+ {url}/v1)" for url in cluster.base_urls[1:])
             + f" ({spec.describe()})",
             flush=True,
         )
-        return await supervise(cluster, _stop_on_signals())
+        try:
+            return await supervise(cluster, _stop_on_signals())
+        finally:
+            if replanning is not None:
+                replanning.cancel()
+
+
+async def _replan(cluster: LocalCluster) -> None:
+    """The planner's loop on this cluster (spec `[planner] replan = true`): see aiollm.deploy.scale."""
+    from aiollm.deploy.scale import Replanner, Scaler, placement_policy
+    from aiollm.planner.replan import MonitorConfig
+
+    p = cluster.spec.planner
+    monitor = MonitorConfig(p.window_s, p.min_requests, p.threshold, p.cooldown_s)
+    try:
+        await Replanner(Scaler(cluster), placement_policy(cluster.spec), monitor, p.max_instances).run()
+    except Exception:  # replanning stops; serving goes on
+        _log.exception("replanning stopped")
 
 
 def run_colocated(spec: ClusterSpec) -> int:

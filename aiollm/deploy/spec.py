@@ -252,6 +252,34 @@ class FrontendSpec(_Role):
         self._check_role(self.count)
 
 
+class PlannerSpec(_Section):
+    # replan while serving: when the workload drifts, change the prefill/decode instance counts
+    replan: bool = False
+    # seconds of finished requests the workload statistics cover, and the fewest requests to decide on
+    window_s: float = 60.0
+    min_requests: int = 50
+    # relative change of rate, mean prompt or mean output length that triggers a replan
+    threshold: float = 0.25
+    # seconds after a replan during which no other replan happens
+    cooldown_s: float = 30.0
+    # the resource budget: prefill + decode instances the launcher may run
+    max_instances: int = 4
+    # the SLOs the placement meets: TTFT and TPOT in seconds, and the share of requests meeting both
+    ttft_slo_s: float = 1.0
+    tpot_slo_s: float = 0.1
+    attainment: float = 0.9
+    # the latency profile the placement prices instances with: "local" (python -m aiollm.plan profile), "derived"
+    profile: str = "local"
+
+    def __post_init__(self) -> None:
+        for name in ("window_s", "threshold", "ttft_slo_s", "tpot_slo_s"):
+            _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        _require(self.min_requests >= 2, "min_requests", f"must be >= 2, got {self.min_requests}")
+        _require(self.cooldown_s >= 0, "cooldown_s", f"must be >= 0, got {self.cooldown_s}")
+        _require(self.max_instances >= 2, "max_instances", f"must be >= 2, got {self.max_instances}")
+        _require(0 < self.attainment <= 1, "attainment", f"must be in (0, 1], got {self.attainment}")
+
+
 class ClusterSpec(_Section):
     """A whole deployment: the model, the KV layout every role shares, and each role's count and sizing."""
 
@@ -264,6 +292,7 @@ class ClusterSpec(_Section):
     s_worker: SWorkerSpec = SWorkerSpec()
     controller: ControllerSpec = ControllerSpec()
     frontend: FrontendSpec = FrontendSpec()
+    planner: PlannerSpec = PlannerSpec()
     # one process batching prefill and decode together (the colocated baseline) instead of a cluster
     colocated: bool = False
     # log level of every node
@@ -273,6 +302,12 @@ class ClusterSpec(_Section):
 
     def __post_init__(self) -> None:
         _require(self.log_level.upper() in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
+        instances = self.prefill.count + self.decode.count
+        _require(
+            not self.planner.replan or instances <= self.planner.max_instances,
+            "planner.max_instances",
+            f"{self.planner.max_instances} is below the {instances} prefill and decode instances the spec starts",
+        )
 
     # --- building ---------------------------------------------------------------------------------------------
 

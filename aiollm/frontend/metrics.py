@@ -65,6 +65,14 @@ class ServingMetrics:
             ["how"],
             registry=r,
         )
+        self.instances = Gauge("aiollm_instances", "Live instances by kind (prefill, decode)", ["kind"], registry=r)
+        self.replans = Gauge("aiollm_replans", "Placement changes enacted while serving", registry=r)
+        self.last_replan = Gauge(
+            "aiollm_last_replan_info",
+            "The last placement change: why, and the counts before and after",
+            ["replan"],
+            registry=r,
+        )
         self.backend_up = Gauge("aiollm_backend_up", "1 while the frontend reaches its backend, else 0", registry=r)
         self.instance_up = Gauge(
             "aiollm_instance_up", "1 while the controller counts the instance alive, else 0", ["instance"], registry=r
@@ -115,6 +123,14 @@ class ServingMetrics:
         self.resumed.clear()
         for how, count in stats.resumed.items():
             self.resumed.labels(how=how).set(count)
+        self.instances.clear()
+        if stats.alive:
+            for kind, names in (("prefill", stats.prefill_queues), ("decode", stats.decode_queues)):
+                self.instances.labels(kind=kind).set(sum(bool(stats.alive.get(n)) for n in names))
+        self.replans.set(stats.replans)
+        self.last_replan.clear()
+        if stats.last_replan:
+            self.last_replan.labels(replan=stats.last_replan).set(1)
         for gauge, values in per_instance:
             gauge.clear()
             for name, value in values.items():

@@ -68,22 +68,24 @@ class WorkloadMonitor:
         self._window: deque[tuple[float, int, int]] = deque()
         self.baseline: WorkloadStats | None = None
         self._last_replan = -np.inf
+        self._latest = -np.inf
 
     def observe(self, arrival_time: float, prompt_len: int, output_len: int) -> Plan | None:
         """Record one request (arrival time on the caller's clock); returns the new plan if it replanned."""
         if prompt_len <= 0 or output_len <= 0:
             raise ValueError(f"prompt_len and output_len must be > 0, got {prompt_len}, {output_len}")
         self._window.append((arrival_time, prompt_len, output_len))
-        while self._window and self._window[0][0] < arrival_time - self.config.window_s:
-            self._window.popleft()
+        # requests are observed as they finish, so arrivals come out of order: the window is the latest one's
+        self._latest = max(self._latest, arrival_time)
+        self._window = deque(w for w in self._window if w[0] >= self._latest - self.config.window_s)
         stats = self.stats()
-        if stats is None or arrival_time - self._last_replan < self.config.cooldown_s:
+        if stats is None or self._latest - self._last_replan < self.config.cooldown_s:
             return None
         if self.baseline is not None and stats.drift(self.baseline) <= self.config.threshold:
             return None
         plan = self._replan(stats)
         self.baseline = stats
-        self._last_replan = arrival_time
+        self._last_replan = self._latest
         self._on_plan(plan, stats)
         return plan
 
@@ -94,7 +96,7 @@ class WorkloadMonitor:
         times = np.array([w[0] for w in self._window])
         prompt = np.array([w[1] for w in self._window])
         output = np.array([w[2] for w in self._window])
-        span = times[-1] - times[0]
+        span = times.max() - times.min()
         rate = (len(times) - 1) / span if span > 0 else float("inf")
         return WorkloadStats(rate, float(prompt.mean()), float(output.mean()), len(times), prompt, output)
 

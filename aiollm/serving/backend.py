@@ -68,6 +68,9 @@ class BackendStats:
     instance_kv_blocks_used: dict[str, int] = field(default_factory=dict)
     # requests resumed after losing an instance, by how ("repull", "reprefill")
     resumed: dict[str, int] = field(default_factory=dict)
+    # replans enacted, and the last one in words
+    replans: int = 0
+    last_replan: str = ""
 
     @property
     def serving(self) -> bool:

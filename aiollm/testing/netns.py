@@ -92,7 +92,9 @@ class Host:
     def netem_available(self) -> tuple[bool, str]:
         """(whether this kernel has the netem qdisc `netem` needs, and why not)."""
         probe = subprocess.run(
-            ["tc", "qdisc", "replace", "dev", self.outer, "root", "netem", "delay", "1ms"], capture_output=True, text=True
+            ["tc", "qdisc", "replace", "dev", self.outer, "root", "netem", "delay", "1ms"],
+            capture_output=True,
+            text=True,
         )
         if probe.returncode != 0:
             return False, f"tc netem is not available here: {probe.stderr.strip()}"

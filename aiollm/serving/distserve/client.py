@@ -169,4 +169,6 @@ class ClusterClient(Actor):
             alive=dict(load.alive),
             instance_kv_blocks_used=dict(load.instance_kv_blocks_used),
             resumed=dict(load.resumed) | {"resubmitted": self.resubmitted},
+            replans=load.replans,
+            last_replan=load.last_replan,
         )

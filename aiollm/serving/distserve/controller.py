@@ -44,16 +44,21 @@ from aiollm.serving.distserve.messages import (
     Cancel,
     Decode,
     Delta,
+    Drain,
+    DrainStatus,
     Generate,
     GetLoad,
+    GetWorkload,
     KVLost,
     Load,
     Prefill,
     Prefilled,
     Register,
     Registered,
+    Replanned,
     Sampling,
     Tokens,
+    Workload,
 )
 
 _log = get_logger("controller")
@@ -163,8 +168,13 @@ class Controller(Actor):
         # how lost requests were resumed: KV pulled again from the prefill instance, or prefilled again
         self.resumed = {"repull": 0, "reprefill": 0}
         self._loads: dict[str, Load] = {}
-        # the most recent finished requests, for inspection
+        # the most recent finished requests, for inspection and the launcher's workload monitor, numbered
         self.finished: deque[RequestTiming] = deque(maxlen=1000)
+        self._finished_count = 0
+        # instances being drained (no new work; forgotten once their work is done)
+        self._draining: set[str] = set()
+        # replans the launcher enacted
+        self.replans: list[Replanned] = []
         self._tasks: list[asyncio.Task] = []
 
     async def on_start(self) -> None:
@@ -234,11 +244,75 @@ class Controller(Actor):
             decode_queues={n: loads[n].waiting if loads[n] else 0 for n in self._decode_names},
             alive={n: self._instance_alive(n) for n in self._urls},
             resumed=dict(self.resumed),
+            replans=len(self.replans),
+            last_replan=(
+                f"{self.replans[-1].why}: {self.replans[-1].before} -> {self.replans[-1].after}" if self.replans else ""
+            ),
             # a dead instance holds nothing this cluster can use
             instance_kv_blocks_used={
                 n: loads[n].kv_blocks_used if loads[n] and self._instance_alive(n) else 0 for n in self._urls
             },
         )
+
+    # ---- from the launcher --------------------------------------------------------------------
+
+    @handler(Drain)
+    async def on_drain(self, msg: Drain) -> DrainStatus:
+        """Take `msg.name` out of dispatch; answer how much of its work is left (asked again until 0, when the
+        instance is forgotten and may stop)."""
+        if msg.name not in self._urls:
+            raise ValueError(f"no instance {msg.name!r}; instances: {', '.join(self._urls)}")
+        if msg.name not in self._draining:
+            kind = "prefill" if msg.name in self._prefill_names else "decode"
+            names = self._prefill_names if kind == "prefill" else self._decode_names
+            if len([n for n in names if n not in self._draining]) <= 1:
+                raise ValueError(f"{msg.name!r} is the last {kind} instance; a cluster keeps one")
+            self._draining.add(msg.name)
+            self.dispatcher.mark_dead(msg.name)
+            _log.warning("draining instance", instance=msg.name)
+        left = self._work_on(msg.name)
+        if left == 0:
+            await self._forget(msg.name)
+        return DrainStatus(msg.name, left)
+
+    @handler(GetWorkload)
+    async def on_get_workload(self, msg: GetWorkload) -> Workload:
+        first = self._finished_count - len(self.finished)
+        rows = [
+            (first + i + 1, t.arrival, t.prompt_len, t.output_len)
+            for i, t in enumerate(self.finished)
+            if first + i + 1 > msg.after
+        ]
+        return Workload(rows)
+
+    @handler(Replanned)
+    async def on_replanned(self, msg: Replanned) -> None:
+        self.replans.append(msg)
+        del self.replans[:-100]
+
+    def _work_on(self, name: str) -> int:
+        """Requests still using `name`: decoding there, prefilling there, or waiting for their KV held there."""
+        return sum(
+            (r.stage == "prefill" and r.prefill == name)
+            or (r.stage == "decode" and r.decode == name)
+            or (r.stage in ("decode", "parked") and r.prefill == name and r.decoded == 0)
+            for r in self._requests.values()
+        )
+
+    async def _forget(self, name: str) -> None:
+        """Drop a drained instance from every table (its node may stop: that is no fault)."""
+        ref = self._refs.pop(name, None)
+        if ref is not None:
+            await self.unwatch(ref)
+        self._urls.pop(name, None)
+        self._loads.pop(name, None)
+        self._draining.discard(name)
+        for names in (self._prefill_names, self._decode_names):
+            if name in names:
+                names.remove(name)
+        self.dispatcher.prefill.pop(name, None)
+        self.dispatcher.decode.pop(name, None)
+        _log.warning("instance drained and forgotten", instance=name)
 
     # ---- from the instances -----------------------------------------------------------------
 
@@ -369,7 +443,7 @@ class Controller(Actor):
         this actor's own mailbox, so the take-back runs between handlers, not inside one)."""
         while True:
             await asyncio.sleep(self.config.revive_probe_s)
-            for name in [n for n in self._urls if not self._instance_alive(n)]:
+            for name in [n for n in self._urls if not self._instance_alive(n) and n not in self._draining]:
                 try:
                     load = await self._refs[name].ask(GetLoad(), timeout=2.0)
                 except (AiollmError, TimeoutError):  # still gone
@@ -475,6 +549,7 @@ class Controller(Actor):
 
     def _complete(self, req: _Request) -> None:
         self._requests.pop(req.request_id, None)
+        self._finished_count += 1
         timing = RequestTiming(
             req.request_id, req.arrival, req.first_token_at, tuple(req.token_times), len(req.prompt), len(req.generated)
         )
@@ -486,7 +561,7 @@ class Controller(Actor):
                 _log.exception("replanning hook failed")
 
     async def _tell(self, name: str | None, msg) -> None:
-        if name is None:
+        if name is None or name not in self._refs:  # none, or drained and forgotten: nothing of it is left
             return
         try:
             await self._refs[name].tell(msg)

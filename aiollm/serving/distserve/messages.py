@@ -175,6 +175,42 @@ class Registered(Message, tag="ds.registered"):
     known: bool
 
 
+class Drain(Message, tag="ds.drain"):
+    """Launcher -> controller (ask, reply `DrainStatus`): send `name` no new work; its requests finish there (a
+    prefill instance's KV is pulled) before it stops. Asked again, it answers how much is left."""
+
+    name: str
+
+
+class DrainStatus(Message, tag="ds.drain_status"):
+    """How much work a draining instance still has; 0: it may stop (it is then forgotten)."""
+
+    name: str
+    left: int
+
+
+class GetWorkload(Message, tag="ds.get_workload"):
+    """Launcher -> controller (ask, reply `Workload`): the requests finished since number `after`."""
+
+    after: int = 0
+
+
+class Workload(Message, tag="ds.workload"):
+    """Finished requests as (number, arrival time on the controller's clock, prompt tokens, output tokens)."""
+
+    finished: list[tuple[int, float, int, int]]
+
+
+class Replanned(Message, tag="ds.replanned"):
+    """Launcher -> controller (tell): a replan was enacted, for /metrics."""
+
+    # seconds on the launcher's clock, why (the drift), and the instance counts before and after
+    at: float
+    why: str
+    before: dict[str, int]
+    after: dict[str, int]
+
+
 class GetLoad(Message, tag="ds.get_load"):
     """Ask an instance (or the controller) for its load."""
 
@@ -198,3 +234,6 @@ class Load(Message, tag="ds.load"):
     instance_kv_blocks_used: dict[str, int] = {}
     # requests resumed after losing an instance, by how: "repull" (KV pulled again), "reprefill"
     resumed: dict[str, int] = {}
+    # replans enacted so far, and the last one in words
+    replans: int = 0
+    last_replan: str = ""
