@@ -21,6 +21,7 @@ BENCHMARKS = {
     "serve": "bench.serve",
     "planner": "bench.planner",
     "faults": "bench.faults",
+    "cluster": "bench.cluster",
 }
 # other commands -> module with add_arguments(parser) and main(args) -> exit status
 COMMANDS = {

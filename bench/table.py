@@ -88,6 +88,11 @@ FIGURES: tuple[Figure, ...] = (
     Figure("faults", "requests_lost", "requests lost while every role is killed in turn", Target("<=", 0)),
     Figure("faults", "outputs_identical_fraction", "outputs equal to the fault-free pass", Target(">=", 1)),
     Figure("faults", "goodput_under_faults_vs_fault_free", "goodput under faults / fault-free", Target(">=", 0.8)),
+    Figure("cluster", "ratio_goodput_netns_vs_local", "goodput across namespaces / on 127.0.0.1", Target(">=", 0.9)),
+    Figure(
+        "cluster", "ratio_kv_pull_vs_raw_netns", "KV pull stream / raw socket, across namespaces", Target(">=", 0.8)
+    ),
+    Figure("cluster", "replan_seconds", "workload drift detected to the new instance serving", unit="s"),
 )
 
 

@@ -81,11 +81,14 @@ def build_spec(args: argparse.Namespace) -> ClusterSpec:
 
 def run(args: argparse.Namespace) -> int:
     from aiollm import log
+    from aiollm.deploy.local import check_addresses
     from aiollm.deploy.local import run as run_local
     from aiollm.heap import keep_freed_memory
 
     try:
         spec = build_spec(args)
+        if not spec.colocated:
+            check_addresses(spec)
     except SpecError as exc:
         print(f"python -m aiollm serve: error: {exc}", file=sys.stderr)
         return 2

@@ -97,9 +97,28 @@ def node_config(spec: ClusterSpec, secret: bytes) -> NodeConfig:
     )
 
 
+def check_addresses(spec: ClusterSpec) -> None:
+    """SpecError naming the first role section whose listen address this host cannot bind (a typo, another
+    host's address), before anything starts."""
+    from aiollm.deploy.spec import SpecError
+    from aiollm.transports.base import parse_address
+
+    sections = ["prefill", "decode", "controller", "frontend"] + (["r_worker"] if spec.decode.r_workers else [])
+    for section in sections:
+        address = parse_address(getattr(spec, section).listen)
+        if address.scheme not in ("tcp", "tls"):
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in address.host else socket.AF_INET) as sock:
+            try:
+                sock.bind((address.host, 0))
+            except OSError as exc:
+                raise SpecError(f"{section}.listen: cannot bind {address.host} here: {exc.strerror}") from None
+
+
 async def start_cluster(graph: Graph, spec: ClusterSpec) -> LocalCluster:
     """Start every node of `spec` on `graph` (instances in parallel, then controller, then frontend) and wait
     until the frontend answers."""
+    check_addresses(spec)
     host = spec.frontend.host
     if spec.frontend.port:
         ports = [spec.frontend.port + i for i in range(spec.frontend.count)]

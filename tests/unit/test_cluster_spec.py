@@ -189,3 +189,11 @@ def test_a_plan_becomes_a_spec_that_serve_reads_back(tmp_path):
     assert spec_from_plan(_plan(None, (1, 1, 1))).colocated
     with pytest.raises(SpecError, match="a colocated plan of 3 instances"):
         spec_from_plan(_plan(None, (1, 1, 3)))
+
+
+def test_a_listen_address_this_host_cannot_bind_is_refused_before_anything_starts():
+    from aiollm.deploy.local import check_addresses
+
+    check_addresses(ClusterSpec())
+    with pytest.raises(SpecError, match=r"decode.listen: cannot bind 192.0.2.7 here"):
+        check_addresses(ClusterSpec().override({"decode.listen": "tcp://192.0.2.7:0"}))
