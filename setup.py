@@ -47,6 +47,7 @@ setup(
             "hypothesis>=6.100",
             "schemathesis>=4",
             "trustme>=1.1",
+            "ray>=2.40",
             "pytest>=8",
             "pytest-asyncio>=0.23",
             "pytest-timeout>=2.2",
@@ -68,5 +69,7 @@ setup(
         # UCX transport (ucx://): ucxx is the maintained binding on PyPI (ucx-py-cu12 only downloads from
         # a host outside PyPI); tested with 0.52 / UCX 1.21. Pulls libucx, librmm and cuda-bindings, not torch.
         "ucx": ["ucxx-cu12>=0.52"],
+        # `serve --ray`: Ray places, starts and restarts the role instances (aiollm.deploy.ray)
+        "ray": ["ray>=2.40"],
     },
 )

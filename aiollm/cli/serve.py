@@ -57,6 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec_flag(parser, "--r-workers", "decode.r_workers", "R-worker processes per decode instance (FastDecode offload)")
     spec_flag(parser, "--r-kv-memory", "r_worker.kv_memory", "KV budget of each R-worker, e.g. 1GiB")
     spec_flag(parser, "--api-key", "frontend.api_key", "clients must send it as a Bearer token (or AIOLLM_API_KEY)")
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="place every role instance as a Ray actor (resources from the spec's ray_resources); Ray restarts them",
+    )
+    parser.add_argument(
+        "--ray-address", metavar="ADDR", help="with --ray: the Ray cluster (default: start a local one)"
+    )
     spec_flag(parser, "--log-level", "log_level", "log level of the nodes")
     spec_flag(
         parser,
@@ -94,4 +102,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     log.configure(spec.log_level)
     keep_freed_memory()
+    if args.ray:
+        from aiollm.deploy import ray as on_ray
+        from aiollm.deploy.local import free_port
+
+        if not spec.frontend.port:
+            spec = spec.override({"frontend.port": free_port(spec.frontend.host)})
+        return on_ray.serve(spec, args.ray_address)
     return run_local(spec)

@@ -106,6 +106,9 @@ class _Role(_Section):
     # the address other nodes reach it at, when it differs from `listen` (NAT, 0.0.0.0, several interfaces);
     # port 0 takes the bound one
     advertise: str = ""
+    # on Ray (`serve --ray`): custom resources an instance needs, e.g. {prefill = 1} to run on the nodes started
+    # with `ray start --resources '{"prefill": 1}'`
+    ray_resources: dict[str, float] = msgspec.field(default_factory=dict)
 
     def _check_role(self, count: int) -> None:
         _check_address("listen", self.listen)

@@ -1,0 +1,101 @@
+"""Serving on Ray: a local Ray cluster of three nodes (ray.cluster_utils.Cluster, on loopback), roles placed by
+custom resources (the controller and frontend on the head, the decode instance on a node of its own, the prefill
+instance on a third that can also take decode work). A node is removed mid-stream: Ray restarts the decode
+instance on the remaining decode-capable node, it rejoins the controller at its new address, and every request
+ends with the greedy tokens of an undisturbed run. Tearing the deployment down leaves no node process."""
+
+import os
+import subprocess
+import threading
+import time
+
+import openai
+import pytest
+
+# a local Ray keeps to loopback (its node address would otherwise be this machine's interface)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from aiollm.deploy.ray import RayCluster  # noqa: E402
+from aiollm.deploy.spec import ClusterSpec  # noqa: E402
+from aiollm.model.engine import generate  # noqa: E402
+from aiollm.model.loader import load  # noqa: E402
+from aiollm.model.sampling import SamplingParams  # noqa: E402
+from aiollm.testing.tiny_llama import write_hf_dir  # noqa: E402
+
+PROMPTS = ["The capital of France", "Once upon a time", "def add(a, b):", "Hello there"]
+HTTP_PORT = 18095
+
+
+def _node_processes() -> list[str]:
+    out = subprocess.run(["pgrep", "-fa", "aiollm.node"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+@pytest.mark.slow
+def test_roles_placed_by_resource_survive_the_loss_of_their_ray_node(tmp_path):
+    write_hf_dir(tmp_path)
+    model = load(str(tmp_path))
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    expected = [c.text for c in generate(model, prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
+    spec = ClusterSpec.from_dict(
+        {
+            "model": {"name": str(tmp_path)},
+            "node": {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0},
+            "prefill": {"ray_resources": {"prefill": 1}},
+            "decode": {"ray_resources": {"decode": 1}},
+            "controller": {"ray_resources": {"control": 1}, "resume_timeout_s": 90},
+            "frontend": {"ray_resources": {"control": 1}, "port": HTTP_PORT},
+        }
+    )
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"control": 2}})
+    decode_node = cluster.add_node(num_cpus=2, resources={"decode": 1})
+    cluster.add_node(num_cpus=2, resources={"prefill": 1, "decode": 1})
+    ray.init(address=cluster.address, include_dashboard=False, logging_level="WARNING")
+    try:
+        with RayCluster(spec, cluster.address) as deployed:
+            placed = deployed.where("decode0")
+            assert placed["node_id"] == decode_node.node_id
+            assert deployed.where("controller")["node_id"] == cluster.head_node.node_id
+            client = openai.OpenAI(base_url=f"{deployed.base_url}/v1", api_key="t", max_retries=0, timeout=180)
+            streamed, removed = [], []
+
+            def ask(i: int, out: list) -> None:
+                stream = client.completions.create(
+                    model=tmp_path.name,
+                    prompt=prompts[i],
+                    max_tokens=24,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                text = []
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text:
+                        text.append(chunk.choices[0].text)
+                        streamed.append(1)
+                out.append((i, "".join(text)))
+
+            results: list = []
+            threads = [threading.Thread(target=ask, args=(i, results)) for i in range(len(PROMPTS))]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 60
+            while len(streamed) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            cluster.remove_node(decode_node)  # the decode instance's Ray node is lost mid-stream
+            removed.append(time.monotonic())
+            for t in threads:
+                t.join(240)
+            assert sorted(results) == list(enumerate(expected))
+            # restarted on the other decode-capable node (on loopback it binds the port it had again)
+            moved = deployed.where("decode0")
+            assert moved["node_id"] != decode_node.node_id and moved["pid"] != placed["pid"]
+        deadline = time.monotonic() + 30
+        while _node_processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _node_processes()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
