@@ -287,7 +287,11 @@ class Node:
         self._connecting[node_url] = fut
         try:
             conn = await transport_connect(node_url, self._transport)
-            info = await self._handshake(conn, initiator=True)
+            try:
+                info = await self._handshake(conn, initiator=True)
+            except AuthenticationFailed as exc:  # said here too: the refusing side logs its own line
+                _log.warning("refused by peer", peer=node_url, reason=str(exc))
+                raise
             peer = self._add_peer(conn, node_url, info)
             fut.set_result(peer)
             return peer
