@@ -75,10 +75,36 @@ def cmd_distserve(args: argparse.Namespace) -> int:
         if args.serve_model:
             base = base.override({"model.name": args.serve_model})
         spec = spec_from_plan(plan, base)
+        if args.budget and plan.prefill is not None:
+            spec = _with_r_workers(spec, plan, workload, args)
         args.emit.parent.mkdir(parents=True, exist_ok=True)
         args.emit.write_text(plan_header(plan) + spec.to_toml())
         print(f"wrote {args.emit} ({spec.describe()}): python -m aiollm serve --config {args.emit}")
     return 0 if plan.fits else 1
+
+
+def _with_r_workers(spec, plan, workload, args):
+    """The spec with FastDecode's R-workers behind each decode instance, the whole fitted to --budget processes."""
+    from aiollm.planner.fastdecode import read_t_of_b
+    from aiollm.planner.joint import plan_joint
+
+    if not args.t_of_b or not args.r_per_token:
+        raise ValueError("--budget needs --t-of-b (bench model JSON) and --r-per-token to size the R-workers")
+    lengths = workload.lengths
+    seq_len = int(lengths.prompt.mean() + lengths.output.mean())
+    joint = plan_joint(
+        plan.prefill.count,
+        plan.decode.count,
+        args.budget,
+        read_t_of_b(args.t_of_b, args.t_of_b_key),
+        args.r_per_token,
+        seq_len,
+        args.tpot,
+    )
+    print(joint.explain())
+    return spec.override(
+        {"prefill.count": joint.prefill, "decode.count": joint.decode, "decode.r_workers": joint.r_workers}
+    )
 
 
 def cmd_fastdecode(args: argparse.Namespace) -> int:
@@ -188,6 +214,16 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--serve-model", metavar="NAME", help="with --emit: the model the spec serves (default: --base's, else smollm2)"
     )
+    d.add_argument(
+        "--budget",
+        type=int,
+        metavar="N",
+        help="with --emit: processes the cluster may run (prefill + decode instances + R-workers): FastDecode's "
+        "R-workers per decode instance are sized within it (needs --t-of-b and --r-per-token)",
+    )
+    d.add_argument("--t-of-b", type=Path, help="with --budget: bench model JSON holding the decode step time T(B)")
+    d.add_argument("--t-of-b-key", default="t_of_b", help="key in that JSON (t_of_b: fp32, t_of_b_bf16: bf16)")
+    d.add_argument("--r-per-token", type=float, help="with --budget: attention seconds per context token")
     d.set_defaults(func=cmd_distserve)
 
     f = sub.add_parser("fastdecode", help="FastDecode sizing: batch B and R-worker count P")
