@@ -16,6 +16,7 @@ from aiollm.kv.blocks import BlockAllocator, BlockTable
 from aiollm.kv.pool import KVConfig, KVPool
 from aiollm.model.decode import decode_logits
 from aiollm.model.llama import LlamaModel
+from aiollm.model.logprobs import TokenLogprobs
 from aiollm.model.sampling import SamplingParams
 from aiollm.model.sequence import FINISH_STOP, new_sequence, sample_next
 from aiollm.model.sequence import Sequence as SequenceState
@@ -33,6 +34,8 @@ class Completion:
     text: str
     # "stop" (stop token or string) or "length" (max_tokens or the model's context)
     finish_reason: str
+    # per generated token, when the params ask for logprobs (of the raw logits)
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class ReferenceEngine:
@@ -76,7 +79,7 @@ class ReferenceEngine:
             for i in range(len(seqs)):
                 if i in table:
                     table.free(i)
-        return [Completion(s.prompt, s.output, texts[i], s.finish) for i, s in enumerate(seqs)]
+        return [Completion(s.prompt, s.output, texts[i], s.finish, s.logprobs) for i, s in enumerate(seqs)]
 
     def _prefill(self, seqs: list[SequenceState], table: BlockTable, texts: dict[int, str]) -> None:
         ids = list(range(len(seqs)))

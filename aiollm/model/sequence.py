@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from aiollm.model.llama import LlamaModel
+from aiollm.model.logits_processors import RowHistory
+from aiollm.model.logprobs import TokenLogprobs, token_logprobs
 from aiollm.model.sampling import Draws, SamplingParams, new_draws, sample
 
 # Finish reasons, as OpenAI names them.
@@ -38,6 +40,10 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     # FINISH_STOP or FINISH_LENGTH once it ended
     finish: str | None = None
+    # tokens sampled here (a decode instance's first token was sampled by the prefill instance)
+    drawn: int = 0
+    # each token sampled here: its logprobs, when the request asks for them (None when it does not)
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def length(self) -> int:
@@ -49,19 +55,43 @@ class Sequence:
         """KV entries this sequence may need: prompt + max_tokens, capped by the context."""
         return min(len(self.prompt) + self.params.max_tokens, self.max_context)
 
+    @property
+    def generated(self) -> int:
+        """Tokens generated for the request so far, wherever they were sampled: `first_index` counts those that
+        came before this run (the prompt ends with them, or the output starts with the one carried over)."""
+        return self.params.first_index + self.drawn
+
+    def last_logprobs(self, n: int) -> list[TokenLogprobs] | None:
+        """The logprobs of the last n tokens sampled here, or None when the request does not ask for them."""
+        if self.logprobs is None or n <= 0:
+            return None
+        return self.logprobs[-n:]
+
 
 def new_sequence(request_id: str, prompt: list[int], params: SamplingParams, model: LlamaModel) -> Sequence:
     eos = frozenset(model.tokenizer.stop_ids if model.tokenizer else model.config.eos_ids)
     stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
-    return Sequence(request_id, list(prompt), params, stop, new_draws(params), model.config.max_context)
+    seq = Sequence(request_id, list(prompt), params, stop, new_draws(params), model.config.max_context)
+    if params.logprobs is not None:
+        seq.logprobs = []
+    return seq
 
 
 def sample_next(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
     """Sample each sequence's next token from its row of `logits`, append it, and apply the stop rules (a stop
-    id ends it with FINISH_STOP, max_tokens or the context with FINISH_LENGTH)."""
-    tokens = sample(logits, [s.params for s in seqs], [s.draws for s in seqs])
+    id ends it with FINISH_STOP, max_tokens or the context with FINISH_LENGTH). A sequence that asks for logprobs
+    gets those of the raw logits appended to its `logprobs`."""
+    histories = [RowHistory(s.prompt + s.output, s.generated, s.stop_ids) if s.params.processed else None for s in seqs]
+    tokens = sample(logits, [s.params for s in seqs], [s.draws for s in seqs], histories)
+    asking = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+    if asking:
+        rows = logits[asking] if len(asking) < len(seqs) else logits
+        entries = token_logprobs(rows, [tokens[i] for i in asking], [seqs[i].params.logprobs for i in asking])
+        for i, entry in zip(asking, entries):
+            seqs[i].logprobs.append(entry)
     for s, token in zip(seqs, tokens):
         s.output.append(token)
+        s.drawn += 1
         if token in s.stop_ids:
             s.finish = FINISH_STOP
         elif len(s.output) >= s.params.max_tokens or s.length >= s.max_context:

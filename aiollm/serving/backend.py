@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from aiollm.errors import AiollmError
+from aiollm.model.logprobs import TokenLogprobs
 from aiollm.model.sampling import SamplingParams
 from aiollm.model.sequence import FINISH_LENGTH, FINISH_STOP
 
@@ -32,7 +33,7 @@ class GenerateRequest:
 
     request_id: str
     prompt_ids: tuple[int, ...]
-    # max_tokens, temperature, top-k/p, seed, ignore_eos; stop strings stay in the frontend (stop=())
+    # how to sample (max_tokens, temperature, penalties, seed, logprobs, ...); stop strings stay in the frontend
     sampling: SamplingParams
 
     def __post_init__(self) -> None:
@@ -46,6 +47,8 @@ class TokenDelta:
 
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
+    # one entry per token, only for a request that asks for logprobs
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)

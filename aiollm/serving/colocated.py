@@ -156,7 +156,7 @@ class ColocatedEngine:
         for seq, token in zip(seqs, tokens):
             queue = self._outputs.get(seq.request_id)
             if queue is not None:
-                queue.put_nowait(TokenDelta((token,), seq.finish))
+                queue.put_nowait(TokenDelta((token,), seq.finish, seq.last_logprobs(1)))
             if seq.finish is not None:
                 self._finish(seq)
 

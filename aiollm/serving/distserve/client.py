@@ -102,7 +102,7 @@ class ClusterClient(Actor):
                     raise Unavailable(f"request {request.request_id}: {delta.error}")
                 finished = delta.finish is not None
                 flight.delivered += delta.token_ids
-                yield TokenDelta(tuple(delta.token_ids), delta.finish)
+                yield TokenDelta(tuple(delta.token_ids), delta.finish, delta.logprobs)
                 if finished:
                     return
         finally:

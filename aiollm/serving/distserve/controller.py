@@ -39,6 +39,7 @@ from aiollm.actors.messages import Terminated
 from aiollm.actors.ref import ActorRef
 from aiollm.errors import AiollmError, require_positive
 from aiollm.log import get_logger
+from aiollm.model.logprobs import TokenLogprobs
 from aiollm.sched.dispatch import Dispatcher
 from aiollm.serving.distserve.messages import (
     Cancel,
@@ -328,7 +329,7 @@ class Controller(Actor):
             await self._retry(req, msg.error)
             await self._dispatch()
             return
-        await self._forward(req, [msg.first_token], msg.finish)
+        await self._forward(req, [msg.first_token], msg.finish, [msg.logprobs] if msg.logprobs is not None else None)
         if msg.finish is None:
             await self._to_decode(req)
         await self._dispatch()
@@ -350,7 +351,7 @@ class Controller(Actor):
             req.generated += delta.token_ids
             req.decoded += len(delta.token_ids)
             req.token_times += [now] * len(delta.token_ids)
-            out[req.reply_to].append(Delta(req.request_id, delta.token_ids, delta.finish))
+            out[req.reply_to].append(Delta(req.request_id, delta.token_ids, delta.finish, logprobs=delta.logprobs))
             if delta.finish is not None:
                 self.dispatcher.decode_done(req.decode, self._decode_need(req))
                 self._complete(req)
@@ -495,14 +496,16 @@ class Controller(Actor):
     def _decode_need(self, req: _Request) -> int:
         return len(req.prompt) + req.sampling.max_tokens
 
-    async def _forward(self, req: _Request, tokens: list[int], finish: str | None) -> None:
+    async def _forward(
+        self, req: _Request, tokens: list[int], finish: str | None, logprobs: list[TokenLogprobs] | None = None
+    ) -> None:
         now = time.monotonic()
         req.first_token_at = req.first_token_at or now
         req.generated += tokens
         req.token_times += [now] * len(tokens)
         if finish is not None:
             self._complete(req)
-        await self._reply(req.reply_to, [Delta(req.request_id, tokens, finish)])
+        await self._reply(req.reply_to, [Delta(req.request_id, tokens, finish, logprobs=logprobs)])
 
     async def _retry(self, req: _Request, reason: str) -> None:
         """Resume a request whose instance failed: back to the head of the queue with its tokens so far, where it

@@ -235,7 +235,7 @@ class DecodeInstance(Actor):
             seq = entry.seq
             if seq.request_id in self._cancelled:
                 continue
-            by_dest[entry.reply_to].append(Delta(seq.request_id, [token], seq.finish))
+            by_dest[entry.reply_to].append(Delta(seq.request_id, [token], seq.finish, logprobs=seq.last_logprobs(1)))
             if seq.finish is not None:
                 self.finished += 1
                 self._forget(entry)

@@ -17,11 +17,13 @@ import numpy as np
 
 from aiollm.actors.messages import Message
 from aiollm.actors.ref import ActorRef
+from aiollm.model.logprobs import TokenLogprobs
 from aiollm.model.sampling import SamplingParams
 
 
-class Sampling(msgspec.Struct, frozen=True):
-    """SamplingParams on the wire (stop strings stay in the frontend)."""
+class Sampling(msgspec.Struct, frozen=True, omit_defaults=True):
+    """SamplingParams on the wire (stop strings stay in the frontend); options left at their defaults are not
+    sent."""
 
     max_tokens: int
     temperature: float
@@ -31,29 +33,28 @@ class Sampling(msgspec.Struct, frozen=True):
     ignore_eos: bool
     # index of the first token this run draws (tokens generated before a resume)
     first_index: int = 0
+    # token ids that end the completion besides the model's EOS ids
+    stop_token_ids: tuple[int, ...] = ()
+    # OpenAI's presence and frequency penalties, vLLM's repetition penalty
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # stop ids are masked until this many tokens were generated
+    min_tokens: int = 0
+    min_p: float = 0.0
+    # (token id, bias) pairs added to the logits
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: no logprobs; k: each token's logprob and the k most likely
+    logprobs: int | None = None
 
     @classmethod
     def of(cls, params: SamplingParams) -> Sampling:
-        return cls(
-            params.max_tokens,
-            params.temperature,
-            params.top_k,
-            params.top_p,
-            params.seed,
-            params.ignore_eos,
-            params.first_index,
-        )
+        return cls(**{name: getattr(params, name) for name in cls.__struct_fields__})
 
     def params(self, max_tokens: int | None = None) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens or self.max_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            seed=self.seed,
-            ignore_eos=self.ignore_eos,
-            first_index=self.first_index,
-        )
+        fields = msgspec.structs.asdict(self)
+        fields["max_tokens"] = max_tokens or self.max_tokens
+        return SamplingParams(**fields)
 
 
 class Generate(Message, tag="ds.generate"):
@@ -72,7 +73,7 @@ class Cancel(Message, tag="ds.cancel"):
     request_id: str
 
 
-class Delta(msgspec.Struct, frozen=True):
+class Delta(msgspec.Struct, frozen=True, omit_defaults=True):
     """New tokens of one request; `finish` ("stop", "length") or `error` ends it."""
 
     request_id: str
@@ -80,6 +81,8 @@ class Delta(msgspec.Struct, frozen=True):
     finish: str | None = None
     # "overloaded", "unavailable" or "failed: ..." when the request cannot complete
     error: str | None = None
+    # one entry per token, only for a request that asks for logprobs
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class Tokens(Message, tag="ds.tokens"):
@@ -110,6 +113,8 @@ class Prefilled(Message, tag="ds.prefilled"):
     source: str
     # set instead of a token when the prefill failed
     error: str | None = None
+    # the first token's logprobs, only for a request that asks for them
+    logprobs: TokenLogprobs | None = None
 
 
 class KVLost(Message, tag="ds.kv_lost"):

@@ -215,7 +215,9 @@ class PrefillInstance(Actor):
                 else:
                     self._held[rid] = _Held(seq, reply_to, deadline)
                 if not cancelled:
-                    await self._tell(reply_to, Prefilled(rid, seq.output[0], seq.finish, self.name))
+                    first = seq.last_logprobs(1)
+                    logprobs = first[0] if first else None
+                    await self._tell(reply_to, Prefilled(rid, seq.output[0], seq.finish, self.name, logprobs=logprobs))
             if self._steps is not None:
                 self._steps.record(
                     "prefill",

@@ -490,7 +490,11 @@ class SWorker(Actor):
         for req in reqs:
             output = req.seq.output
             if req.reply_to is not None and len(output) > req.sent:
-                by_dest[req.reply_to].append(Delta(req.seq.request_id, output[req.sent :], req.seq.finish))
+                new = len(output) - req.sent
+                delta = Delta(
+                    req.seq.request_id, output[req.sent :], req.seq.finish, logprobs=req.seq.last_logprobs(new)
+                )
+                by_dest[req.reply_to].append(delta)
             req.sent = len(output)
         for dest, deltas in by_dest.items():
             await dest.tell(Tokens(deltas, self.name))
