@@ -4,6 +4,8 @@ Why the frontend owns text: tokenisation, the chat template, incremental detoken
 strings all happen here, so the backends (an in-process engine or the disaggregated cluster's
 controller) move only token ids. Every request is watched for a client disconnect; when the
 client goes, the backend is told to cancel, which frees the request's KV wherever it lives.
+A request for `n` choices is `n` backend requests (aiollm.frontend.generation), merged by index.
+Besides the OpenAI routes it serves vLLM's `/tokenize`, `/detokenize`, `/version` and `/ping`.
 Errors use OpenAI's JSON shape: 400 naming the parameter, 404 for an unknown model, 429 when
 the frontend or the backend is at its admission limit, 503 when the backend cannot serve.
 """
@@ -13,10 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import jinja2
@@ -25,14 +26,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+import aiollm
 from aiollm.errors import require_positive
 from aiollm.frontend import protocol as oai
-from aiollm.frontend.detokenize import IncrementalText
+from aiollm.frontend.generation import Choice, Generation
 from aiollm.frontend.limits import ApiKey, BodyLimit
 from aiollm.frontend.metrics import CONTENT_TYPE, ServingMetrics
+from aiollm.frontend.reply import Reply
+from aiollm.frontend.responses import usage
 from aiollm.log import get_logger
-from aiollm.model.sampling import MAX_SEED, SamplingParams
-from aiollm.serving.backend import FINISH_STOP, Backend, GenerateRequest, ModelInfo, Overloaded, Unavailable
+from aiollm.model.sampling import MAX_SEED, SamplingParams, choice_seed
+from aiollm.serving.backend import Backend, GenerateRequest, ModelInfo, Overloaded, Unavailable
 
 _log = get_logger("frontend")
 
@@ -102,7 +106,7 @@ class Frontend:
     def __init__(self, backend: Backend, tokenizer: TextTokenizer, info: ModelInfo, config: FrontendConfig) -> None:
         self.backend, self.tokenizer, self.info, self.config = backend, tokenizer, info, config
         self.metrics = ServingMetrics()
-        self._in_flight = 0
+        self.in_flight = 0
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
@@ -153,7 +157,7 @@ class Frontend:
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            self.metrics.in_flight.set(self._in_flight)
+            self.metrics.in_flight.set(self.in_flight)
             try:
                 stats = await self.backend.stats()
             except Unavailable:  # the frontend's own figures still count; the backend's read as down
@@ -173,15 +177,47 @@ class Frontend:
         @app.post("/v1/chat/completions")
         async def chat(body: oai.ChatCompletionRequest, request: Request) -> Response:
             self._check_model(body.model)
-            messages = [{"role": m.role, "content": m.content} for m in body.messages]
-            try:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            except (ValueError, jinja2.TemplateError) as exc:  # e.g. a role the model's template refuses
-                raise _bad(f"messages: the chat template refused them: {exc}", "messages") from exc
+            text = self._chat_text(body.messages)
             ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
             return await self._respond(request, body, ids, chat=True)
 
+        @app.get("/version")
+        async def version() -> dict:
+            return {"version": aiollm.__version__}
+
+        @app.api_route("/ping", methods=["GET", "POST"])
+        async def ping() -> Response:
+            return Response(status_code=200)
+
+        @app.post("/tokenize")
+        async def tokenize(body: oai.TokenizeRequest) -> dict:
+            if body.model is not None:
+                self._check_model(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise _bad("tokenize takes either a prompt or messages", "prompt")
+            if body.prompt is not None:
+                special = body.add_special_tokens if body.add_special_tokens is not None else True
+                ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt, add_special_tokens=special)
+            else:
+                text = self._chat_text(body.messages, body.add_generation_prompt)
+                special = bool(body.add_special_tokens)
+                ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=special)
+            return {"count": len(ids), "max_model_len": self.info.max_context, "tokens": ids, "token_strs": None}
+
+        @app.post("/detokenize")
+        async def detokenize(body: oai.DetokenizeRequest) -> dict:
+            if body.model is not None:
+                self._check_model(body.model)
+            return {"prompt": self.tokenizer.decode(self._check_ids(body.tokens, "tokens"))}
+
         return app
+
+    def _chat_text(self, messages: list[oai.ChatMessage], add_generation_prompt: bool = True) -> str:
+        plain = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        except (ValueError, jinja2.TemplateError) as exc:  # e.g. a role the model's template refuses
+            raise _bad(f"messages: the chat template refused them: {exc}", "messages") from exc
 
     def _check_model(self, name: str) -> None:
         if name != self.info.name:
@@ -193,10 +229,10 @@ class Frontend:
                 "model_not_found",
             )
 
-    def _check_ids(self, ids: list[int]) -> list[int]:
+    def _check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = self.config.vocab_size
-        if vocab and any(not 0 <= i < vocab for i in ids):
-            raise _bad(f"prompt: token ids must be in [0, {vocab})", "prompt")
+        if any(not 0 <= i < (vocab or 2**31) for i in ids):
+            raise _bad(f"{param}: token ids must be in [0, {vocab or 2**31})", param)
         return ids
 
     def _sampling(self, body, prompt_len: int, chat: bool) -> SamplingParams:
@@ -221,6 +257,12 @@ class Frontend:
                 param,
                 "context_length_exceeded",
             )
+        vocab = self.config.vocab_size
+        bias = tuple((int(token), float(b)) for token, b in (body.logit_bias or {}).items())
+        if vocab and any(token >= vocab for token, _ in bias):
+            raise _bad(f"logit_bias: token ids must be in [0, {vocab})", "logit_bias")
+        if vocab and any(token >= vocab for token in body.stop_token_ids or ()):
+            raise _bad(f"stop_token_ids: token ids must be in [0, {vocab})", "stop_token_ids")
         # a request without a seed gets one here, so that a resume after a fault draws what it would have drawn
         seed = body.seed % (MAX_SEED + 1) if body.seed is not None else secrets.randbelow(MAX_SEED + 1)
         try:
@@ -228,16 +270,30 @@ class Frontend:
                 max_tokens=max_tokens,
                 temperature=body.temperature,
                 top_p=body.top_p,
-                top_k=body.top_k,
+                top_k=max(body.top_k, 0),
+                min_p=body.min_p,
                 seed=seed,
+                stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                min_tokens=body.min_tokens,
+                logit_bias=bias,
+                logprobs=body.top_logprobs_n,
             )
         except ValueError as exc:  # messages start with the field's name
             raise _bad(str(exc), str(exc).split(":", 1)[0]) from exc
 
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
     async def _respond(self, request: Request, body, ids: list[int], chat: bool) -> Response:
+        refused = body.refusal()
+        if refused is not None:
+            raise _bad(*refused)
         sampling = self._sampling(body, len(ids), chat)
-        if self._in_flight >= self.config.max_in_flight:
+        if self.in_flight + body.n > self.config.max_in_flight:
             raise HTTPError(
                 429,
                 f"Too many requests in flight ({self.config.max_in_flight}); retry later.",
@@ -246,121 +302,63 @@ class Frontend:
                 retry_after=self.config.retry_after_s,
             )
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        run = _Run(self, request, GenerateRequest(request_id, tuple(ids), sampling), body.stops)
-        pieces = run.pieces()
+        skip = body.skip_special_tokens
+
+        def decode(token_ids: list[int]) -> str:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=skip)
+
+        choices = []
+        for index in range(body.n):
+            params = replace(sampling, seed=choice_seed(sampling.seed, index))
+            rid = request_id if body.n == 1 else f"{request_id}-{index}"
+            request_ = GenerateRequest(rid, tuple(ids), params)
+            choices.append(Choice(self, request_, index, decode, body.stops, body.include_stop_str_in_output))
+        generation = Generation(self, request, choices)
         try:
-            first = await anext(pieces)
+            await generation.start()
         except Overloaded as exc:
             raise HTTPError(
                 429, str(exc), "rate_limit_error", code="overloaded", retry_after=self.config.retry_after_s
             ) from exc
         except Unavailable as exc:
             raise HTTPError(503, str(exc), "service_unavailable") from exc
-        model = self.info.name
+        echo = ""
+        if not chat and body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else decode(ids)
+        reply = Reply(request_id, self.info.name, chat, body.top_logprobs_n, echo, self._token_text)
         if not body.stream:
             try:
-                texts, finish = [first[0]], first[1]
-                async for text, finish in pieces:  # noqa: B007 (the last finish is the answer)
-                    texts.append(text)
+                async for piece in generation.pieces():
+                    reply.add(piece)
             except Unavailable as exc:
                 raise HTTPError(503, str(exc), "service_unavailable") from exc
             finally:
-                await pieces.aclose()
-            use = oai.usage(len(ids), run.num_tokens)
-            build = oai.chat_completion if chat else oai.completion
-            return JSONResponse(build(request_id, model, "".join(texts), finish, use))
+                await generation.close()
+            return JSONResponse(reply.whole(usage(len(ids), generation.num_tokens)))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            self._sse(run, pieces, first, chat, include_usage, len(ids)), media_type="text/event-stream"
-        )
+        return StreamingResponse(self._sse(generation, reply, include_usage, len(ids)), media_type="text/event-stream")
 
     async def _sse(
-        self, run: _Run, pieces: AsyncIterator, first, chat: bool, include_usage: bool, prompt_len: int
+        self, generation: Generation, reply: Reply, include_usage: bool, prompt_len: int
     ) -> AsyncIterator[str]:
-        rid, model = run.request.request_id, self.info.name
         try:
-            if chat:
-                yield _event(oai.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
-            piece = first
-            while True:
-                text, finish = piece
-                if chat:
-                    yield _event(oai.chat_chunk(rid, model, {"content": text} if text else {}, finish))
-                else:
-                    yield _event(oai.completion_chunk(rid, model, text, finish))
-                if finish is not None:
-                    break
-                try:
-                    piece = await anext(pieces)
-                except Unavailable as exc:  # headers are sent: report in-band, as OpenAI does
-                    yield _event(oai.error_body(str(exc), "service_unavailable"))
-                    return
+            for chunk in reply.opening(len(generation.choices)):
+                yield _event(chunk)
+            try:
+                async for piece in generation.pieces():
+                    yield _event(reply.chunk(piece))
+            except Unavailable as exc:  # headers are sent: report in-band, as OpenAI does
+                yield _event(oai.error_body(str(exc), "service_unavailable"))
+                return
             if include_usage:
-                use = oai.usage(prompt_len, run.num_tokens)
-                build = oai.chat_chunk if chat else oai.completion_chunk
-                yield _event(build(rid, model, {} if chat else "", None, use))
+                yield _event(reply.usage_chunk(usage(prompt_len, generation.num_tokens)))
             yield "data: [DONE]\n\n"
         finally:
-            await pieces.aclose()
+            await generation.close()
 
 
 def _event(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-class _Run:
-    """One request's generation: backend deltas -> settled text pieces, stop strings, metrics, cancel."""
-
-    def __init__(self, frontend: Frontend, http: Request, request: GenerateRequest, stops: list[str]) -> None:
-        self.frontend, self.http, self.request = frontend, http, request
-        self.text = IncrementalText(frontend.tokenizer.decode, stops)
-        self.arrival = time.monotonic()
-        self.num_tokens = 0
-
-    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
-        """Yield (text, None) for new text and finally (text, finish_reason); cancels the backend on exit
-        unless the request finished."""
-        backend, metrics, rid = self.frontend.backend, self.frontend.metrics, self.request.request_id
-        watcher = asyncio.create_task(self._watch_disconnect())
-        first = last = None
-        outcome = "aborted"
-        self.frontend._in_flight += 1
-        try:
-            metrics.prompt_tokens.inc(len(self.request.prompt_ids))
-            async for delta in backend.submit(self.request):
-                last = time.monotonic()
-                first = first or last
-                self.num_tokens += len(delta.token_ids)
-                metrics.tokens_generated(len(delta.token_ids))
-                text = self.text.feed(delta.token_ids)
-                if self.text.stopped:
-                    outcome = "stop"
-                    await backend.cancel(rid)
-                    yield text, FINISH_STOP
-                    return
-                if delta.finish_reason is not None:
-                    outcome = delta.finish_reason
-                    yield text + self.text.flush(), delta.finish_reason
-                    return
-                if text:
-                    yield text, None
-            raise Unavailable(f"request {rid} ended without a finish reason (cancelled)")
-        finally:
-            self.frontend._in_flight -= 1
-            watcher.cancel()
-            # counted before the await below: a dropped stream's task may be cancelled again while it waits
-            metrics.request_done(outcome, self.arrival, first, last, self.num_tokens)
-            if outcome == "aborted":
-                await asyncio.shield(backend.cancel(rid))
-
-    async def _watch_disconnect(self) -> None:
-        """Cancel the backend request once the HTTP client has gone."""
-        while True:
-            message = await self.http.receive()
-            if message["type"] == "http.disconnect":
-                _log.info("client disconnected", request_id=self.request.request_id)
-                await self.frontend.backend.cancel(self.request.request_id)
-                return
 
 
 async def start_server(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, asyncio.Task, int]:

@@ -4,7 +4,8 @@ Why not decode each token alone: byte-level BPE splits multi-byte characters acr
 merges spaces into the next token, so a token's text depends on its neighbours. We decode the
 whole completion each time and emit only the new, settled suffix: text ending in an incomplete
 character (U+FFFD) is held back, and so is any tail that could still become a stop string, so a
-stream never shows a client part of a stop sequence.
+stream never shows a client part of a stop sequence (the whole one ends the text when it is to be
+included).
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ _INCOMPLETE = "\ufffd"
 class IncrementalText:
     """Accumulates token ids and yields the newly settled text."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = ()) -> None:
+    def __init__(
+        self, decode: Callable[[list[int]], str], stops: Sequence[str] = (), include_stop: bool = False
+    ) -> None:
         self._decode = decode
         self._stops = [s for s in stops if s]
+        # keep the stop string that ended the text at its end (vLLM's include_stop_str_in_output)
+        self._include_stop = include_stop
         self._ids: list[int] = []
         self._emitted = 0  # characters of the decoded text already returned
         self.stopped = False  # a stop string was found; the text ends before it
@@ -35,11 +40,12 @@ class IncrementalText:
             return ""
         self._ids.extend(token_ids)
         full = self._decode(self._ids)
-        for stop in self._stops:
-            at = full.find(stop, max(0, self._emitted - len(stop) + 1))
-            if at != -1:
-                full = full[:at]
-                self.stopped = True
+        hits = [(full.find(stop, max(0, self._emitted - len(stop) + 1)), stop) for stop in self._stops]
+        hits = [(at, stop) for at, stop in hits if at != -1]
+        if hits:
+            at, stop = min(hits)
+            full = full[: at + len(stop) if self._include_stop else at]
+            self.stopped = True
         if not self.stopped:
             full = self._settled(full)
         return self._advance(full)

@@ -140,6 +140,14 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request with `n` choices: the request's own for the first, a distinct one
+    derived from it for the others, so `n` choices with one seed are distinct draws and reproducible."""
+    if index == 0:
+        return seed
+    return _mix64(_mix64(seed) + index * 0xD1B54A32D192ED03) >> 1
+
+
 class Draws:
     """The random draws of one request, keyed by (seed, token index): `next()` is the generator for the
     token at `index`, then moves on to the next index."""
