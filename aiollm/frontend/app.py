@@ -185,8 +185,12 @@ class Frontend:
         async def version() -> dict:
             return {"version": aiollm.__version__}
 
-        @app.api_route("/ping", methods=["GET", "POST"])
+        @app.get("/ping")
         async def ping() -> Response:
+            return Response(status_code=200)
+
+        @app.post("/ping")
+        async def ping_post() -> Response:
             return Response(status_code=200)
 
         @app.post("/tokenize")

@@ -125,7 +125,7 @@ async def test_cancelled_stream_frees_its_kv(tiny):
         ({"temperature": 3}, "temperature"),
         ({"max_tokens": 1000}, "max_tokens"),
         ({"top_p": 1.5}, "top_p"),
-        ({"n": 3}, "n"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ],
 )
 async def test_bad_parameters_give_400_naming_them(tiny, kwargs, param):

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from aiollm.frontend.app import Frontend, FrontendConfig, start_server
+from aiollm.model.logprobs import TokenLogprobs
 from aiollm.serving.backend import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -31,10 +32,18 @@ class CharTokenizer:
         return [ord(c) for c in text]
 
     def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids if i != EOS)
+        return "".join(chr(i) for i in ids if i != EOS or not skip_special_tokens)
 
     def apply_chat_template(self, messages, add_generation_prompt=True):
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def _logprobs(token, k):
+    """A fixed, recognisable distribution: the token at -0.25, then 'z', 'y', ... below it."""
+    if k is None:
+        return None
+    top = [(token, -0.25)] + [(ord("z") - i, -1.0 - i) for i in range(k - 1)]
+    return [TokenLogprobs(-0.25, tuple(top[:k]))]
 
 
 class ScriptedBackend:
@@ -61,10 +70,11 @@ class ScriptedBackend:
                     return
                 await asyncio.sleep(self.delay)
                 last = i + 1 == request.sampling.max_tokens
+                logprobs = _logprobs(token, request.sampling.logprobs)
                 if token == EOS and not request.sampling.ignore_eos:
-                    yield TokenDelta((token,), FINISH_STOP)
+                    yield TokenDelta((token,), FINISH_STOP, logprobs)
                     return
-                yield TokenDelta((token,), FINISH_LENGTH if last else None)
+                yield TokenDelta((token,), FINISH_LENGTH if last else None, logprobs)
         finally:
             self.active.discard(request.request_id)
 
@@ -161,13 +171,13 @@ async def test_stop_string_truncates_and_cancels(served):
     [
         ({"temperature": 5}, 400, "temperature"),
         ({"top_p": 0}, 400, "top_p"),
-        ({"n": 2}, 400, "n"),
+        ({"n": 0}, 400, "n"),
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"max_tokens": 63}, 400, "max_tokens"),  # 2 prompt tokens + 63 > 64
         ({"prompt": "x" * 64}, 400, "prompt"),
         ({"prompt": [999]}, 400, "prompt"),
         ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-        ({"presence_penalty": 1.0}, 400, "presence_penalty"),
+        ({"presence_penalty": 2.5}, 400, "presence_penalty"),
         ({"model": "gpt-4"}, 404, "model"),
         ({"seed": 2**64}, 400, "seed"),
         ({"extra_body": {"top_k": 2**64}}, 400, "top_k"),
