@@ -38,13 +38,22 @@ class _CurrentStderr:
 
     Why: a stream captured when logging was configured may be closed later (a test's captured
     stderr, a redirected stream); writing to it then raises inside an actor's loop.
+
+    A log line that cannot be written (the reading end of stderr is gone: a launcher's pipe whose
+    process died) is dropped: logging never fails the work it describes.
     """
 
     def write(self, text: str) -> int:
-        return sys.stderr.write(text)
+        try:
+            return sys.stderr.write(text)
+        except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+            return 0
 
     def flush(self) -> None:
-        sys.stderr.flush()
+        try:
+            sys.stderr.flush()
+        except (BrokenPipeError, ValueError):
+            pass
 
 
 def get_logger(name: str) -> Any:

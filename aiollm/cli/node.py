@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -66,6 +68,14 @@ def _parser(add_help: bool = True) -> _Parser:
         help="another node to connect to (and authenticate with) at start, repeatable",
     )
     parser.add_argument("--name", default="", help="name of the node's inproc address")
+    parser.add_argument(
+        "--launcher-head",
+        default=None,
+        metavar="HOST:PORT",
+        help="started by a cluster launcher whose head listens here (Ray's GCS): when the launching process exits "
+        "the node stops if the head still answers (the launcher starts the instance again) and serves on if not "
+        "(the head is lost)",
+    )
     spec_flag(parser, "--heartbeat-interval", "node.heartbeat_interval", "seconds between heartbeats", metavar="S")
     spec_flag(parser, "--heartbeat-timeout", "node.heartbeat_timeout", "seconds of silence: peer dead", metavar="S")
     spec_flag(parser, "--mailbox-size", "node.mailbox_size", "messages a mailbox holds before senders wait")
@@ -104,6 +114,8 @@ class NodeLaunch:
     node_config: object
     log_level: str
     log_json: bool
+    # the launcher's cluster head (HOST:PORT), watched once the launching process exits; None: not watched
+    launcher_head: tuple[str, int] | None = None
 
 
 def parse(argv: list[str] | None) -> NodeLaunch:
@@ -134,6 +146,12 @@ def parse(argv: list[str] | None) -> NodeLaunch:
             parser.error(str(exc))
         if address.path:
             parser.error(f"address {url!r}: a node address has no actor path")
+    head = None
+    if args.launcher_head is not None:
+        host, _, port = args.launcher_head.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error(f"--launcher-head: expected HOST:PORT, got {args.launcher_head!r}")
+        head = (host.strip("[]"), int(port))
     try:
         secret = read_secret(args.secret_file)
     except OSError as exc:
@@ -163,6 +181,7 @@ def parse(argv: list[str] | None) -> NodeLaunch:
         config,
         args.log_level,
         args.log_json,
+        head,
     )
 
 
@@ -196,12 +215,53 @@ async def serve(launch: NodeLaunch) -> int:
         print(json.dumps(ready), flush=True)
         stopped = asyncio.ensure_future(node.wait_stopped())
         signalled = asyncio.ensure_future(stop.wait())
+        watched = asyncio.ensure_future(_watch_launcher(launch.launcher_head, log)) if launch.launcher_head else None
         await asyncio.wait({stopped, signalled}, return_when=asyncio.FIRST_COMPLETED)
-        signalled.cancel()
-        stopped.cancel()
+        for task in (signalled, stopped, watched):
+            if task is not None:
+                task.cancel()
     finally:
         await node.stop()
     return 0
+
+
+async def _watch_launcher(head: tuple[str, int], log, poll_s: float = 0.5) -> None:
+    """Once the process that launched this node exits: end the node at once if the launcher's cluster head
+    still answers, since the launcher starts this instance again (elsewhere, or here on the same port); serve
+    on if the head is lost, since then nothing would start it again and its requests would be lost with it."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(poll_s)
+    if await _answers(head):
+        log.warning("launcher exited while its cluster head answers: the instance ends here", head=_hostport(head))
+        os._exit(1)  # at once: the instance that replaces it may need this port
+    # the launcher's pipes have no reader any more: the node's output goes to a file of its own
+    path = Path(tempfile.gettempdir()) / f"aiollm-node-{os.getpid()}.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # what is buffered for the dead pipe is lost with it
+            stream.flush()
+        os.dup2(fd, stream.fileno())
+    os.close(fd)
+    log.warning("launcher exited and its cluster head is lost: serving on", head=_hostport(head), log=str(path))
+
+
+async def _answers(head: tuple[str, int], tries: int = 3, timeout_s: float = 2.0) -> bool:
+    """Whether something accepts a TCP connection at `head` (in `tries` attempts a second apart)."""
+    for attempt in range(tries):
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(*head), timeout_s)
+        except (OSError, TimeoutError):
+            if attempt + 1 < tries:
+                await asyncio.sleep(1.0)
+            continue
+        writer.close()
+        return True
+    return False
+
+
+def _hostport(head: tuple[str, int]) -> str:
+    return f"{head[0]}:{head[1]}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,7 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="place every role instance as a Ray actor (resources from the spec's ray_resources); Ray restarts them",
     )
     parser.add_argument(
-        "--ray-address", metavar="ADDR", help="with --ray: the Ray cluster (default: start a local one)"
+        "--ray-address",
+        metavar="ADDR",
+        help="with --ray: the Ray cluster (`auto`: the one `ray start` runs on this host; default: start a local one)",
     )
     spec_flag(parser, "--log-level", "log_level", "log level of the nodes")
     spec_flag(

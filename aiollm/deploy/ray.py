@@ -6,16 +6,22 @@ every message between roles.
 
 Each role instance is one Ray actor (`RoleHost`) in its own process, scheduled with the role section's
 `threads` as `num_cpus` and its `ray_resources` (custom resources such as `{prefill = 1}`, which `ray start
---resources` gives the nodes meant for prefill). The actor runs `python -m aiollm.node` as its child, which dies
-with it, and the actor exits when the node does: Ray's restart of the actor (unbounded) restarts the node. A
-restarted instance binds the port it had when it lands on the same Ray node and joins the controller under its
-name (`--controller`, from the registry), so a node lost with its host comes back elsewhere and the controller
-resumes its requests. The registry actor keeps each instance's address for that.
+--resources` gives the nodes meant for prefill). The actor runs `python -m aiollm.node` as its child and exits
+when the node does: Ray's restart of the actor (unbounded) restarts the node. A restarted instance binds the
+port it had when it lands on the same Ray node and joins the controller under its name (`--controller`, from
+the registry), so a node lost with its host comes back elsewhere and the controller resumes its requests. The
+registry actor keeps each instance's address for that.
+
+The node outlives its actor only when the cluster's head is lost (`--launcher-head`): when its actor exits
+it ends at once if the head still answers (Ray starts the instance again) and serves on if not, since then
+nothing would. Losing the head thus costs restarts, not service. `stop()` kills the actors, then stops every
+node still up over aiollm's own transport, then shuts a local Ray down.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import secrets
 import signal
@@ -57,6 +63,9 @@ class Registry:
     def lookup(self, name: str) -> dict[str, Any] | None:
         return self.entries.get(name)
 
+    def all(self) -> dict[str, dict[str, Any]]:
+        return self.entries
+
     def record(self, name: str, entry: dict[str, Any]) -> None:
         self.entries[name] = entry
 
@@ -81,7 +90,9 @@ class RoleHost:
         spec_file.write_text(spec_toml)
         cmd = [sys.executable, "-m", "aiollm.node", "--role", role, "--secret-file", str(secret_file)]
         cmd += ["--config", str(spec_file), "--listen", f"tcp://{ip}:{port}", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+        cmd += ["--launcher-head", ray.get_runtime_context().gcs_address]
+        # its own session: no signal meant for the actor's process group reaches it
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"{role} {name} exited with status {self.proc.wait()} before it was ready")
@@ -108,13 +119,6 @@ class RoleHost:
         return self.entry
 
 
-def _die_with_parent() -> None:
-    """In the node process: SIGKILL it when its actor process dies (nothing outlives a killed actor)."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class _Placed:
     name: str
@@ -130,6 +134,9 @@ class RayCluster:
         self.spec, self.address = spec, address
         self.placed: list[_Placed] = []
         self.base_url = ""
+        self.registry = None
+        self.secret = secrets.token_hex(32)
+        self._nodes: dict[str, str] = {}
         self._started_ray = False
 
     def __enter__(self) -> RayCluster:
@@ -140,11 +147,12 @@ class RayCluster:
         self.stop()
 
     def start(self) -> None:
+        if self.address is None:  # a local Ray keeps to loopback (read when Ray is imported)
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         ray = _ray()
         if not ray.is_initialized():
-            if self.address is None:  # a local Ray: keep it on loopback
-                os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-            ray.init(address=self.address, include_dashboard=False, logging_level="WARNING")
+            # None: a new local Ray for this deployment, never one found on this machine ("auto" joins that)
+            ray.init(address=self.address or "local", include_dashboard=False, logging_level="WARNING")
             self._started_ray = True
         try:
             self._start_roles(ray)
@@ -159,7 +167,6 @@ class RayCluster:
 
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.registry = ray.remote(Registry).options(num_cpus=0, scheduling_strategy=here).remote()
-        self.secret = secrets.token_hex(32)
         toml = spec.to_toml()
 
         def place(role: str, name: str, wiring: Wiring):
@@ -169,6 +176,8 @@ class RayCluster:
                 "resources": dict(section.ray_resources),
                 "max_restarts": -1,
                 "max_task_retries": -1,
+                # the node process outlives its actor by its own rule (`--launcher-head`), not by Ray's
+                "runtime_env": {"env_vars": {"RAY_kill_child_processes_on_worker_exit": "false"}},
             }
             host = ray.remote(RoleHost).options(**options)
             handle = host.remote(role, name, toml, self.secret, wiring.to_args(), self.registry)
@@ -203,14 +212,29 @@ class RayCluster:
         """The registry's entry of a role instance: its address, actors, Ray node and pid."""
         return _ray().get(self.registry.lookup.remote(name))
 
+    def nodes(self) -> dict[str, str]:
+        """Every role instance's node address, by name (as the registry has it now)."""
+        entries = _ray().get(self.registry.all.remote(), timeout=30)
+        self._nodes = {name: entry["url"] for name, entry in entries.items()}
+        return dict(self._nodes)
+
     def stop(self) -> None:
+        """Kill every role actor, then ask every node still up to stop over aiollm's transport, and only then
+        shut a local Ray down: a node outlives its actor while the head does not answer, so a head shut down
+        first would leave it serving."""
         ray = _ray()
+        try:
+            urls = list(self.nodes().values()) if self.registry is not None else []
+        except Exception:  # Ray is failing: the addresses known last
+            urls = list(self._nodes.values())
         for placed in self.placed:
             try:
                 ray.kill(placed.handle, no_restart=True)
             except Exception:  # already gone
                 pass
         self.placed.clear()
+        if urls:
+            _run(shutdown_nodes(urls, self.secret))
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False
@@ -224,21 +248,104 @@ def _healthy(url: str) -> bool:
         return False
 
 
+async def shutdown_nodes(urls: list[str], secret: str, timeout_s: float = 5.0) -> list[str]:
+    """Ask the nodes at `urls` to stop, over aiollm's own transport (no Ray involved: its head may be lost);
+    returns the addresses that did not answer."""
+    from aiollm.actors.messages import Shutdown
+    from aiollm.actors.node import Node, NodeConfig
+    from aiollm.actors.system import SYSTEM_ACTOR
+
+    node = Node(NodeConfig(secret=secret.encode()))
+    await node.start([])
+    try:
+        asks = [node.ref(f"{url}/{SYSTEM_ACTOR}").ask(Shutdown(), timeout_s) for url in urls]
+        answers = await asyncio.gather(*asks, return_exceptions=True)
+    finally:
+        await node.stop(timeout_s)
+    return [url for url, answer in zip(urls, answers) if isinstance(answer, BaseException)]
+
+
+def _run(work) -> Any:
+    """Run a coroutine to its end from synchronous code, also when the caller runs an event loop itself."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(work)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, work).result()
+
+
 def serve(spec: ClusterSpec, address: str | None) -> int:
-    """`python -m aiollm serve --ray`: deploy, print where it serves, run until SIGINT/SIGTERM, tear down."""
-    stop = asyncio.Event()
+    """`python -m aiollm serve --ray`: deploy, print where it serves, run until SIGINT/SIGTERM, tear down.
 
-    async def wait() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-
-    with RayCluster(spec, address) as cluster:
+    The Ray connection lives in a child process (`aiollm.deploy.ray_driver`): Ray ends every process connected
+    to a cluster whose head is lost, and the instances keep serving then, so this process outlives the head
+    with every instance's address and the secret, and still stops them all over aiollm's own transport."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with tempfile.TemporaryDirectory(prefix="aiollm-ray-") as directory:
+        config = Path(directory) / "cluster.toml"
+        config.write_text(spec.to_toml())
+        cmd = [sys.executable, "-m", "aiollm.deploy.ray_driver", "--config", str(config)]
+        cmd += ["--address", address] if address else []
+        # its own session: a terminal's ^C reaches this process only, which then tears the deployment down
+        driver = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        state = _DriverState()
+        threading.Thread(target=state.follow, args=(driver.stdout,), daemon=True).start()
+        while not state.ready.wait(0.2):
+            if driver.poll() is not None or stop.is_set():
+                _stop_driver(driver)
+                print("python -m aiollm serve: error: the deployment on Ray did not start", file=sys.stderr)
+                return 1
         where = f"Ray at {address}" if address else "a local Ray"
         print(
-            f"aiollm: serving {served_name(spec.model.name)} at {cluster.base_url}/v1 ({spec.describe()}, on {where})",
+            f"aiollm: serving {served_name(spec.model.name)} at {state.base_url}/v1 ({spec.describe()}, on {where})",
             flush=True,
         )
-        asyncio.run(wait())
+        lost = False
+        while not stop.wait(0.5):
+            if driver.poll() is not None and not lost:
+                lost = True
+                _log.warning(
+                    "the connection to Ray is lost (its head is gone): the instances serve on, none is restarted",
+                    status=driver.returncode,
+                )
+        if _stop_driver(driver) != 0:  # Ray could not tear it down: stop every node directly
+            left = _run(shutdown_nodes(list(state.nodes.values()), state.secret))
+            if left:
+                _log.error("nodes that did not answer the shutdown", nodes=left)
     return 0
+
+
+def _stop_driver(driver: subprocess.Popen) -> int:
+    """Close the driver's stdin (it tears the deployment down on Ray) and wait for it; its exit status."""
+    try:
+        driver.stdin.close()
+    except OSError:
+        pass
+    try:
+        return driver.wait(READY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        return driver.wait()
+
+
+class _DriverState:
+    """What the driver process reports, one JSON line at a time: where the frontend serves, the secret, and
+    every node's address (updated when Ray moves an instance)."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.base_url = self.secret = ""
+        self.nodes: dict[str, str] = {}
+
+    def follow(self, lines) -> None:
+        import json
+
+        for line in lines:
+            report = json.loads(line)
+            self.nodes = report.get("nodes", self.nodes)
+            if "base_url" in report:
+                self.base_url, self.secret = report["base_url"], report["secret"]
+                self.ready.set()

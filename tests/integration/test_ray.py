@@ -5,6 +5,7 @@ instance on the remaining decode-capable node, it rejoins the controller at its 
 ends with the greedy tokens of an undisturbed run. Tearing the deployment down leaves no node process."""
 
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -84,12 +85,17 @@ def test_roles_placed_by_resource_survive_the_loss_of_their_ray_node(tmp_path):
             deadline = time.monotonic() + 60
             while len(streamed) < 4 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            cluster.remove_node(decode_node)  # the decode instance's Ray node is lost mid-stream
+            # the decode instance's host is lost mid-stream: its node process and its Ray node with it
+            os.kill(placed["pid"], signal.SIGKILL)
+            cluster.remove_node(decode_node)
             removed.append(time.monotonic())
             for t in threads:
                 t.join(240)
             assert sorted(results) == list(enumerate(expected))
             # restarted on the other decode-capable node (on loopback it binds the port it had again)
+            deadline = time.monotonic() + 60
+            while deployed.where("decode0")["pid"] == placed["pid"] and time.monotonic() < deadline:
+                time.sleep(0.2)
             moved = deployed.where("decode0")
             assert moved["node_id"] != decode_node.node_id and moved["pid"] != placed["pid"]
         deadline = time.monotonic() + 30
