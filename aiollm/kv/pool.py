@@ -51,12 +51,16 @@ class KVConfig:
     head_dim: int
     block_size: int = 16
     dtype: str = DEFAULT_KV_DTYPE
+    # sliding-window attention: decode attends to each sequence's last `window` tokens (0: all of them)
+    window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "n_blocks", "n_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"KVConfig.{name}: expected a positive int, got {value!r}")
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
+            raise ValueError(f"KVConfig.window: expected an int >= 0 (0: no sliding window), got {self.window!r}")
         if self.head_dim > attention.MAX_HEAD_DIM:
             raise ValueError(f"KVConfig.head_dim: expected at most {attention.MAX_HEAD_DIM}, got {self.head_dim}")
         if self.dtype not in _STORAGE:
@@ -84,7 +88,8 @@ class KVConfig:
     def for_model(
         cls, model_config, n_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, dtype: str = DEFAULT_KV_DTYPE
     ) -> "KVConfig":
-        """The KV shape of a model (anything with `n_layers`, `n_kv_heads`, `head_dim`: a ModelConfig)."""
+        """The KV shape of a model (anything with `n_layers`, `n_kv_heads`, `head_dim` and optionally
+        `sliding_window`: a ModelConfig)."""
         c = model_config
         return cls(
             n_layers=c.n_layers,
@@ -93,6 +98,7 @@ class KVConfig:
             head_dim=c.head_dim,
             block_size=block_size,
             dtype=dtype,
+            window=getattr(c, "sliding_window", None) or 0,
         )
 
     @classmethod
@@ -105,6 +111,7 @@ class KVConfig:
         head_dim: int,
         block_size: int = 16,
         dtype: str = DEFAULT_KV_DTYPE,
+        window: int = 0,
     ) -> "KVConfig":
         """As many blocks as fit in `budget_bytes`; ValueError if not even one does."""
         probe = cls(
@@ -120,6 +127,7 @@ class KVConfig:
             head_dim=head_dim,
             block_size=block_size,
             dtype=dtype,
+            window=window,
         )
 
 
@@ -222,12 +230,15 @@ class KVPool:
             out=out,
             out_dtype=out_dtype,
             n_threads=n_threads,
+            window=self.config.window,
         )
 
     def prepare_decode(self, slot_mapping, block_tables, seq_lens) -> attention.DecodeStep:
         """Check one decode step's index arrays once; the returned step's `write`/`attend` serve every layer."""
         if self._descs is None:
-            self._descs = [attention._layer(**self._layer(layer)) for layer in range(self.config.n_layers)]
+            self._descs = [
+                attention._layer(**self._layer(layer), window=self.config.window) for layer in range(self.config.n_layers)
+            ]
         return attention.DecodeStep(self._descs, slot_mapping, block_tables, seq_lens, owner=self)
 
     def _block_index(self, block_ids) -> slice | np.ndarray:
@@ -246,6 +257,20 @@ class KVPool:
         idx = (slice(None), at) if layer is None else (self._check_layer(layer), at)
         pick = lambda a: None if a is None else a[idx]
         return KVBlocks(pick(self.k), pick(self.v), pick(self.k_scale), pick(self.v_scale))
+
+    def read_tokens(self, layer: int, block_ids) -> tuple[np.ndarray, np.ndarray]:
+        """The K and V of every token of `block_ids` in one layer as fp32 [n_blocks * block_size, n_kv_heads,
+        head_dim], token order, dequantised (int8 / int4: code times scale): what attention over them reads."""
+        kv = self.read(layer, block_ids)
+        k, v = kv.k, kv.v
+        if self.config.dtype in _QUANTISED:
+            k, v = (int8_logical if self.config.dtype == "int8" else int4_logical)(k, v)
+            k = k.astype(np.float32) * kv.k_scale.astype(np.float32)[:, :, None, :]
+            v = v.astype(np.float32) * kv.v_scale.astype(np.float32)[..., None]
+        n, h = k.shape[0] * self.config.block_size, self.config.n_kv_heads
+        k = np.ascontiguousarray(k.transpose(0, 3, 1, 2), dtype=np.float32).reshape(n, h, self.config.head_dim)
+        v = np.ascontiguousarray(v.transpose(0, 2, 1, 3), dtype=np.float32).reshape(n, h, self.config.head_dim)
+        return k, v
 
     def write_blocks(self, layer: int | None, block_ids, k_blocks, v_blocks, *, k_scale=None, v_scale=None) -> None:
         """Import raw blocks as returned by `read` (same shapes and dtypes) into `block_ids`."""

@@ -38,6 +38,10 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     # KV blocks held in a paged cache
     blocks: list[int] = field(default_factory=list)
+    # prompt tokens whose KV was mapped from a prefix cache instead of computed or pulled (a whole number of blocks)
+    cached_tokens: int = 0
+    # the chained hashes of the prompt's full blocks (aiollm.kv.prefix_cache), when a prefix cache is in use
+    block_hashes: list[bytes] = field(default_factory=list)
     # FINISH_STOP or FINISH_LENGTH once it ended
     finish: str | None = None
     # tokens sampled here (a decode instance's first token was sampled by the prefill instance)

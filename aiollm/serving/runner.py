@@ -13,45 +13,88 @@ from collections.abc import Callable
 
 import torch
 
+from aiollm.errors import KVCacheFull
 from aiollm.kv.blocks import BlockAllocator
 from aiollm.kv.pool import KVConfig, KVPool
+from aiollm.kv.prefix_cache import BlockCache, block_hashes
 from aiollm.model.decode import decode_logits
 from aiollm.model.llama import LlamaModel
+from aiollm.model.prefix_prefill import prefill_after
 from aiollm.model.sequence import Sequence, sample_next
+
+# Prompt tokens a prefill computes at least, however much of the prompt is cached: one gives the logits of the
+# first output token; the native GEMM takes another path below 4 rows (a few fp32 ulps apart), so 4 keep the
+# logits and the K/V the bits a whole prefill gives.
+MIN_COMPUTED = 4
 
 # (layer, k, v) of a packed prefill batch, k/v [n_tokens, n_kv_heads, head_dim]
 KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 class PagedCache:
-    """A paged KV pool with its allocator; a sequence reserves blocks for its whole completion up front."""
+    """A paged KV pool with its allocator; a sequence reserves blocks for its whole completion up front.
 
-    def __init__(self, model: LlamaModel, n_blocks: int, block_size: int = 16, dtype: str = "fp32") -> None:
+    With `prefix_cache`, the full blocks of prompts are kept after their sequences end, named by their chained
+    hashes (aiollm.kv.prefix_cache.BlockCache): `reserve(seq, reuse=n)` maps the cached blocks of the longest
+    cached prefix of the prompt (up to n tokens) into a new sequence, and `commit` names the prompt's full
+    blocks once their KV is written, so later prompts can map them. `used_blocks` counts referenced blocks;
+    cached blocks nobody references count as free (an allocation evicts them when no plain free block is left).
+    """
+
+    def __init__(
+        self, model: LlamaModel, n_blocks: int, block_size: int = 16, dtype: str = "fp32", prefix_cache: bool = False
+    ) -> None:
         c = model.config
         self.block_size = block_size
         self.pool = KVPool(KVConfig.for_model(c, n_blocks, block_size, dtype))
         self.allocator = BlockAllocator(n_blocks)
+        self.blocks = BlockCache(self.allocator)
+        self.prefix_cache = prefix_cache
         self.total_blocks = n_blocks
-        self.used_blocks = 0
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     @property
     def free_blocks(self) -> int:
-        return self.total_blocks - self.used_blocks
+        return self.blocks.n_available
 
-    def reserve(self, seq: Sequence, tokens: int | None = None) -> None:
-        """Allocate the blocks `seq` needs for `tokens` KV entries (default: to its end)."""
-        need = self.blocks_for(seq.max_length if tokens is None else tokens) - len(seq.blocks)
+    @property
+    def used_blocks(self) -> int:
+        return self.total_blocks - self.blocks.n_available
+
+    def reserve(self, seq: Sequence, tokens: int | None = None, reuse: int = 0) -> None:
+        """Allocate the blocks `seq` needs for `tokens` KV entries (default: to its end). With the prefix cache
+        on and `seq` holding no blocks yet, first map the cached blocks of its prompt's longest cached prefix
+        of at most `reuse` tokens (`seq.cached_tokens` says how many). KVCacheFull leaves everything unchanged."""
+        total = self.blocks_for(seq.max_length if tokens is None else tokens)
+        hit: list[bytes] = []
+        if self.prefix_cache and not seq.blocks:
+            if not seq.block_hashes:
+                seq.block_hashes = block_hashes(seq.prompt, self.block_size)
+            hit = seq.block_hashes[: self.blocks.match(seq.block_hashes[: max(0, reuse) // self.block_size])]
+        need = total - len(seq.blocks) - len(hit)
         if need > 0:
-            seq.blocks += self.allocator.allocate(need)
-            self.used_blocks += need
+            revived = sum(self.blocks.is_evictable(b) for b in self.blocks.lookup(hit))
+            if need > self.blocks.n_available - revived:
+                raise KVCacheFull(need, self.blocks.n_available - revived, self.total_blocks)
+        if hit:
+            seq.blocks = self.blocks.acquire_cached(hit)
+            seq.cached_tokens = len(hit) * self.block_size
+        if need > 0:
+            seq.blocks += self.blocks.allocate(need)
+
+    def commit(self, seq: Sequence, tokens: int) -> None:
+        """Name the full blocks among `seq`'s first `tokens` prompt tokens (their KV written) by their hashes."""
+        if not self.prefix_cache:
+            return
+        for block, block_hash in zip(seq.blocks[: tokens // self.block_size], seq.block_hashes):
+            self.blocks.register(block, block_hash)
 
     def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references: its cached blocks stay (evictable once nobody else holds them)."""
         if seq.blocks:
-            self.allocator.free(seq.blocks)
-            self.used_blocks -= len(seq.blocks)
+            self.blocks.release(seq.blocks)
             seq.blocks = []
 
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
@@ -72,9 +115,25 @@ def prefill(model: LlamaModel, seqs: list[Sequence], sink: KVSink) -> list[int]:
 
 
 def prefill_into(model: LlamaModel, cache: PagedCache, seqs: list[Sequence]) -> list[int]:
-    """Prefill straight into a paged cache (blocks already reserved): the colocated path."""
-    slots = torch.tensor([slot for s in seqs for slot in cache.slots(s, 0, len(s.prompt))], dtype=torch.int64)
-    return prefill(model, seqs, lambda layer, k, v: cache.pool.write(layer, slots, k, v))
+    """Prefill straight into a paged cache (blocks already reserved): the colocated path. A sequence whose first
+    `cached_tokens` prompt tokens were mapped from the prefix cache computes only the rest, over their K/V."""
+    slots = torch.tensor(
+        [slot for s in seqs for slot in cache.slots(s, s.cached_tokens, len(s.prompt))], dtype=torch.int64
+    )
+    sink = lambda layer, k, v: cache.pool.write(layer, slots, k, v)
+    if not any(s.cached_tokens for s in seqs):
+        return prefill(model, seqs, sink)
+
+    def past(layer: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        seq = seqs[i]
+        k, v = cache.pool.read_tokens(layer, seq.blocks[: seq.cached_tokens // cache.block_size])
+        return torch.from_numpy(k), torch.from_numpy(v)
+
+    with torch.inference_mode():
+        logits = prefill_after(
+            model, [s.prompt[s.cached_tokens :] for s in seqs], [s.cached_tokens for s in seqs], past, sink
+        )
+        return sample_next(seqs, logits)
 
 
 def decode_step(model: LlamaModel, cache: PagedCache, seqs: list[Sequence], n_threads: int | None = None) -> list[int]:
