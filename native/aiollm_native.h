@@ -65,7 +65,9 @@ int aiollm_cpu_int8_near_bytes(void);
  *            NULL for fp32/fp16 storage.
  * dtype is AIOLLM_DT_F32, AIOLLM_DT_F16, AIOLLM_DT_I8 or AIOLLM_DT_I4. int8 and int4 tiles interleave their codes
  * for the int8 dot products (native/attn_internal.h); an int4 tile is head_dim * block_size / 2 bytes and needs
- * head_dim % 32 == 0 and block_size % 4 == 0 (every byte then holds two codes of one token). */
+ * head_dim % 32 == 0 and block_size % 4 == 0 (every byte then holds two codes of one token).
+ * window > 0 limits decode attention to each sequence's last `window` tokens (Mistral's sliding window); the
+ * block-table entries before the window's first block are checked but not read. */
 typedef struct {
     void *k;
     void *v;
@@ -76,6 +78,8 @@ typedef struct {
     int32_t n_kv_heads;
     int32_t head_dim;
     int32_t dtype;
+    int32_t window; /* sliding-window attention: a query at length n attends to its last `window` tokens only,
+                     * [max(0, n - window), n); 0: every token */
 } aiollm_kv_layer;
 
 /* Write n_tokens new tokens into their slots (slot = block_id * block_size + offset).

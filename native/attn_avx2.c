@@ -386,15 +386,20 @@ T256 INLINE void vaccum_madd4(const char *vt, int64_t row0, int D, int L, int h,
  * denominator per q head (l + g * 8, reduced once per item). q4 / qsc: the quantised q rows (int8 dot
  * products, else NULL). pk / pkf: the K tiles to prefetch (int8: pkf carries the near V tile); pfk / pfv: int8 / int4
  * dot products' far K and V lines (NULL: none). */
-T256 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const uint16_t *vs, int c, int nv, int G, int D,
+T256 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const uint16_t *vs, int c, int nv, int lo,
+                              int G, int D,
                               int BS, const float *qs, const int32_t *q4, const int32_t *corr, const float *qsc,
                               float *m, float *l,
                               const char *pk, const char *pkf, const char *pfk, const char *pfv, float *pb,
                               float *alpha) {
     const __m256i iota0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), iota1 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    const __m256 m0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota0));
-    const __m256 m1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nv), iota1));
+    /* lanes [lo, nv) of the chunk: past its last token and before a sliding window's first one are masked */
+    const __m256i lov = _mm256_set1_epi32(lo - 1), nvv = _mm256_set1_epi32(nv);
+    const __m256 m0 = _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_cmpgt_epi32(nvv, iota0), _mm256_cmpgt_epi32(iota0, lov)));
+    const __m256 m1 = _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_cmpgt_epi32(nvv, iota1), _mm256_cmpgt_epi32(iota1, lov)));
     for (int g0 = 0; g0 < G; g0 += 4) {
         const int gb = G - g0 < 4 ? G - g0 : 4;
         const char *pkg = g0 ? NULL : pk, *pfg = g0 ? NULL : pkf; /* the first q-head block carries the prefetch */
@@ -571,11 +576,13 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
     const int32_t lines_i8 = PF_FAR_I8_LINES / (D * BS) > PF_NEAR ? PF_FAR_I8_LINES / (D * BS) : PF_NEAR + 1;
     const int32_t far_lines = dot && (a->far_prefetch & AIOLLM_FAR_QUANTISED_LINES) &&
                               (int64_t)NH * D * BS > MANY_HEADS_I8_BYTES ? lines_i8 : 0;
-    for (int32_t blk = 0; blk < n_used; blk++) {
+    const int32_t first = kv_first_token(kv, n); /* a sliding window's first token, else 0 */
+    for (int32_t blk = first / BS; blk < n_used; blk++) {
         const int64_t block = table[blk];
         for (int c = 0; c * 16 < BS; c++) {
-            const int nv = n - (blk * BS + c * 16);
+            const int nv = n - (blk * BS + c * 16), lo = first - (blk * BS + c * 16);
             if (nv <= 0) break;
+            if (lo >= 16) continue;
             const int w = nv > 16 ? 16 : nv;
             for (int h = 0; h < NH; h++) {
                 const int64_t tile = kv_tile_bytes(kv, dt, block, h0 + h);
@@ -608,7 +615,7 @@ T256 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                 }
                 float *mh = m + h * G, *lh = l + h * G * 8;
                 const int32_t *q4h = dot ? q4 + h * G * (D / 4) : NULL;
-                chunk_scores(dt, kt, ks, vs, c, w, G, D, BS, qs + h * GD, q4h, corr + h * G, qsc + h * G, mh, lh, pk, pkf,
+                chunk_scores(dt, kt, ks, vs, c, w, lo > 0 ? lo : 0, G, D, BS, qs + h * GD, q4h, corr + h * G, qsc + h * G, mh, lh, pk, pkf,
                              pfk, pfv, pb, alpha);
                 chunk_values(dt, vt, c, w, G, D, pb, alpha, acc + h * GD, dot, vn, vf);
             }

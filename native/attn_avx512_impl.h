@@ -315,11 +315,12 @@ T512 INLINE void vaccum_vnni(int dt, const char *vt, int64_t row0, int D, int dv
  * pb (16 per q head) and the rescale factors to alpha, for chunk_values. m: running max per q head; l: 16 lane
  * partial sums of the softmax denominator per q head (l + g * 16). Prefetch: int8 spreads the K and V tiles
  * the near distance ahead (pk, pv) over the score loop; fp16/fp32 the K tiles PF_NEAR and PF_FAR ahead (pk, pv). */
-T512 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const uint16_t *vs, int c, int nv,
+T512 INLINE void chunk_scores(int dt, const char *kt, const uint16_t *ks, const uint16_t *vs, int c, int nv, int lo,
                               int G, int D, int BS, const float *qs, float *m, float *l,
                               const int32_t *q4, const int32_t *corr, const float *qsc, const char *pk, const char *pv,
                               const char *pfk, const char *pfv, float *pb, float *alpha) {
-    const __mmask16 mask = (__mmask16)(nv == 16 ? 0xffffu : (1u << nv) - 1u);
+    /* lanes [lo, nv) of the chunk: past its last token and before a sliding window's first one are masked */
+    const __mmask16 mask = (__mmask16)((nv == 16 ? 0xffffu : (1u << nv) - 1u) & ~((1u << lo) - 1u));
     (void)q4, (void)corr, (void)qsc; /* int8 dot-product inputs, used only WITH_VNNI */
     for (int g0 = 0; g0 < G; g0 += 4) {
         const int gb = G - g0 < 4 ? G - g0 : 4;
@@ -535,11 +536,13 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
     const int32_t lines_i8 = PF_FAR_I8_LINES / (D * BS) > near_i8 ? PF_FAR_I8_LINES / (D * BS) : near_i8 + 1;
     const int32_t far_lines = kv_quantised(dt) && !phased && (a->far_prefetch & AIOLLM_FAR_QUANTISED_LINES) ? lines_i8 : 0;
     const int far_tiles_i8 = !far_lines && (a->far_prefetch & AIOLLM_FAR_QUANTISED);
-    for (int32_t blk = 0; blk < n_used; blk++) {
+    const int32_t first = kv_first_token(kv, n); /* a sliding window's first token, else 0 */
+    for (int32_t blk = first / BS; blk < n_used; blk++) {
         const int64_t block = table[blk];
         for (int c = 0; c * 16 < BS; c++) {
-            const int nv = n - (blk * BS + c * 16);
+            const int nv = n - (blk * BS + c * 16), lo = first - (blk * BS + c * 16);
             if (nv <= 0) break;
+            if (lo >= 16) continue;
             const int w = nv > 16 ? 16 : nv;
             for (int h = 0; h < NH; h++) {
                 const char *kt = (const char *)kv->k + kv_tile_bytes(kv, dt, block, h0 + h);
@@ -586,7 +589,7 @@ T512 INLINE void item(const attn_args *a, int32_t seq, int32_t h0, int32_t h1, i
                 float *mh = m + h * G, *lh = l + h * G * 16, *pbh = pb + h * G * 16, *alh = alpha + h * G;
                 const int32_t *q4h = vnni ? q4 + h * G * (D / 4) : NULL, *ch = corr + h * G;
                 const float *qh = qsc + h * G;
-                chunk_scores(dt, kt, ks, vs, c, w, G, D, BS, qs + h * GD, mh, lh, q4h, ch, qh, pk, pv, pfk, pfv, pbh, alh);
+                chunk_scores(dt, kt, ks, vs, c, w, lo > 0 ? lo : 0, G, D, BS, qs + h * GD, mh, lh, q4h, ch, qh, pk, pv, pfk, pfv, pbh, alh);
                 if (!phased)
                     chunk_values(dt, (const char *)kv->v + kv_tile_bytes(kv, dt, block, h0 + h), c, w, G, D, pbh, alh,
                                  acc + h * GD, vnni, vn, vf);

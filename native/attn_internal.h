@@ -64,6 +64,10 @@ static inline int64_t kv_tile_bytes(const aiollm_kv_layer *kv, int dt, int64_t b
     const int64_t e = kv_tile(kv, block, head);
     return dt == AIOLLM_DT_F32 ? 4 * e : dt == AIOLLM_DT_F16 ? 2 * e : dt == AIOLLM_DT_I4 ? e / 2 : e;
 }
+/* The first token a query at sequence length n attends to: n - window under a sliding window, else 0. */
+static inline int32_t kv_first_token(const aiollm_kv_layer *kv, int32_t n) {
+    return kv->window > 0 && n > kv->window ? n - kv->window : 0;
+}
 static inline int kv_quantised(int dt) { return dt == AIOLLM_DT_I8 || dt == AIOLLM_DT_I4; }
 
 /* The storage checks every entry point makes on a layer whose sizes are already checked: a storage dtype, the
@@ -74,6 +78,7 @@ static inline int kv_storage_check(const aiollm_kv_layer *kv) {
         return AIOLLM_ERR_UNSUPPORTED;
     if (kv_quantised(dt) && (!kv->k_scale || !kv->v_scale)) return AIOLLM_ERR_ARG;
     if (dt == AIOLLM_DT_I4 && (kv->head_dim % 32 || kv->block_size % 4)) return AIOLLM_ERR_ARG;
+    if (kv->window < 0) return AIOLLM_ERR_ARG;
     return AIOLLM_OK;
 }
 static inline int64_t kv_scale_tile(const aiollm_kv_layer *kv, int64_t block, int32_t head) {

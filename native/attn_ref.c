@@ -51,7 +51,7 @@ static void one_head(const attn_args *a, int32_t seq, int32_t head) {
             acc[g * D + d] = 0.0f;
         }
     }
-    for (int32_t t = 0; t < n; t++) {
+    for (int32_t t = kv_first_token(kv, n); t < n; t++) {
         const int64_t block = table[t / BS];
         const int off = t % BS;
         const int64_t tile = kv_tile(kv, block, head);

@@ -237,7 +237,8 @@ class KVPool:
         """Check one decode step's index arrays once; the returned step's `write`/`attend` serve every layer."""
         if self._descs is None:
             self._descs = [
-                attention._layer(**self._layer(layer), window=self.config.window) for layer in range(self.config.n_layers)
+                attention._layer(**self._layer(layer), window=self.config.window)
+                for layer in range(self.config.n_layers)
             ]
         return attention.DecodeStep(self._descs, slot_mapping, block_tables, seq_lens, owner=self)
 

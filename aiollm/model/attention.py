@@ -13,11 +13,17 @@ import torch.nn.functional as F
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int], scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: Sequence[int],
+    scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention within each sequence of a packed batch.
 
-    q [n, n_heads, d], k/v [n, n_kv_heads, d] with n = sum(seq_lens), sequences back to back.
+    q [n, n_heads, d], k/v [n, n_kv_heads, d] with n = sum(seq_lens), sequences back to back. `window`: token i
+    attends to tokens (i - window, i] only (sliding-window attention), as transformers masks it.
     Returns [n, n_heads, d] in q's dtype.
     """
     if sum(seq_lens) != q.shape[0]:
@@ -26,12 +32,17 @@ def prefill_attention(
     start = 0
     for n, count in _runs(seq_lens):
         end = start + n * count
+        mask = None
+        if window is not None and n > window:  # causal band: is_causal and an explicit mask are exclusive in SDPA
+            i = torch.arange(n, device=q.device)
+            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
         # a run of `count` prompts of n tokens: [count * n, heads, d] -> [count, heads, n, d], views (SDPA takes
         # the strides as they are); one call per run instead of per prompt (a batch of 64 equal prompts made
         # 64 calls per layer)
         o = F.scaled_dot_product_attention(
             *(x[start:end].unflatten(0, (count, n)).transpose(1, 2) for x in (q, k, v)),
-            is_causal=True,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )

@@ -1,23 +1,38 @@
-"""Reading a llama.cpp GGUF file: the config from its metadata, its tensors dequantised, its tokenizer.
+"""Reading a llama.cpp GGUF file (llama, mistral, qwen2, qwen3): the config from its metadata, its tensors
+dequantised with gguf.quants (F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, Q2_K-Q6_K), its tokenizer.
 
-llama.cpp's converter permutes the rows of the Q and K projections so that its RoPE can rotate
-adjacent pairs; Hugging Face Llama rotates the two halves of each head instead. We undo the
+llama.cpp's converter permutes the rows of Llama's (and Mistral's) Q and K projections so that its RoPE can
+rotate adjacent pairs; Hugging Face Llama rotates the two halves of each head instead. We undo the
 permutation here (as transformers does when it loads a GGUF), so the rest of aiollm sees HF
-weights and HF RoPE, and q/k equal transformers' bit for bit.
+weights and HF RoPE, and q/k equal transformers' bit for bit. Qwen files keep HF's order.
 """
 
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from aiollm.errors import ModelFormatError
 from aiollm.model.config import ModelConfig, RopeScaling
 
-# architectures whose tensors and forward are exactly Llama's
-LLAMA_ARCHITECTURES = ("llama",)
+# GGUF general.architecture -> what its forward adds to Llama's (ModelConfig fields); Mistral files say "llama"
+ARCHITECTURES = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+}
+# architectures whose Q and K rows llama.cpp permuted for its adjacent-pair RoPE (Qwen's use the half split)
+_PERMUTED = ("llama", "mistral")
+# tensor types dequantised at load (with gguf.quants); any other type is refused when the file is opened
+SUPPORTED_TYPES = tuple(
+    GGMLQuantizationType[name]
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+)
+# llama.cpp's per-pair RoPE frequency divisors (Llama 3.1's scaling, baked into a tensor)
+ROPE_FREQS = "rope_freqs.weight"
 
 # GGUF tensor name (layer part stripped) -> HF name
 _GLOBAL_NAMES = {
@@ -35,6 +50,11 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 
 
@@ -67,12 +87,21 @@ class GGUFFile:
             raise ModelFormatError(f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
         self._fields = self._reader.fields
         self._tensors = {}
+        rope_freqs = None
         for tensor in self._reader.tensors:
+            if tensor.tensor_type not in SUPPORTED_TYPES:
+                raise ModelFormatError(
+                    f"{self.path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which aiollm does not "
+                    f"dequantise (supported: {', '.join(t.name for t in SUPPORTED_TYPES)})"
+                )
+            if tensor.name == ROPE_FREQS:
+                rope_freqs = tensor
+                continue
             name = hf_name(tensor.name)
             if name is None:
                 raise ModelFormatError(f"{self.path}: tensor {tensor.name!r} is not part of a supported Llama model")
             self._tensors[name] = tensor
-        self.config = self._read_config()
+        self.config = self._read_config(rope_freqs)
 
     def field(self, key: str, default=None):
         """A metadata value (scalar, string or list), or `default` when absent."""
@@ -85,29 +114,49 @@ class GGUFFile:
             raise ModelFormatError(f"{self.path}: metadata key {key!r} is missing")
         return value
 
-    def _read_config(self) -> ModelConfig:
+    def _rope_scaling(self, arch: str, rope_freqs, head_dim: int) -> RopeScaling | None:
+        kind = self.field(f"{arch}.rope.scaling.type", "none")
+        if rope_freqs is not None:
+            factors = np.asarray(dequantize(rope_freqs.data, rope_freqs.tensor_type), np.float32).reshape(-1)
+            if factors.size != head_dim // 2:
+                raise ModelFormatError(f"{self.path}: {ROPE_FREQS} has {factors.size} factors, need {head_dim // 2}")
+            return RopeScaling(kind="freq_factors", factor=1.0, freq_factors=tuple(float(f) for f in factors))
+        if kind in ("none", None):
+            return None
+        if kind not in ("linear", "yarn"):
+            raise ModelFormatError(f"{self.path}: RoPE scaling type {kind!r} is not supported (linear, yarn)")
+        factor = float(self._require(f"{arch}.rope.scaling.factor"))
+        attn = self.field(f"{arch}.rope.scaling.attn_factor")
+        return RopeScaling(
+            kind=kind,
+            factor=factor,
+            original_max_position=int(self.field(f"{arch}.rope.scaling.original_context_length", 8192)),
+            beta_fast=float(self.field(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(self.field(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+            attention_factor=None if attn is None else float(attn),
+        )
+
+    def _read_config(self, rope_freqs) -> ModelConfig:
         arch = self._require("general.architecture")
-        if arch not in LLAMA_ARCHITECTURES:
-            raise ModelFormatError(f"{self.path}: architecture {arch!r} is not supported ({LLAMA_ARCHITECTURES})")
+        if arch not in ARCHITECTURES:
+            raise ModelFormatError(
+                f"{self.path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+            )
+        self._arch = arch
         hidden = int(self._require(f"{arch}.embedding_length"))
         n_heads = int(self._require(f"{arch}.attention.head_count"))
+        head_dim = int(self.field(f"{arch}.attention.key_length", hidden // n_heads))
         tokens = self.field("tokenizer.ggml.tokens") or []
-        scaling = None
-        kind = self.field(f"{arch}.rope.scaling.type", "none")
-        if kind not in ("none", None):
-            scaling = RopeScaling(
-                kind=kind,
-                factor=float(self._require(f"{arch}.rope.scaling.factor")),
-                original_max_position=int(self.field(f"{arch}.rope.scaling.original_context_length", 8192)),
-            )
         eos = self.field("tokenizer.ggml.eos_token_id")
+        window = self.field(f"{arch}.attention.sliding_window")
         try:
+            scaling = self._rope_scaling(arch, rope_freqs, head_dim)
             return ModelConfig(
                 n_layers=int(self._require(f"{arch}.block_count")),
                 hidden=hidden,
                 n_heads=n_heads,
                 n_kv_heads=int(self.field(f"{arch}.attention.head_count_kv", n_heads)),
-                head_dim=int(self.field(f"{arch}.attention.key_length", hidden // n_heads)),
+                head_dim=head_dim,
                 ffn=int(self._require(f"{arch}.feed_forward_length")),
                 vocab=int(self.field(f"{arch}.vocab_size", len(tokens))),
                 rope_theta=float(self.field(f"{arch}.rope.freq_base", 10000.0)),
@@ -118,6 +167,9 @@ class GGUFFile:
                 bos_id=self.field("tokenizer.ggml.bos_token_id"),
                 eos_ids=() if eos is None else (int(eos),),
                 name=self.field("general.name", Path(self.path).stem),
+                family=arch,
+                sliding_window=int(window) if window else None,
+                **ARCHITECTURES[arch],
             )
         except ValueError as exc:
             raise ModelFormatError(f"{self.path}: metadata gives an invalid config: {exc}") from exc
@@ -138,8 +190,8 @@ class GGUFFile:
                 f"{self.path}: tensor {tensor.name!r} ({tensor.tensor_type.name}) is corrupt: {exc}"
             ) from exc
         weight = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: never a view of the mapped file
-        if name.endswith("q_proj.weight"):
+        if self._arch in _PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = unpermute_qk(weight, self.config.n_heads)
-        elif name.endswith("k_proj.weight"):
+        elif self._arch in _PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = unpermute_qk(weight, self.config.n_kv_heads)
         return weight

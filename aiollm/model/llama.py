@@ -1,5 +1,9 @@
 """The Llama forward as explicit per-layer operations, split where FastDecode and DistServe split it.
 
+One definition serves Llama 2/3.x, Mistral, Qwen2/2.5 and Qwen3: the config switches on q/k/v biases (added
+after the QKV projection), per-head q/k RMSNorm (before RoPE) and a sliding attention window (prefill's mask
+here; decode's in the KV pool, `KVConfig.window`).
+
 S-part (dense, weight-bound, batched over every token of every sequence, packed without padding):
     h = model.embed(token_ids)                          # [n, hidden]
     q, k, v = model.pre_attention(layer, h, positions)  # RMSNorm, fused QKV projection, RoPE
@@ -69,7 +73,7 @@ class LlamaModel:
         self.rotary = RotaryTable(config, dtype, device)
         # every layer's S-part halves as one native call each (fused_ops.layer_pre / layer_post) when all the
         # layers' matrices are on the native GEMM in the model dtype and the RoPE table is in that dtype
-        self._fused_layers = (
+        self._fused_post = (
             self.device.type == "cpu"
             and self.rotary.cos.dtype == dtype
             and all(
@@ -78,6 +82,8 @@ class LlamaModel:
                 for m in (w.qkv, w.o, w.gate_up, w.down)
             )
         )
+        # pre_attention's native half-layer is plain Llama's: q/k/v biases or q/k norms take the per-op path
+        self._fused_layers = self._fused_post and not (config.qkv_bias or config.qk_norm)
         self._qkv_heads = (config.n_heads, config.n_kv_heads, config.n_kv_heads)
         self._decode_layer_weights: list | None = None  # decode_layers' per-layer weights, gathered on first use
 
@@ -136,7 +142,14 @@ class LlamaModel:
             # one split_with_sizes makes the three views in one ATen call (three slices cost ~8 us a layer)
             q, k, v = qkv.view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim).split_with_sizes(self._qkv_heads, 1)
             return (q if q_out is None else q_out), k, v
-        qkv = linear(rms_norm(h, w.attn_norm, c.rms_eps), w.qkv).view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
+        qkv = linear(rms_norm(h, w.attn_norm, c.rms_eps), w.qkv)
+        if w.qkv_bias is not None:
+            qkv.add_(w.qkv_bias)
+        qkv = qkv.view(n, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
+        if w.q_norm is not None:  # per-head RMSNorm of q and k before RoPE, in place (torch's: transformers' bits)
+            q_heads, k_heads = qkv[:, : c.n_heads], qkv[:, c.n_heads : c.n_heads + c.n_kv_heads]
+            q_heads.copy_(F.rms_norm(q_heads, (c.head_dim,), w.q_norm, c.rms_eps))
+            k_heads.copy_(F.rms_norm(k_heads, (c.head_dim,), w.k_norm, c.rms_eps))
         q = rope.rotate_qk(qkv, c.n_heads, c.n_kv_heads, q_out)  # k rotated in place
         k, v = qkv[:, c.n_heads : c.n_heads + c.n_kv_heads], qkv[:, c.n_heads + c.n_kv_heads :]
         if kv_step is not None:
@@ -149,7 +162,7 @@ class LlamaModel:
         attn = attn_out.reshape(h.shape[0], self.config.q_size)
         if attn.dtype != self.dtype:
             attn = attn.to(self.dtype)
-        if self._fused_layers and h.dtype == self.dtype:
+        if self._fused_post and h.dtype == self.dtype:
             return fused_ops.layer_post(
                 h.contiguous(), attn.contiguous(), w.o, w.mlp_norm, self.config.rms_eps, w.gate_up, w.down
             )
@@ -232,6 +245,6 @@ class LlamaModel:
             q, k, v = self.pre_attention(layer, h, positions, rope)
             if kv_sink is not None:
                 kv_sink(layer, k, v)
-            h = self.post_attention(layer, h, prefill_attention(q, k, v, lens))
+            h = self.post_attention(layer, h, prefill_attention(q, k, v, lens, window=self.config.sliding_window))
         last = torch.tensor(lens).cumsum(0) - 1
         return self.logits(h[last.to(self.device)])

@@ -1,4 +1,5 @@
-"""Rotary position embedding, computed the way transformers' Llama does (so fp32 q/k match it bit for bit).
+"""Rotary position embedding, computed the way transformers' Llama does (so fp32 q/k match it bit for bit),
+with its context-extension scalings (linear, dynamic NTK, llama3, yarn).
 
 The cos/sin table is built once up to the model's context length. A step's `Rotation` (its positions,
 checked once) rotates every layer's q and k: on CPU in fp32/bf16 with the native kernel, which reads
@@ -15,12 +16,19 @@ from aiollm.native import fused_ops
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """The per-pair rotation frequencies [head_dim/2] (fp32), scaled for context extension if asked."""
+    """The per-pair rotation frequencies [head_dim/2] (fp32), scaled for context extension if asked (transformers'
+    formulas; "dynamic" gives the frequencies up to its original context, `dynamic_frequencies` those past it)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
-    if scaling is None:
+    if scaling is None or scaling.kind == "dynamic":
         return inv
     if scaling.kind == "linear":
         return inv / scaling.factor
+    if scaling.kind == "freq_factors":
+        if len(scaling.freq_factors) != inv.shape[0]:
+            raise ValueError(f"rope_scaling.freq_factors: need {inv.shape[0]} factors, got {len(scaling.freq_factors)}")
+        return inv / torch.tensor(scaling.freq_factors, dtype=torch.float32)
+    if scaling.kind == "yarn":
+        return _yarn(head_dim, theta, scaling)
     # llama3: long wavelengths divided by factor, short kept, a smooth blend between
     low_wavelen = scaling.original_max_position / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position / scaling.high_freq_factor
@@ -32,6 +40,35 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, blended, scaled)
+
+
+def _yarn(dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN: interpolated (divided by factor) frequencies below the beta_slow rotations, extrapolated (kept) above
+    beta_fast, a linear ramp between."""
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(s.original_max_position / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (s.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def dynamic_frequencies(head_dim: int, theta: float, scaling: RopeScaling, positions: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK frequencies [n, head_dim/2] of positions past the original context: position p rotates as
+    transformers does for a sequence of p + 1 tokens (the base grows with the length)."""
+    seq_len = (positions + 1).to(torch.float64)
+    orig = scaling.original_max_position
+    base = theta * ((scaling.factor * seq_len / orig) - (scaling.factor - 1)) ** (head_dim / (head_dim - 2))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
+    return 1.0 / (base.to(torch.float32)[:, None] ** exponents[None, :])
 
 
 class RotaryTable:
@@ -50,11 +87,19 @@ class RotaryTable:
         max_positions: int | None = None,
     ) -> None:
         n = max_positions or config.max_context
-        inv = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        scaling = config.rope_scaling
+        inv = inverse_frequencies(config.head_dim, config.rope_theta, scaling)
         freqs = torch.arange(n, dtype=torch.float32)[:, None] * inv[None, :]  # == transformers' outer matmul
+        if scaling is not None and scaling.kind == "dynamic" and n > scaling.original_max_position:
+            past = torch.arange(scaling.original_max_position, n)
+            dyn = dynamic_frequencies(config.head_dim, config.rope_theta, scaling, past)
+            freqs[scaling.original_max_position :] = past.to(torch.float32)[:, None] * dyn
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        sin = emb.sin()
+        factor = 1.0 if scaling is None else scaling.cos_sin_scale
+        cos, sin = emb.cos(), emb.sin()
+        if factor != 1.0:  # yarn: cos and sin scaled as transformers scales them, before the dtype cast
+            cos, sin = cos * factor, sin * factor
+        self.cos = cos.to(device=device, dtype=dtype)
         sin[:, : inv.shape[0]].neg_()
         self.sin = sin.to(device=device, dtype=dtype)
 

@@ -1,4 +1,5 @@
-"""The weights of a Llama-family model, laid out for fast batched CPU/GPU inference.
+"""The weights of a Llama-family model (with Qwen2's q/k/v biases and Qwen3's q/k norms where the config has
+them), laid out for fast batched CPU/GPU inference.
 
 Both loaders (GGUF, HF directory) hand over tensors under the Hugging Face names; `assemble`
 checks every shape against the config and fuses Q/K/V into one matrix and gate/up into another,
@@ -41,6 +42,9 @@ class LayerWeights:
     mlp_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2*ffn, hidden]
     down: torch.Tensor  # [hidden, ffn]
+    qkv_bias: torch.Tensor | None = None  # [q_size + 2*kv_size] (Qwen2)
+    q_norm: torch.Tensor | None = None  # [head_dim], RMSNorm of each q head (Qwen3)
+    k_norm: torch.Tensor | None = None  # [head_dim], RMSNorm of each k head (Qwen3)
 
 
 @dataclass
@@ -66,6 +70,11 @@ def _layer_names(i: int) -> dict[str, str]:
         "gate": p + "mlp.gate_proj.weight",
         "up": p + "mlp.up_proj.weight",
         "down": p + "mlp.down_proj.weight",
+        "q_bias": p + "self_attn.q_proj.bias",
+        "k_bias": p + "self_attn.k_proj.bias",
+        "v_bias": p + "self_attn.v_proj.bias",
+        "q_norm": p + "self_attn.q_norm.weight",
+        "k_norm": p + "self_attn.k_norm.weight",
     }
 
 
@@ -90,6 +99,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 n["down"]: (c.hidden, c.ffn),
             }
         )
+        if c.qkv_bias:
+            shapes.update({n["q_bias"]: (c.q_size,), n["k_bias"]: (c.kv_size,), n["v_bias"]: (c.kv_size,)})
+        if c.qk_norm:
+            shapes.update({n["q_norm"]: (c.head_dim,), n["k_norm"]: (c.head_dim,)})
     return shapes
 
 
@@ -124,6 +137,13 @@ def assemble(config: ModelConfig, source: TensorSource, dtype: torch.dtype, devi
                     mlp_norm=take(n["mlp_norm"]),
                     gate_up=pack(torch.cat([take(n["gate"]), take(n["up"])])),
                     down=pack(take(n["down"])),
+                    qkv_bias=(
+                        torch.cat([take(n["q_bias"]), take(n["k_bias"]), take(n["v_bias"])])
+                        if config.qkv_bias
+                        else None
+                    ),
+                    q_norm=take(n["q_norm"]) if config.qk_norm else None,
+                    k_norm=take(n["k_norm"]) if config.qk_norm else None,
                 )
             )
             if (i + 1) % 10 == 0 or i + 1 == config.n_layers:

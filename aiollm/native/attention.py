@@ -194,8 +194,9 @@ def _threads(n_threads: int | None) -> int:
     return n_threads
 
 
-def _layer(k_cache, v_cache, k_scale, v_scale):
-    """Check one layer's cache arrays and build the C descriptor (the caller's arrays keep the memory alive)."""
+def _layer(k_cache, v_cache, k_scale, v_scale, window: int = 0):
+    """Check one layer's cache arrays and build the C descriptor (the caller's arrays keep the memory alive).
+    `window` > 0: a query attends to its sequence's last `window` tokens only (sliding-window attention)."""
     k = describe(k_cache, "k_cache")
     check_dtype(k, "k_cache", ("fp32", "fp16", "int8", "uint8"))
     if len(k.shape) != 4:
@@ -220,6 +221,9 @@ def _layer(k_cache, v_cache, k_scale, v_scale):
     desc.k, desc.v = ffi.cast("void *", k.ptr), ffi.cast("void *", v.ptr)
     desc.n_blocks, desc.block_size, desc.n_kv_heads, desc.head_dim = n_blocks, block_size, n_kv_heads, head_dim
     desc.dtype = _DT[k.dtype]
+    if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"window: expected an int >= 0 (0: no sliding window), got {window!r}")
+    desc.window = int(window)
     if k.dtype in ("int8", "uint8"):
         for arr, name, field in ((k_scale, "k_scale", "k_scale"), (v_scale, "v_scale", "v_scale")):
             if arr is None:
@@ -316,6 +320,7 @@ def decode_attention(
     out=None,
     out_dtype: str | None = None,
     n_threads: int | None = None,
+    window: int = 0,
 ):
     """Attention of one query token per sequence over its cached tokens, grouped-query.
 
@@ -323,9 +328,10 @@ def decode_attention(
     (only the first ceil(len / block_size) entries of a row are read, padding may be anything);
     seq_lens int32 [n_seqs] including the tokens written this step. Returns out [n_seqs, n_q_heads, head_dim]
     in out_dtype ('fp32' default, 'fp16', 'bf16' -> a torch tensor) or written into `out` (its dtype is the
-    default out_dtype). scale defaults to 1/sqrt(head_dim).
+    default out_dtype). scale defaults to 1/sqrt(head_dim). `window` > 0 attends to each sequence's last `window`
+    tokens only (sliding-window attention, Mistral's): [max(0, len - window), len).
     """
-    desc = _layer(k_cache, v_cache, k_scale, v_scale)
+    desc = _layer(k_cache, v_cache, k_scale, v_scale, window)
     qa = describe(q, "q")
     check_dtype(qa, "q", ("fp32",))
     if len(qa.shape) != 3 or qa.shape[2] != desc.head_dim:

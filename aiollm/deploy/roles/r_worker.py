@@ -29,5 +29,6 @@ async def start(node: Node, spec: ClusterSpec, wiring: Wiring) -> dict[str, str]
         kv_dtype=spec.kv.dtype,
         block_size=spec.kv.block_size,
         threads=spec.r_worker.threads,
+        window=config.sliding_window or 0,
     )
     return {"r-worker": ref.url}

@@ -150,6 +150,7 @@ class RWorker(Actor):
         kv_dtype: str = DEFAULT_KV_DTYPE,
         block_size: int = 16,
         threads: int = 1,
+        window: int = 0,
     ) -> None:
         self.kv_memory = int(kv_memory)
         self.store = SequenceStore(
@@ -160,6 +161,7 @@ class RWorker(Actor):
                 head_dim=head_dim,
                 block_size=block_size,
                 dtype=kv_dtype,
+                window=window,
             )
         )
         self.threads = int(threads)
