@@ -45,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     spec_flag(parser, "--block-size", "kv.block_size", "tokens per KV block")
     spec_flag(parser, "--kv-dtype", "kv.dtype", "KV storage type", choices=KV_DTYPES)
+    spec_flag(
+        parser,
+        "--prefix-cache",
+        "kv.prefix_cache",
+        "reuse the KV of cached prompt prefixes (prefill, decode and routing)",
+        action=argparse.BooleanOptionalAction,
+    )
     spec_flag(parser, "--prefill-kv-blocks", "prefill.kv_blocks", "KV buffer of each prefill instance")
     spec_flag(parser, "--decode-kv-blocks", "decode.kv_blocks", "KV pool of each decode instance")
     spec_flag(

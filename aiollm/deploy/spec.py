@@ -65,6 +65,9 @@ class KVSpec(_Section):
     dtype: str = DEFAULT_KV_DTYPE
     # tokens per KV block, the same on every role
     block_size: int = DEFAULT_BLOCK_SIZE
+    # automatic prefix caching: prefill and decode instances keep prompts' full KV blocks (by hash) and reuse
+    # them, the controller routes a request to the prefill instance that likely holds its prefix
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         _require(self.dtype in KV_DTYPES, "dtype", f"must be one of {', '.join(KV_DTYPES)}, got {self.dtype!r}")

@@ -80,6 +80,23 @@ class Dispatcher:
         live = [(load.queued, load.queued_tokens, name) for name, load in self.prefill.items() if load.alive]
         return min(live)[2] if live else None
 
+    def choose_prefill_cached(self, prompt_tokens: int, cached: dict[str, int], queue_limit: int) -> str | None:
+        """Prefix-cache-aware choice: the shortest queue (`choose_prefill`) unless an instance that likely holds a
+        prefix of the prompt (`cached`: name -> tokens) and has room under `queue_limit` costs less, where an
+        instance's cost is the tokens it would compute for this prompt plus the tokens queued there."""
+        best = self.choose_prefill()
+        if best is None:
+            return None
+        cost = lambda name: prompt_tokens - cached.get(name, 0) + self.prefill[name].queued_tokens
+        best_cost = cost(best)
+        for name, hit in sorted(cached.items()):
+            load = self.prefill.get(name)
+            if hit <= 0 or load is None or not load.alive or load.queued >= queue_limit:
+                continue
+            if cost(name) < best_cost:
+                best, best_cost = name, cost(name)
+        return best
+
     def choose_decode(self, need_tokens: int) -> str | None:
         """The least-loaded live decode instance: lowest share of its capacity promised after adding
         this request; instances of unknown capacity compare by promised tokens, then by running count."""

@@ -63,22 +63,29 @@ class PagedCache:
     def used_blocks(self) -> int:
         return self.total_blocks - self.blocks.n_available
 
+    def cached_prefix(self, seq: Sequence, reuse: int) -> int:
+        """Tokens of `seq`'s prompt that `reserve(..., reuse=reuse)` would map from the cache now."""
+        if seq.blocks:
+            return seq.cached_tokens
+        if not self.prefix_cache or reuse < self.block_size:
+            return 0
+        if not seq.block_hashes:
+            seq.block_hashes = block_hashes(seq.prompt, self.block_size)
+        return self.blocks.match(seq.block_hashes[: max(0, reuse) // self.block_size]) * self.block_size
+
     def reserve(self, seq: Sequence, tokens: int | None = None, reuse: int = 0) -> None:
         """Allocate the blocks `seq` needs for `tokens` KV entries (default: to its end). With the prefix cache
         on and `seq` holding no blocks yet, first map the cached blocks of its prompt's longest cached prefix
         of at most `reuse` tokens (`seq.cached_tokens` says how many). KVCacheFull leaves everything unchanged."""
         total = self.blocks_for(seq.max_length if tokens is None else tokens)
-        hit: list[bytes] = []
-        if self.prefix_cache and not seq.blocks:
-            if not seq.block_hashes:
-                seq.block_hashes = block_hashes(seq.prompt, self.block_size)
-            hit = seq.block_hashes[: self.blocks.match(seq.block_hashes[: max(0, reuse) // self.block_size])]
+        n_hit = 0 if seq.blocks else self.cached_prefix(seq, reuse) // self.block_size  # hashes the prompt
+        hit = seq.block_hashes[:n_hit]
         need = total - len(seq.blocks) - len(hit)
         if need > 0:
             revived = sum(self.blocks.is_evictable(b) for b in self.blocks.lookup(hit))
             if need > self.blocks.n_available - revived:
                 raise KVCacheFull(need, self.blocks.n_available - revived, self.total_blocks)
-        if hit:
+        if not seq.blocks:
             seq.blocks = self.blocks.acquire_cached(hit)
             seq.cached_tokens = len(hit) * self.block_size
         if need > 0:

@@ -159,6 +159,17 @@ def add_model_flags(parser: Any, section: str, *, weights: bool = True) -> None:
     spec_flag(parser, "--kv-dtype", "kv.dtype", "KV storage type, the same on every role", choices=KV_DTYPES)
 
 
+def add_prefix_cache_flag(parser: Any) -> None:
+    """--prefix-cache / --no-prefix-cache: reuse cached prompt prefixes' KV (kv.prefix_cache)."""
+    spec_flag(
+        parser,
+        "--prefix-cache",
+        "kv.prefix_cache",
+        "reuse the KV of cached prompt prefixes (prefill and decode instances, the controller's routing)",
+        action=argparse.BooleanOptionalAction,
+    )
+
+
 def spec_from_args(args: argparse.Namespace, base: ClusterSpec) -> ClusterSpec:
     """`base` with every spec flag the command line set (dests with a dot) applied; SpecError names a bad one."""
     return base.override({dest: value for dest, value in vars(args).items() if "." in dest})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from aiollm.actors.node import Node
-from aiollm.deploy.roles import Wiring, add_actor, instances, spec_flag
+from aiollm.deploy.roles import Wiring, add_actor, add_prefix_cache_flag, instances, spec_flag
 from aiollm.deploy.spec import ClusterSpec
 from aiollm.serving.distserve.controller import Controller, ControllerConfig
 
@@ -21,6 +21,7 @@ def add_arguments(parser) -> None:
     )
     spec_flag(parser, "--max-waiting", "controller.max_waiting", "queued requests before HTTP 429")
     spec_flag(parser, "--resume-timeout", "controller.resume_timeout_s", "seconds a request waits for a live instance")
+    add_prefix_cache_flag(parser)
 
 
 def controller_config(spec: ClusterSpec) -> ControllerConfig:
@@ -30,6 +31,7 @@ def controller_config(spec: ClusterSpec) -> ControllerConfig:
         max_waiting=c.max_waiting,
         resume_timeout_s=c.resume_timeout_s,
         repull=c.repull,
+        prefix_routing=spec.kv.prefix_cache,
     )
 
 

@@ -10,7 +10,16 @@ from __future__ import annotations
 import asyncio
 
 from aiollm.actors.node import Node
-from aiollm.deploy.roles import Wiring, add_actor, add_join, add_model_flags, add_step_log, r_worker_urls, spec_flag
+from aiollm.deploy.roles import (
+    Wiring,
+    add_actor,
+    add_join,
+    add_model_flags,
+    add_prefix_cache_flag,
+    add_step_log,
+    r_worker_urls,
+    spec_flag,
+)
 from aiollm.deploy.roles.common import load_model
 from aiollm.deploy.spec import ClusterSpec
 from aiollm.serving.distserve.controller import register_with
@@ -21,6 +30,7 @@ from aiollm.serving.fastdecode.offloaded_executor import OffloadedConfig, Offloa
 def add_arguments(parser) -> None:
     add_actor(parser, "decode")
     add_model_flags(parser, "decode")
+    add_prefix_cache_flag(parser)
     add_join(parser)
     add_step_log(parser)
     spec_flag(parser, "--kv-blocks", "decode.kv_blocks", "KV pool of decoding sequences, in blocks (colocated)")
@@ -50,6 +60,7 @@ def decode_config(spec: ClusterSpec, step_log: str = "") -> DecodeConfig:
         max_running=d.max_running,
         attn_threads=d.threads,
         step_log=step_log,
+        prefix_cache=spec.kv.prefix_cache,
     )
 
 

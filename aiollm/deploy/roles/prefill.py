@@ -5,7 +5,15 @@ from __future__ import annotations
 import asyncio
 
 from aiollm.actors.node import Node
-from aiollm.deploy.roles import Wiring, add_actor, add_join, add_model_flags, add_step_log, spec_flag
+from aiollm.deploy.roles import (
+    Wiring,
+    add_actor,
+    add_join,
+    add_model_flags,
+    add_prefix_cache_flag,
+    add_step_log,
+    spec_flag,
+)
 from aiollm.deploy.roles.common import load_model, served_name
 from aiollm.deploy.spec import ClusterSpec
 from aiollm.log import get_logger
@@ -16,6 +24,7 @@ from aiollm.serving.distserve.prefill import PrefillConfig, PrefillInstance
 def add_arguments(parser) -> None:
     add_actor(parser, "prefill")
     add_model_flags(parser, "prefill")
+    add_prefix_cache_flag(parser)
     add_join(parser)
     add_step_log(parser)
     spec_flag(parser, "--kv-blocks", "prefill.kv_blocks", "KV buffer of prefilled sequences, in blocks")
@@ -55,6 +64,7 @@ def prefill_config(spec: ClusterSpec, step_log: str = "") -> PrefillConfig:
         max_batch_tokens=p.max_batch_tokens or compute_bound_length(spec.model.name),
         lease_s=p.lease_seconds,
         step_log=step_log,
+        prefix_cache=spec.kv.prefix_cache,
     )
 
 

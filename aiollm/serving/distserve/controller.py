@@ -38,9 +38,11 @@ from aiollm.actors.actor import Actor, handler
 from aiollm.actors.messages import Terminated
 from aiollm.actors.ref import ActorRef
 from aiollm.errors import AiollmError, require_positive
+from aiollm.kv.prefix_cache import block_hashes
 from aiollm.log import get_logger
 from aiollm.model.logprobs import TokenLogprobs
 from aiollm.sched.dispatch import Dispatcher
+from aiollm.sched.prefix_routing import PrefixIndex
 from aiollm.serving.distserve.messages import (
     Cancel,
     Decode,
@@ -84,6 +86,9 @@ class ControllerConfig:
     # a request whose decode instance died before decoding a token has another decode instance pull its KV from
     # the prefill instance again instead of prefilling it again
     repull: bool = True
+    # route a request to the prefill instance that likely holds the longest cached prefix of its prompt when that
+    # costs less than the shortest queue (the instances run with a prefix cache)
+    prefix_routing: bool = True
 
     def __post_init__(self) -> None:
         require_positive(
@@ -129,6 +134,11 @@ class _Request:
     queued_at: float = 0.0
     # tokens the current decode instance has sent (0: its KV may still sit on the prefill instance)
     decoded: int = 0
+    # prompt tokens the prefill instance is expected to compute (its queue counts them)
+    prefill_tokens: int = 0
+    # the full-block hashes of the current prompt (prefix routing), and the prompt length they were taken at
+    hashes: list[bytes] = field(default_factory=list)
+    hashed: int = -1
 
     @property
     def current_prompt(self) -> list[int]:
@@ -161,6 +171,11 @@ class Controller(Actor):
         self._urls = {**prefill_urls, **decode_urls}
         self._prefill_names, self._decode_names = list(prefill_urls), list(decode_urls)
         self.dispatcher = Dispatcher()
+        # what each prefill instance likely holds in its prefix cache, and the KV block size the hashes use
+        self.prefixes = PrefixIndex()
+        self._block_size = 16
+        # requests sent to a prefill instance for its cached prefix rather than the shortest queue
+        self.prefix_routed = 0
         self._refs: dict[str, ActorRef] = {}
         self._queue: deque[_Request] = deque()
         self._requests: dict[str, _Request] = {}
@@ -187,6 +202,7 @@ class Controller(Actor):
             load = await self._ask_load(self._refs[name], attempts=300)
             self.dispatcher.add_decode(name, capacity_tokens=load.kv_blocks_total * load.kv_block_size)
             self._loads[name] = load
+            self._block_size = load.kv_block_size
         for ref in self._refs.values():
             await self.watch(ref)
         self._tasks = [
@@ -224,7 +240,7 @@ class Controller(Actor):
             self._parked.remove(req)
             await self._tell(req.prefill, Cancel(req.request_id))
         elif req.stage == "prefill":
-            self.dispatcher.prefill_done(req.prefill, len(req.current_prompt))
+            self.dispatcher.prefill_done(req.prefill, req.prefill_tokens)
             await self._tell(req.prefill, Cancel(req.request_id))
             await self._dispatch()
         else:
@@ -253,6 +269,10 @@ class Controller(Actor):
             instance_kv_blocks_used={
                 n: loads[n].kv_blocks_used if loads[n] and self._instance_alive(n) else 0 for n in self._urls
             },
+            prompt_tokens=sum(loads[n].prompt_tokens for n in self._prefill_names if loads[n]),
+            prefix_hit_tokens=sum(loads[n].prefix_hit_tokens for n in self._prefill_names if loads[n]),
+            kv_blocks_pulled=sum(loads[n].kv_blocks_pulled for n in self._decode_names if loads[n]),
+            kv_blocks_reused=sum(loads[n].kv_blocks_reused for n in self._decode_names if loads[n]),
         )
 
     # ---- from the launcher --------------------------------------------------------------------
@@ -308,6 +328,7 @@ class Controller(Actor):
         self._urls.pop(name, None)
         self._loads.pop(name, None)
         self._draining.discard(name)
+        self.prefixes.forget(name)
         for names in (self._prefill_names, self._decode_names):
             if name in names:
                 names.remove(name)
@@ -324,7 +345,7 @@ class Controller(Actor):
             if msg.error is None and msg.finish is None:  # a stale prefill: free its KV
                 await self._tell(msg.source, Cancel(msg.request_id))
             return
-        self.dispatcher.prefill_done(msg.source, len(req.current_prompt))
+        self.dispatcher.prefill_done(msg.source, req.prefill_tokens)
         if msg.error is not None:
             await self._retry(req, msg.error)
             await self._dispatch()
@@ -407,9 +428,10 @@ class Controller(Actor):
     async def _lose(self, name: str, reason: str) -> None:
         """Stop sending to `name` and fail its requests over (or fail them, see `_retry`)."""
         self.dispatcher.mark_dead(name)
+        self.prefixes.forget(name)
         for req in list(self._requests.values()):
             if req.stage == "prefill" and req.prefill == name:
-                self.dispatcher.prefill_done(name, len(req.current_prompt))
+                self.dispatcher.prefill_done(name, req.prefill_tokens)
                 await self._retry(req, f"prefill instance {name} lost ({reason})")
             elif req.stage == "decode" and req.decode == name:
                 self.dispatcher.decode_done(name, self._decode_need(req))
@@ -461,14 +483,20 @@ class Controller(Actor):
         while self._parked and self.dispatcher.any_alive("decode"):
             await self._to_decode(self._parked.popleft(), park=True)
         while self._queue and self.dispatcher.any_alive("decode"):
-            name = self.dispatcher.choose_prefill()
+            prompt = self._queue[0].current_prompt
+            hashes, cached = self._cached_prefixes(self._queue[0])
+            name = self.dispatcher.choose_prefill_cached(len(prompt), cached, self.config.prefill_queue_limit)
             if name is None:
                 return
             if self.dispatcher.prefill[name].queued >= self.config.prefill_queue_limit:
                 return
             req = self._queue.popleft()
-            prompt = req.current_prompt
-            self.dispatcher.assign_prefill(name, len(prompt))
+            if name != self.dispatcher.choose_prefill():
+                self.prefix_routed += 1
+            req.prefill_tokens = len(prompt) - cached.get(name, 0)
+            self.dispatcher.assign_prefill(name, req.prefill_tokens)
+            if hashes:
+                self.prefixes.record(name, hashes)
             req.stage, req.prefill, req.decode = "prefill", name, None
             sampling = msgspec.structs.replace(req.sampling, max_tokens=req.remaining, first_index=req.next_index)
             await self._tell(name, Prefill(req.request_id, prompt, sampling, self.ref))
@@ -492,6 +520,21 @@ class Controller(Actor):
         prompt, first = req.current_prompt[:-1], req.generated[-1]
         sampling = msgspec.structs.replace(req.sampling, max_tokens=req.remaining + 1, first_index=req.next_index)
         await self._tell(name, Decode(req.request_id, prompt, first, sampling, self._refs[req.prefill], self.ref))
+
+    def _cached_prefixes(self, req: _Request) -> tuple[list[bytes], dict[str, int]]:
+        """The prompt's full-block hashes and, per live prefill instance, the prompt tokens it likely holds."""
+        if not self.config.prefix_routing:
+            return [], {}
+        length = len(req.prompt) + len(req.generated)
+        if req.hashed != length:  # hashed once per prompt (a resumed request's prompt is longer)
+            req.hashes, req.hashed = block_hashes(req.current_prompt, self._block_size), length
+        hashes = req.hashes
+        cached = {}
+        for name, load in self.dispatcher.prefill.items():
+            hit = self.prefixes.match(name, hashes) if load.alive else 0
+            if hit:
+                cached[name] = hit * self._block_size
+        return hashes, cached
 
     def _decode_need(self, req: _Request) -> int:
         return len(req.prompt) + req.sampling.max_tokens
@@ -591,6 +634,8 @@ class Controller(Actor):
             for name, result in zip(live, results):
                 if isinstance(result, Load):
                     self._loads[name] = result
+                    if name in self.dispatcher.prefill:
+                        self.prefixes.set_capacity(name, result.kv_blocks_total)
 
     def _instance_alive(self, name: str) -> bool:
         table = self.dispatcher.prefill if name in self.dispatcher.prefill else self.dispatcher.decode

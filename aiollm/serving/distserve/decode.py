@@ -49,6 +49,9 @@ class DecodeConfig:
     attn_threads: int | None = None
     # file to record each step's and pull's timing in (aiollm.serving.step_log); empty: none
     step_log: str = ""
+    # keep pulled prompts' full KV blocks after their sequences end and pull only the blocks a prompt lacks
+    # (colocated attention; an offloaded executor's R-workers pull every block)
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         require_positive(self, "kv_blocks", "block_size", "max_running")
@@ -83,8 +86,13 @@ class ColocatedExecutor:
 
     def __init__(self, model: LlamaModel, config: DecodeConfig) -> None:
         self.model, self.config = model, config
-        self.cache = runner.PagedCache(model, config.kv_blocks, config.block_size, config.kv_dtype)
+        self.cache = runner.PagedCache(
+            model, config.kv_blocks, config.block_size, config.kv_dtype, prefix_cache=config.prefix_cache
+        )
         self.total_blocks, self.block_size = self.cache.total_blocks, config.block_size
+        # prompt KV blocks pulled from prefill instances, and those mapped from this pool's prefix cache instead
+        self.blocks_pulled = 0
+        self.blocks_reused = 0
 
     @property
     def used_blocks(self) -> int:
@@ -94,17 +102,25 @@ class ColocatedExecutor:
         """Nothing to do: the KV lives and dies with this process."""
 
     def reserve(self, seq: Sequence) -> None:
-        self.cache.reserve(seq)
+        """Room for the whole completion; with the prefix cache, the prompt's cached full blocks are mapped."""
+        self.cache.reserve(seq, reuse=len(seq.prompt))
 
     async def load_kv(self, seq: Sequence, source: ActorRef) -> None:
-        """A stream of one block per item, credit window = the blocks reserved; each lands in its own block."""
-        async for block in source.stream(PullKV(seq.request_id), window=len(seq.blocks)):
+        """A stream of one block per item, credit window = the blocks reserved; each lands in its own block. The
+        blocks mapped from the prefix cache are skipped; the pulled full blocks join the cache once all landed."""
+        have = seq.cached_tokens // self.block_size
+        async for block in source.stream(PullKV(seq.request_id, skip=list(range(have))), window=len(seq.blocks)):
             self._ingest(seq, block)
+            self.blocks_pulled += 1
+        self.blocks_reused += have
+        self.cache.commit(seq, len(seq.prompt))
         await source.tell(AckKV(seq.request_id))
 
     def _ingest(self, seq: Sequence, block: KVBlock) -> None:
         if not 0 <= block.index < len(seq.blocks):
             raise ValueError(f"KV block {block.index} outside the {len(seq.blocks)} blocks of {seq.request_id}")
+        if block.index < seq.cached_tokens // self.block_size:  # a shared block: never written over
+            raise ValueError(f"KV block {block.index} of {seq.request_id} is mapped from the prefix cache")
         self.cache.pool.write_blocks(
             None, [seq.blocks[block.index]], block.k, block.v, k_scale=block.k_scale, v_scale=block.v_scale
         )
@@ -182,6 +198,8 @@ class DecodeInstance(Actor):
             kv_blocks_used=self.executor.used_blocks,
             kv_blocks_total=self.executor.total_blocks,
             kv_block_size=self.executor.block_size,
+            kv_blocks_pulled=getattr(self.executor, "blocks_pulled", 0),
+            kv_blocks_reused=getattr(self.executor, "blocks_reused", 0),
         )
 
     async def _loop(self) -> None:

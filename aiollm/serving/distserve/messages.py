@@ -142,6 +142,8 @@ class PullKV(Message, tag="ds.pull_kv"):
     """Decode instance -> prefill instance (stream): send this sequence's KV, one block per item."""
 
     request_id: str
+    # indices of the blocks the puller already holds (mapped from its own prefix cache): not sent
+    skip: list[int] = []
 
 
 class KVBlock(Message, tag="ds.kv_block"):
@@ -242,3 +244,9 @@ class Load(Message, tag="ds.load"):
     # replans enacted so far, and the last one in words
     replans: int = 0
     last_replan: str = ""
+    # prefix caching. prefill: prompt tokens prefilled, and those of them mapped from the cache (not computed);
+    # decode: KV blocks of prompts pulled, and those mapped from its own cache instead (not transferred)
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    kv_blocks_pulled: int = 0
+    kv_blocks_reused: int = 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from aiollm.actors.actor import Actor, handler
 from aiollm.actors.ref import ActorRef
-from aiollm.errors import AiollmError, require_positive
+from aiollm.errors import AiollmError, KVCacheFull, require_positive
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
 from aiollm.model.sequence import Sequence, new_sequence
@@ -47,6 +47,8 @@ class PrefillConfig:
     lease_s: float = 60.0
     # file to record each batch's timing in (aiollm.serving.step_log); empty: none
     step_log: str = ""
+    # keep prompts' full KV blocks after their pull and compute only what a new prompt's cached prefix lacks
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         require_positive(self, "kv_blocks", "block_size", "max_batch_tokens", "lease_s")
@@ -67,7 +69,9 @@ class PrefillInstance(Actor):
 
     def __init__(self, model: LlamaModel, config: PrefillConfig = PrefillConfig()) -> None:
         self.model, self.config = model, config
-        self.cache = runner.PagedCache(model, config.kv_blocks, config.block_size, config.kv_dtype)
+        self.cache = runner.PagedCache(
+            model, config.kv_blocks, config.block_size, config.kv_dtype, prefix_cache=config.prefix_cache
+        )
         self._queue: OrderedDict[str, tuple[Sequence, ActorRef]] = OrderedDict()
         self._computing: set[str] = set()
         self._cancelled: set[str] = set()
@@ -79,6 +83,10 @@ class PrefillInstance(Actor):
         self._steps = StepLog(config.step_log) if config.step_log else None
         # when each queued request arrived (only with a step log)
         self._received: dict[str, float] = {}
+        # prompt tokens prefilled, those mapped from the prefix cache, and KV blocks streamed to pullers
+        self.prompt_tokens = 0
+        self.hit_tokens = 0
+        self.blocks_sent = 0
 
     async def on_start(self) -> None:
         self._tasks = [
@@ -131,12 +139,15 @@ class PrefillInstance(Actor):
         if held is None:
             raise KeyError(f"no KV held for request {msg.request_id!r} on {self.name} (lease expired or cancelled)")
         held.pulling = True
+        skip = set(msg.skip)
+        wanted = [(i, b) for i, b in enumerate(held.seq.blocks) if i not in skip]
         sent = 0
         try:
-            for index, block in enumerate(held.seq.blocks):
+            for index, block in wanted:
                 kv = self.cache.pool.read(None, [block])
                 yield KVBlock(index, kv.k, kv.v, kv.k_scale, kv.v_scale)
                 sent += 1
+                self.blocks_sent += 1
         finally:
             held.pulling = False
             # a puller that went away mid-stream will not ack; the KV stays until the controller either has
@@ -144,7 +155,7 @@ class PrefillInstance(Actor):
             # lease ends
             if held.cancelled:
                 self._release(msg.request_id)
-            elif sent < len(held.seq.blocks):
+            elif sent < len(wanted):
                 _log.info("KV pull broke off; held for another", instance=self.name, request_id=msg.request_id)
 
     @handler(AckKV)
@@ -159,6 +170,8 @@ class PrefillInstance(Actor):
             kv_blocks_used=self.cache.used_blocks,
             kv_blocks_total=self.cache.total_blocks,
             kv_block_size=self.cache.block_size,
+            prompt_tokens=self.prompt_tokens,
+            prefix_hit_tokens=self.hit_tokens,
         )
 
     def _release(self, request_id: str) -> None:
@@ -168,16 +181,20 @@ class PrefillInstance(Actor):
             self._wake.set()
 
     def _next_batch(self) -> list[tuple[Sequence, ActorRef]]:
-        """FCFS prompts up to L_m whose KV fits in the free part of the buffer."""
+        """FCFS prompts up to L_m tokens to compute (a cached prefix is not computed) whose KV fits in the free
+        part of the buffer."""
         entries = list(self._queue.values())
-        count = take_batch([len(seq.prompt) for seq, _ in entries], self.config.max_batch_tokens)
-        batch, free = [], self.cache.free_blocks
-        for seq, reply_to in entries[:count]:
-            need = self.cache.blocks_for(len(seq.prompt))
-            if need > free:
+        reuse = [len(seq.prompt) - runner.MIN_COMPUTED for seq, _ in entries]
+        to_compute = [len(seq.prompt) - self.cache.cached_prefix(seq, n) for (seq, _), n in zip(entries, reuse)]
+        count = take_batch(to_compute, self.config.max_batch_tokens)
+        batch = []
+        for (seq, reply_to), n in zip(entries[:count], reuse):
+            try:
+                self.cache.reserve(seq, len(seq.prompt), reuse=n)
+            except KVCacheFull:
                 break
-            free -= need
-            self.cache.reserve(seq, len(seq.prompt))
+            self.prompt_tokens += len(seq.prompt)
+            self.hit_tokens += seq.cached_tokens
             del self._queue[seq.request_id]
             self._computing.add(seq.request_id)
             batch.append((seq, reply_to))
@@ -206,6 +223,7 @@ class PrefillInstance(Actor):
             deadline = time.monotonic() + self.config.lease_s
             self.prefilled += len(batch)
             for seq, reply_to in batch:
+                self.cache.commit(seq, len(seq.prompt))
                 rid = seq.request_id
                 self._computing.discard(rid)
                 cancelled = rid in self._cancelled
