@@ -95,6 +95,8 @@ class PagedCache:
         """Name the full blocks among `seq`'s first `tokens` prompt tokens (their KV written) by their hashes."""
         if not self.prefix_cache:
             return
+        if len(seq.block_hashes) < tokens // self.block_size:
+            seq.block_hashes = block_hashes(seq.prompt, self.block_size)
         for block, block_hash in zip(seq.blocks[: tokens // self.block_size], seq.block_hashes):
             self.blocks.register(block, block_hash)
 
