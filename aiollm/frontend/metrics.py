@@ -80,6 +80,20 @@ class ServingMetrics:
         self.instance_kv = Gauge(
             "aiollm_instance_kv_blocks_used", "KV blocks held per instance", ["instance"], registry=r
         )
+        self.prompt_tokens = Gauge("aiollm_prefill_prompt_tokens", "Prompt tokens prefilled, all instances", registry=r)
+        self.prefix_hits = Gauge(
+            "aiollm_prefix_cache_hit_tokens",
+            "Prompt tokens whose KV a prefill instance mapped from its prefix cache instead of computing it",
+            registry=r,
+        )
+        self.kv_pulled = Gauge(
+            "aiollm_kv_blocks_pulled", "Prompt KV blocks decode instances pulled from prefill instances", registry=r
+        )
+        self.kv_reused = Gauge(
+            "aiollm_kv_blocks_reused",
+            "Prompt KV blocks decode instances mapped from their own prefix cache instead of pulling them",
+            registry=r,
+        )
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent deltas
 
     def tokens_generated(self, count: int) -> None:
@@ -114,6 +128,10 @@ class ServingMetrics:
         self.waiting.set(stats.waiting)
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_total.set(stats.kv_blocks_total)
+        self.prompt_tokens.set(stats.prompt_tokens)
+        self.prefix_hits.set(stats.prefix_hit_tokens)
+        self.kv_pulled.set(stats.kv_blocks_pulled)
+        self.kv_reused.set(stats.kv_blocks_reused)
         per_instance = (
             (self.prefill_queue, stats.prefill_queues),
             (self.decode_queue, stats.decode_queues),

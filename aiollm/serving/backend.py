@@ -74,6 +74,12 @@ class BackendStats:
     # replans enacted, and the last one in words
     replans: int = 0
     last_replan: str = ""
+    # prefix caching: prompt tokens prefilled and those mapped from a prefix cache; prompt KV blocks decode
+    # instances pulled and those they mapped from their own cache instead
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    kv_blocks_pulled: int = 0
+    kv_blocks_reused: int = 0
 
     @property
     def serving(self) -> bool:

@@ -5,6 +5,7 @@ request to the prefill instance holding its prefix when the queues are equal."""
 
 import asyncio
 
+import httpx
 import pytest
 import torch
 
@@ -74,6 +75,10 @@ async def test_a_shared_system_prompt_gives_the_tokens_of_a_miss(tiny, on):
                 break
             await asyncio.sleep(0.05)
         assert (load.prefix_hit_tokens, load.kv_blocks_reused) == (prefill.hit_tokens, decode.blocks_reused)
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(f"http://127.0.0.1:{c.port}/metrics")).text
+        assert f"aiollm_prefix_cache_hit_tokens {float(prefill.hit_tokens)}" in metrics
+        assert f"aiollm_kv_blocks_reused {float(decode.blocks_reused)}" in metrics
 
 
 @pytest.mark.parametrize("on", [True, False])

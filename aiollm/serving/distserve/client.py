@@ -171,4 +171,8 @@ class ClusterClient(Actor):
             resumed=dict(load.resumed) | {"resubmitted": self.resubmitted},
             replans=load.replans,
             last_replan=load.last_replan,
+            prompt_tokens=load.prompt_tokens,
+            prefix_hit_tokens=load.prefix_hit_tokens,
+            kv_blocks_pulled=load.kv_blocks_pulled,
+            kv_blocks_reused=load.kv_blocks_reused,
         )
