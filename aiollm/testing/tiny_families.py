@@ -115,11 +115,14 @@ _GLOBAL_NAMES = {
 }
 
 
-def write_family_gguf(path: Path, hf_model, tokenizer_dir: Path, arch: str, matrix_type=None, raw_matrices=None):
+def write_family_gguf(
+    path: Path, hf_model, tokenizer_dir: Path, arch: str, matrix_type=None, raw_matrices=None, rope_freqs=None
+):
     """Write the transformers model as a GGUF of architecture `arch` (llama, qwen2, qwen3): Q/K rows permuted
     for llama as llama.cpp does, norms and biases F32, every 2-D matrix quantised to `matrix_type`
     (a gguf.GGMLQuantizationType; None: F32) with gguf.quants.quantize. `raw_matrices(name, array)` may instead
-    return (raw bytes array, type) for a matrix, for types gguf cannot quantise. Returns {hf name: the fp32
+    return (raw bytes array, type) for a matrix, for types gguf cannot quantise. `rope_freqs`: llama.cpp's
+    per-pair RoPE frequency divisors, stored as the `rope_freqs.weight` tensor. Returns {hf name: the fp32
     tensor the file holds, as dequantised}, the weights a reference model should carry."""
     import gguf
     from gguf.quants import dequantize, quantize
@@ -150,6 +153,8 @@ def write_family_gguf(path: Path, hf_model, tokenizer_dir: Path, arch: str, matr
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template(CHATML)
+    if rope_freqs is not None:  # llama.cpp's form of Llama 3.1's RoPE scaling
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     held = {}
     for name, tensor in hf_model.state_dict().items():
         array = tensor.detach().numpy().astype(np.float32)
