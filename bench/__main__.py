@@ -22,6 +22,7 @@ BENCHMARKS = {
     "planner": "bench.planner",
     "faults": "bench.faults",
     "cluster": "bench.cluster",
+    "prefix": "bench.prefix",
 }
 # other commands -> module with add_arguments(parser) and main(args) -> exit status
 COMMANDS = {
