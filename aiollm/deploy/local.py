@@ -277,6 +277,7 @@ def run_colocated(spec: ClusterSpec) -> int:
                 max_batch_tokens=spec.prefill.max_batch_tokens or compute_bound_length(spec.model.name),
                 max_running=spec.decode.max_running,
                 attn_threads=spec.decode.threads,
+                prefix_cache=spec.kv.prefix_cache,
             ),
         )
         await engine.start()

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from aiollm.errors import require_positive
+from aiollm.errors import KVCacheFull, require_positive
 from aiollm.model.llama import LlamaModel
 from aiollm.model.sequence import Sequence, new_sequence
 from aiollm.sched.prefill_batching import take_batch
@@ -39,6 +39,9 @@ class EngineConfig:
     max_waiting: int = 1024
     # threads of the native attention kernel (None: its default)
     attn_threads: int | None = None
+    # keep prompts' full KV blocks after their requests end and compute only what a new prompt's cached prefix
+    # lacks (aiollm.kv.prefix_cache)
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         require_positive(self, "kv_blocks", "block_size", "max_batch_tokens", "max_running", "max_waiting")
@@ -49,7 +52,12 @@ class ColocatedEngine:
 
     def __init__(self, model: LlamaModel, config: EngineConfig = EngineConfig()) -> None:
         self.model, self.config = model, config
-        self.cache = runner.PagedCache(model, config.kv_blocks, config.block_size, config.kv_dtype)
+        self.cache = runner.PagedCache(
+            model, config.kv_blocks, config.block_size, config.kv_dtype, prefix_cache=config.prefix_cache
+        )
+        # prompt tokens prefilled, and those mapped from the prefix cache
+        self.prompt_tokens = 0
+        self.hit_tokens = 0
         self._waiting: OrderedDict[str, Sequence] = OrderedDict()
         self._running: dict[str, Sequence] = {}
         # per request: its deltas, then None once it was cancelled
@@ -109,6 +117,8 @@ class ColocatedEngine:
             decode_queues={"colocated": 0},
             kv_blocks_used=self.cache.used_blocks,
             kv_blocks_total=self.cache.total_blocks,
+            prompt_tokens=self.prompt_tokens,
+            prefix_hit_tokens=self.hit_tokens,
         )
 
     @property
@@ -121,6 +131,8 @@ class ColocatedEngine:
             batch = self._admit()
             if batch:
                 tokens = await asyncio.to_thread(runner.prefill_into, self.model, self.cache, batch)
+                for seq in batch:
+                    self.cache.commit(seq, len(seq.prompt))
                 self._emit(batch, tokens)
             elif self._running:
                 seqs = list(self._running.values())
@@ -133,20 +145,22 @@ class ColocatedEngine:
                 await self._wake.wait()
 
     def _admit(self) -> list[Sequence]:
-        """FCFS prompts up to L_m whose whole completion fits in the free KV blocks."""
+        """FCFS prompts up to L_m tokens to compute (a cached prefix is not computed) whose whole completion fits
+        in the free KV blocks."""
         c = self.config
         room = c.max_running - len(self._running)
-        count = (
-            take_batch([len(s.prompt) for s in self._waiting.values()], c.max_batch_tokens, max(room, 0)) if room else 0
-        )
+        waiting = list(self._waiting.values())
+        reuse = [len(s.prompt) - runner.MIN_COMPUTED for s in waiting]
+        to_compute = [len(s.prompt) - self.cache.cached_prefix(s, n) for s, n in zip(waiting, reuse)]
+        count = take_batch(to_compute, c.max_batch_tokens, max(room, 0)) if room else 0
         batch = []
-        free = self.cache.total_blocks - self.cache.used_blocks
-        for seq in list(self._waiting.values())[:count]:
-            need = self.cache.blocks_for(seq.max_length)
-            if need > free:
+        for seq, n in zip(waiting[:count], reuse):
+            try:
+                self.cache.reserve(seq, reuse=n)
+            except KVCacheFull:
                 break
-            free -= need
-            self.cache.reserve(seq)
+            self.prompt_tokens += len(seq.prompt)
+            self.hit_tokens += seq.cached_tokens
             del self._waiting[seq.request_id]
             self._running[seq.request_id] = seq
             batch.append(seq)

@@ -11,6 +11,8 @@ import torch
 
 from aiollm.model.engine import generate
 from aiollm.model.sampling import SamplingParams
+from aiollm.serving.backend import GenerateRequest
+from aiollm.serving.colocated import ColocatedEngine, EngineConfig
 from aiollm.serving.distserve.controller import ControllerConfig
 from aiollm.serving.distserve.decode import DecodeConfig
 from aiollm.serving.distserve.prefill import PrefillConfig
@@ -150,3 +152,20 @@ async def test_a_request_goes_to_the_instance_holding_its_prefix(tiny):
         assert await _complete(c, follow_up) == _reference(tiny, follow_up).text
         assert (p0.prefilled, p1.prefilled) == (1, 2)
         assert p1.hit_tokens == 64 and c.controller.prefix_routed == 1
+
+
+async def test_the_colocated_engine_reuses_prefixes_with_the_same_tokens(tiny):
+    vocab = tiny.config.vocab
+    system = _ids(9, 40, vocab)
+    prompts = [system + _ids(20 + i, 6, vocab) for i in range(3)]
+    engine = ColocatedEngine(tiny, EngineConfig(kv_blocks=64))
+    await engine.start()
+    try:
+        for i, prompt in enumerate(prompts):
+            request = GenerateRequest(f"r{i}", tuple(prompt), SamplingParams(max_tokens=N_NEW, ignore_eos=True))
+            got = [t async for delta in engine.submit(request) for t in delta.token_ids]
+            assert got == _reference(tiny, prompt).token_ids
+        assert (engine.hit_tokens, engine.prompt_tokens) == (2 * 32, sum(map(len, prompts)))
+        assert engine.kv_blocks_used == 0
+    finally:
+        await engine.stop()
