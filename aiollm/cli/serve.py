@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const=True,
     )
     spec_flag(parser, "--model", "model.name", "bundled name, .gguf file or HF directory")
+    spec_flag(
+        parser, "--served-model-name", "model.served_name", "the name clients send as `model` (default: the model's)"
+    )
     spec_flag(parser, "--dtype", "model.dtype", "weight dtype", choices=WEIGHT_DTYPES)
     spec_flag(parser, "--host", "frontend.host", "HTTP interface of the frontend")
     spec_flag(parser, "--port", "frontend.port", "HTTP port of the frontend (0: any free one)")

@@ -27,7 +27,7 @@ from pathlib import Path
 from aiollm.actors.node import NodeConfig
 from aiollm.deploy.graph import Graph, NodeHandle
 from aiollm.deploy.roles import Wiring
-from aiollm.deploy.roles.common import served_name
+from aiollm.deploy.roles.common import served_model
 from aiollm.deploy.spec import ClusterSpec
 from aiollm.log import get_logger
 
@@ -227,7 +227,7 @@ async def serve_cluster(spec: ClusterSpec) -> int:
         cluster = await start_cluster(graph, spec)
         replanning = asyncio.create_task(_replan(cluster)) if spec.planner.replan else None
         print(
-            f"aiollm: serving {served_name(spec.model.name)} at {cluster.base_urls[0]}/v1"
+            f"aiollm: serving {served_model(spec)} at {cluster.base_urls[0]}/v1"
             + "".join(f" (+ {url}/v1)" for url in cluster.base_urls[1:])
             + f" ({spec.describe()})",
             flush=True,
@@ -284,11 +284,11 @@ def run_colocated(spec: ClusterSpec) -> int:
         frontend = Frontend(
             engine,
             model.tokenizer,
-            ModelInfo(served_name(spec.model.name), model.config.max_context),
+            ModelInfo(served_model(spec), model.config.max_context),
             frontend_config(spec, model.config.vocab),
         )
         server, task, port = await start_server(frontend.app, f.host, f.port)
-        print(f"aiollm: serving {served_name(spec.model.name)} at http://{f.host}:{port}/v1 (colocated)", flush=True)
+        print(f"aiollm: serving {served_model(spec)} at http://{f.host}:{port}/v1 (colocated)", flush=True)
         await _stop_on_signals().wait()
         server.should_exit = True
         await task

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from aiollm.deploy.roles import Wiring
-from aiollm.deploy.roles.common import served_name
+from aiollm.deploy.roles.common import served_model
 from aiollm.deploy.spec import ClusterSpec
 from aiollm.log import get_logger
 
@@ -300,7 +300,7 @@ def serve(spec: ClusterSpec, address: str | None) -> int:
                 return 1
         where = f"Ray at {address}" if address else "a local Ray"
         print(
-            f"aiollm: serving {served_name(spec.model.name)} at {state.base_url}/v1 ({spec.describe()}, on {where})",
+            f"aiollm: serving {served_model(spec)} at {state.base_url}/v1 ({spec.describe()}, on {where})",
             flush=True,
         )
         lost = False

@@ -54,6 +54,8 @@ class ModelSpec(_Section):
     name: str = "smollm2"
     # weight dtype of every role that holds weights
     dtype: str = "fp32"
+    # the name clients send as `model` ("": the model file's or directory's name, without extension)
+    served_name: str = ""
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "name", "must name a model")

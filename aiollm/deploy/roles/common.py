@@ -12,6 +12,11 @@ def served_name(model: str) -> str:
     return model if "/" not in model and not model.endswith(".gguf") else Path(model).stem
 
 
+def served_model(spec: ClusterSpec) -> str:
+    """The id this deployment answers to: the spec's `model.served_name`, else the model's own name."""
+    return spec.model.served_name or served_name(spec.model.name)
+
+
 def load_model(spec: ClusterSpec, threads: int):
     """The spec's model in its weight dtype, with torch using `threads` threads in this process."""
     import torch

@@ -7,7 +7,7 @@ import os
 
 from aiollm.actors.node import Node
 from aiollm.deploy.roles import Wiring, add_actor, spec_flag
-from aiollm.deploy.roles.common import served_name
+from aiollm.deploy.roles.common import served_model
 from aiollm.deploy.spec import ClusterSpec
 from aiollm.frontend.app import Frontend, FrontendConfig, start_server
 from aiollm.model.loader import load_tokenizer
@@ -24,6 +24,9 @@ def add_arguments(parser) -> None:
         "--controller", required=True, metavar="URL", help="the controller actor: tcp://host:port/controller"
     )
     spec_flag(parser, "--model", "model.name", "model whose tokenizer and chat template to use")
+    spec_flag(
+        parser, "--served-model-name", "model.served_name", "the name clients send as `model` (default: the model's)"
+    )
     spec_flag(parser, "--http-host", "frontend.host", "HTTP interface")
     spec_flag(parser, "--http-port", "frontend.port", "HTTP port")
     spec_flag(parser, "--max-in-flight", "frontend.max_in_flight", "HTTP requests served at once")
@@ -49,7 +52,7 @@ async def start(node: Node, spec: ClusterSpec, wiring: Wiring) -> dict[str, str]
     client = ClusterClient(wiring.controller, spec.controller.resume_timeout_s)
     ref = await node.spawn(client, actor)
     f = spec.frontend
-    info = ModelInfo(served_name(spec.model.name), config.max_context)
+    info = ModelInfo(served_model(spec), config.max_context)
     frontend = Frontend(client, tokenizer, info, frontend_config(spec, config.vocab))
     _, task, _ = await start_server(frontend.app, f.host, f.port)
     _servers.add(task)

@@ -1,0 +1,401 @@
+"""Against the servers users would pick instead: aiollm (disaggregated, offloaded, colocated) beside vLLM's CPU
+build and llama.cpp's server, each alone on the same cores, driven by one neutral client, in one run.
+
+    make peers                       # once: vLLM CPU in .peers/vllm (LLAMA=1: llama.cpp's server as well)
+    python -m bench peers --dtypes bf16,fp32 --json bench/results/peers.json
+
+Every server is started alone, warmed with two requests, then measured with the same requests: random
+prompts of `--input-len` tokens, `--output-len` output tokens with `ignore_eos`, temperature 0. The client is
+`vllm bench serve` from the peers venv where it is installed (a client none of the servers wrote), else
+aiollm's own (`aiollm.loadgen.replay`) with the same prompts' lengths and the same Poisson arrivals.
+
+- saturation: all requests at once; output tokens/s;
+- a rate sweep (`--rates`, stopped after the first rate where < 90 % of requests meet both SLOs): TTFT p50 at
+  1 req/s, TPOT p50 at 4 req/s, and goodput, DistServe's measure: the highest rate (interpolated) at which
+  >= 90 % of requests meet both the TTFT and the TPOT SLO (`--slo-ttft-ms`, `--slo-tpot-ms`).
+
+The ratios compare like with like (the same weight dtype): `ratio_tokens_vs_vllm_saturation_<dtype>` is
+aiollm's best mode over vLLM, with each mode's own ratio beside it; `ratio_ttft_p50_vs_vllm_rate1` and
+`ratio_tpot_p50_vs_vllm_rate4` are the default `serve` (disaggregated, fp32) over vLLM fp32;
+`ratio_goodput_disagg_vs_vllm` is disaggregated's goodput over vLLM's in fp32 (`_bf16` beside it);
+`ratio_tokens_vs_llamacpp_saturation` is aiollm's best fp32 mode over llama.cpp (its GGUF as it comes, or
+f32 where `.peers/model-f32.gguf` exists). Each run also records the cores the server's processes kept busy,
+the measurement that says where a missed target's time went on a machine this small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from aiollm.loadgen.cpu_meter import CoreMeter
+from aiollm.loadgen.replay import BenchRequest, RequestResult, max_rate_at, run_rate
+from aiollm.report import table
+
+TARGET = 0.9
+READY_TIMEOUT_S = 600.0
+SERVED = "smollm2"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help="aiollm's model (bundled name or path)")
+    parser.add_argument("--peers", type=Path, default=Path(".peers"), help="where `make peers` installed them")
+    parser.add_argument("--dtypes", default="bf16,fp32", help="weight dtypes to compare, comma list")
+    parser.add_argument(
+        "--servers",
+        default="disagg,offloaded,colocated,vllm,llamacpp",
+        help="comma list; a peer that is not installed is skipped",
+    )
+    parser.add_argument("--num-prompts", type=int, default=32, help="requests per rate (and at saturation: 2x)")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rates", default="1,2,3,4,6,8,12", help="the sweep, req/s (must hold 1 and 4)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=18230)
+    parser.add_argument("--plot", type=Path, default=Path("bench/results/peers.png"))
+
+
+# --- the servers --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    """One server under test: how to start it and what it is."""
+
+    name: str
+    dtype: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    def start(self, port: int, log: Path) -> str:
+        env = dict(os.environ, **self.env)
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not _answers(f"{base}/v1/models"):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; its log: {log}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not answer within {READY_TIMEOUT_S:g} s; its log: {log}")
+            time.sleep(0.5)
+        return base
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def servers(args, hf_dir: Path | None, gguf: Path | None, port: int) -> list[Server]:
+    """Every server of `--servers` in every dtype of `--dtypes` that can run here."""
+    wanted = [s for s in args.servers.split(",") if s]
+    out = []
+    for dtype in [d for d in args.dtypes.split(",") if d]:
+        kv = "fp16" if dtype == "bf16" else "fp32"
+        aiollm = [sys.executable, "-m", "aiollm", "serve", "--model", args.model, "--dtype", dtype, "--kv-dtype", kv]
+        aiollm += ["--served-model-name", SERVED, "--port", str(port)]
+        modes = {
+            "disagg": ["--prefill", "1", "--decode", "1", "--threads", "1"],
+            "offloaded": ["--prefill", "1", "--decode", "1", "--r-workers", "1", "--threads", "1"],
+            "colocated": ["--colocated", "--threads", "2"],
+        }
+        out += [Server(m, dtype, aiollm + modes[m]) for m in modes if m in wanted]
+        vllm = args.peers / "vllm" / "bin" / "vllm"
+        if "vllm" in wanted and vllm.exists() and hf_dir is not None:
+            argv = [str(vllm), "serve", str(hf_dir), "--served-model-name", SERVED, "--port", str(port)]
+            argv += ["--dtype", {"bf16": "bfloat16", "fp32": "float32"}[dtype], "--max-model-len", "2048"]
+            env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
+            out.append(Server("vllm", dtype, argv, env))
+        server = args.peers / "llama.cpp" / "llama-server"
+        if "llamacpp" in wanted and dtype == "fp32" and server.exists() and gguf is not None:
+            argv = [str(server), "-m", str(gguf), "--port", str(port), "-t", str(os.cpu_count())]
+            argv += ["-tb", str(os.cpu_count()), "-np", "16", "-c", "8192", "--no-webui", "-a", SERVED]
+            out.append(Server("llamacpp", "fp32", argv))
+    return out
+
+
+def export_hf_dir(model: str, out: Path) -> Path:
+    """The model as a Hugging Face directory (vLLM reads only that): transformers dequantises the GGUF and a
+    plain LlamaForCausalLM saves it (a model loaded from GGUF refuses to save itself)."""
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    from aiollm.model.loader import resolve
+
+    path = resolve(model)
+    if path.is_dir():
+        return path
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the GGUF's: the saved weights are plain fp32
+        del config.quantization_config
+    plain = LlamaForCausalLM(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+# --- the client ---------------------------------------------------------------------------------------------
+
+
+def _requests(args, vocab: int) -> list[BenchRequest]:
+    rng = random.Random(args.seed)
+    return [
+        BenchRequest([rng.randrange(100, vocab - 100) for _ in range(args.input_len)], args.output_len)
+        for _ in range(args.num_prompts * 2)
+    ]
+
+
+def drive(
+    args, base_url: str, hf_dir: Path | None, rate: float, n: int, vocab: int
+) -> tuple[list[RequestResult], float]:
+    """n requests at `rate` (inf: all at once); per-request results and the run's wall time."""
+    client = args.peers / "vllm" / "bin" / "vllm"
+    if client.exists() and hf_dir is not None:
+        return _vllm_client(client, args, base_url, hf_dir, rate, n)
+    requests = _requests(args, vocab)[:n]
+    if rate == float("inf"):
+        arrivals = np.zeros(n)
+    else:
+        gaps = np.random.default_rng(args.seed).exponential(1.0 / rate, n)
+        arrivals = np.cumsum(gaps) - gaps[0]
+    return asyncio.run(run_rate(base_url + "/v1", SERVED, requests, arrivals))
+
+
+def _vllm_client(client: Path, args, base_url: str, hf_dir: Path, rate: float, n: int) -> tuple[list, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = [str(client), "bench", "serve", "--backend", "openai", "--base-url", base_url]
+        argv += ["--endpoint", "/v1/completions", "--model", SERVED, "--tokenizer", str(hf_dir)]
+        argv += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
+        argv += ["--random-output-len", str(args.output_len), "--random-range-ratio", "0", "--num-prompts", str(n)]
+        argv += [
+            "--request-rate",
+            "inf" if rate == float("inf") else str(rate),
+            "--ignore-eos",
+            "--seed",
+            str(args.seed),
+        ]
+        argv += ["--temperature", "0", "--save-result", "--save-detailed", "--result-dir", tmp]
+        argv += ["--result-filename", "run.json", "--disable-tqdm"]
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"vllm bench serve failed: {done.stderr[-2000:]}")
+        result = json.loads((Path(tmp) / "run.json").read_text())
+    out = []
+    for i in range(len(result["ttfts"])):
+        error = result["errors"][i] if result.get("errors") else ""
+        tokens = result["output_lens"][i]
+        itls = result["itls"][i] or [0.0]
+        ok = not error and tokens > 0
+        out.append(RequestResult(ok, result["ttfts"][i], float(np.mean(itls)), 0.0, tokens, error))
+    return out, float(result["duration"])
+
+
+# --- one server, measured ------------------------------------------------------------------------------------
+
+
+def measure(args, server: Server, hf_dir: Path | None, vocab: int, rates: list[float], log_dir: Path) -> dict:
+    base = server.start(args.port, log_dir / f"{server.name}-{server.dtype}.log")
+    try:
+        drive(args, base, hf_dir, float("inf"), 2, vocab)  # warm-up: first requests pay one-time costs
+        meter = CoreMeter([server.proc.pid])
+        meter.start(time.perf_counter())
+        results, duration = drive(args, base, hf_dir, float("inf"), args.num_prompts * 2, vocab)
+        cores = meter.stop(time.perf_counter())
+        ok = [r for r in results if r.ok]
+        row = {
+            "out_tok_s_saturation": sum(r.output_tokens for r in ok) / duration,
+            "ttft_p50_ms_saturation": float(np.median([r.ttft for r in ok]) * 1e3) if ok else float("nan"),
+            "failed": len(results) - len(ok),
+            "cores_busy_saturation": round(cores.ours, 2),
+            "rates": {},
+        }
+        _progress(server, f"saturation {row['out_tok_s_saturation']:.0f} tok/s, cores busy {cores.ours:.2f}")
+        for rate in rates:
+            results, _ = drive(args, base, hf_dir, rate, args.num_prompts, vocab)
+            ok = [r for r in results if r.ok]
+            good = [r for r in ok if r.ttft * 1e3 <= args.slo_ttft_ms and r.tpot * 1e3 <= args.slo_tpot_ms]
+            summary = {
+                "ttft_p50_ms": float(np.median([r.ttft for r in ok]) * 1e3) if ok else float("nan"),
+                "tpot_p50_ms": float(np.median([r.tpot for r in ok]) * 1e3) if ok else float("nan"),
+                "attainment": len(good) / len(results),
+                "failed": len(results) - len(ok),
+            }
+            row["rates"][str(rate)] = summary
+            row["failed"] += summary["failed"]
+            _progress(
+                server,
+                f"{rate:g} req/s: TTFT p50 {summary['ttft_p50_ms']:.0f} ms, TPOT p50 {summary['tpot_p50_ms']:.1f} ms, "
+                f"both SLOs {summary['attainment']:.0%}",
+            )
+            if summary["attainment"] < TARGET and rate >= 4:
+                break
+        swept = [float(r) for r in row["rates"]]
+        row["goodput_rps"] = max_rate_at(swept, [row["rates"][str(r)]["attainment"] for r in swept], TARGET)
+        # False: every rate of the sweep met the SLOs, so the goodput is a lower bound
+        row["goodput_measured"] = row["rates"][str(swept[-1])]["attainment"] < TARGET
+        row["ttft_p50_ms_rate1"] = row["rates"].get("1.0", {}).get("ttft_p50_ms", float("nan"))
+        row["tpot_p50_ms_rate4"] = row["rates"].get("4.0", {}).get("tpot_p50_ms", float("nan"))
+        return row
+    finally:
+        server.stop()
+
+
+def _progress(server: Server, text: str) -> None:
+    print(f"  {server.name:9} {server.dtype:4}  {text}", flush=True)
+
+
+def ratios(rows: dict[str, dict]) -> dict:
+    """The headline ratios (see the module's docstring); a side that did not run leaves its ratio out."""
+    out: dict = {}
+
+    def get(name: str, dtype: str, key: str) -> float | None:
+        row = rows.get(f"{name}_{dtype}")
+        return None if row is None else row[key]
+
+    for dtype in ("bf16", "fp32"):
+        vllm = get("vllm", dtype, "out_tok_s_saturation")
+        if not vllm:
+            continue
+        mine = {m: get(m, dtype, "out_tok_s_saturation") for m in ("disagg", "offloaded", "colocated")}
+        for mode, tokens in mine.items():
+            if tokens is not None:
+                out[f"ratio_tokens_vs_vllm_saturation_{mode}_{dtype}"] = round(tokens / vllm, 3)
+        if any(mine.values()):
+            out[f"ratio_tokens_vs_vllm_saturation_{dtype}"] = round(max(t for t in mine.values() if t) / vllm, 3)
+        disagg, theirs = get("disagg", dtype, "goodput_rps"), get("vllm", dtype, "goodput_rps")
+        if disagg is not None and theirs:
+            out["ratio_goodput_disagg_vs_vllm" + ("" if dtype == "fp32" else f"_{dtype}")] = round(disagg / theirs, 3)
+    for key, rate_key in (
+        ("ttft_p50_ms_rate1", "ratio_ttft_p50_vs_vllm_rate1"),
+        ("tpot_p50_ms_rate4", "ratio_tpot_p50_vs_vllm_rate4"),
+    ):
+        mine, theirs = get("disagg", "fp32", key), get("vllm", "fp32", key)
+        if mine is not None and theirs:
+            out[rate_key] = round(mine / theirs, 3)
+    llama = get("llamacpp", "fp32", "out_tok_s_saturation")
+    best = [get(m, "fp32", "out_tok_s_saturation") for m in ("disagg", "offloaded", "colocated")]
+    if llama and any(best):
+        out["ratio_tokens_vs_llamacpp_saturation"] = round(max(b for b in best if b) / llama, 3)
+    return out
+
+
+def _plot(path: Path, rows: dict[str, dict], slos: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bars, lines) = plt.subplots(1, 2, figsize=(13, 4.5))
+    names = list(rows)
+    bars.bar(names, [rows[n]["out_tok_s_saturation"] for n in names], color="tab:blue")
+    bars.set_ylabel("output tokens/s at saturation")
+    bars.tick_params(axis="x", rotation=45)
+    for name in names:
+        rates = [float(r) for r in rows[name]["rates"]]
+        lines.plot(rates, [rows[name]["rates"][str(r)]["attainment"] * 100 for r in rates], marker="o", label=name)
+    lines.axhline(TARGET * 100, color="grey", linestyle=":")
+    lines.set_xlabel("request rate (req/s)")
+    lines.set_ylabel(f"% of requests meeting both SLOs ({slos})")
+    lines.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from aiollm.model.loader import load_tokenizer
+
+    rates = sorted(float(r) for r in args.rates.split(","))
+    if 1.0 not in rates or 4.0 not in rates:
+        raise SystemExit("python -m bench peers: error: --rates must hold 1 and 4")
+    tokenizer, _ = load_tokenizer(args.model)
+    vocab = tokenizer.vocab_size
+    work = Path(tempfile.mkdtemp(prefix="aiollm-peers-"))
+    hf_dir = None
+    if (args.peers / "vllm" / "bin" / "vllm").exists():
+        hf_dir = export_hf_dir(args.model, args.peers / "model-hf")
+    from aiollm.model.loader import resolve
+
+    f32 = args.peers / "model-f32.gguf"
+    gguf = f32 if f32.exists() else (resolve(args.model) if resolve(args.model).suffix == ".gguf" else None)
+    todo = servers(args, hf_dir, gguf, args.port)
+    client = "vllm bench serve" if hf_dir is not None else "aiollm.loadgen.replay"
+    print(f"{len(todo)} servers, client: {client}, SLOs TTFT {args.slo_ttft_ms:g} ms / TPOT {args.slo_tpot_ms:g} ms")
+    rows: dict[str, dict] = {}
+    try:
+        for server in todo:
+            rows[f"{server.name}_{server.dtype}"] = measure(args, server, hf_dir, vocab, rates, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    columns = ["server", "tok/s saturation", "TTFT p50 @1 (ms)", "TPOT p50 @4 (ms)", "goodput (req/s)", "cores busy"]
+    print(
+        table(
+            [
+                dict(
+                    zip(
+                        columns,
+                        [
+                            name,
+                            round(r["out_tok_s_saturation"]),
+                            round(r["ttft_p50_ms_rate1"]),
+                            round(r["tpot_p50_ms_rate4"], 1),
+                            ("" if r["goodput_measured"] else ">= ") + f"{r['goodput_rps']:.2f}",
+                            r["cores_busy_saturation"],
+                        ],
+                    )
+                )
+                for name, r in rows.items()
+            ],
+            columns,
+        )
+    )
+    slos = f"TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms"
+    if rows:
+        _plot(args.plot, rows, slos)
+    return {
+        **ratios(rows),
+        "servers": rows,
+        "client": client,
+        "slos": slos,
+        "workload": f"random {args.input_len} in / {args.output_len} out tokens, ignore_eos, temperature 0, "
+        f"{args.num_prompts} requests per rate, {args.num_prompts * 2} at saturation",
+        "peers_installed": sorted({s.name for s in todo} - {"disagg", "offloaded", "colocated"}),
+    }
