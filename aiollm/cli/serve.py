@@ -12,6 +12,7 @@ field exits with status 2 naming it. See aiollm.deploy.local for how the cluster
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -44,7 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec_flag(parser, "--host", "frontend.host", "HTTP interface of the frontend")
     spec_flag(parser, "--port", "frontend.port", "HTTP port of the frontend (0: any free one)")
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch/attention threads of every instance and R-worker (default 1)"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch/attention threads of every instance and R-worker (default: the cores shared among them)",
     )
     spec_flag(parser, "--block-size", "kv.block_size", "tokens per KV block")
     spec_flag(parser, "--kv-dtype", "kv.dtype", "KV storage type", choices=KV_DTYPES)
@@ -96,7 +100,20 @@ def build_spec(args: argparse.Namespace) -> ClusterSpec:
         if "." in dest or dest in ("colocated", "log_level", "step_log")
     }
     overrides.update(dict.fromkeys(_THREADS, args.threads))
-    return spec.override(overrides)
+    spec = spec.override(overrides)
+    if args.threads is None and args.config is None:
+        spec = spec.override(dict.fromkeys(_THREADS, default_threads(spec)))
+    return spec
+
+
+def default_threads(spec: ClusterSpec) -> int:
+    """Threads per process when neither --threads nor a spec says: the cores this process may run on, shared
+    among the processes that compute (one colocated process takes them all)."""
+    cores = len(os.sched_getaffinity(0))
+    if spec.colocated:
+        return cores
+    processes = spec.prefill.count + spec.decode.count * (1 + spec.decode.r_workers)
+    return max(1, cores // processes)
 
 
 def run(args: argparse.Namespace) -> int:

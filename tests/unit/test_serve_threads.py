@@ -1,0 +1,38 @@
+"""`serve`'s default threads: the host's cores shared among the processes that compute, unless --threads or a
+spec says otherwise."""
+
+import argparse
+import os
+
+import pytest
+
+from aiollm.cli.serve import add_arguments, build_spec
+
+
+def _spec(argv: list[str], tmp_path=None):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return build_spec(parser.parse_args(argv))
+
+
+@pytest.fixture
+def four_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+
+
+def test_colocated_takes_every_core(four_cores):
+    assert _spec(["--colocated"]).decode.threads == 4
+
+
+def test_disaggregated_shares_the_cores(four_cores):
+    spec = _spec(["--prefill", "1", "--decode", "1"])
+    assert (spec.prefill.threads, spec.decode.threads) == (2, 2)
+    spec = _spec(["--prefill", "1", "--decode", "1", "--r-workers", "2"])
+    assert (spec.prefill.threads, spec.decode.threads, spec.r_worker.threads) == (1, 1, 1)
+
+
+def test_threads_flag_and_spec_win(four_cores, tmp_path):
+    assert _spec(["--colocated", "--threads", "1"]).decode.threads == 1
+    config = tmp_path / "cluster.toml"
+    config.write_text("[decode]\nthreads = 3\n")
+    assert _spec(["--config", str(config)]).decode.threads == 3
