@@ -28,6 +28,11 @@ Each decode row also says where our step's time went in that very run (`StepTime
 the GEMM floor (`s_part_ms` vs `gemm_floor_ms`: what norms, RoPE, the K/V store and running inside a step
 add to the bare matrix products), attention beside the mean step's KV read at the read bandwidth
 (`attention_ms` vs `kv_read_ms`), sampling, the rest, and the prefill.
+
+`--model` takes any supported model (bundled name, .gguf file or HF directory; transformers loads the same
+one). Each dtype's load is timed (`load_s`) and its memory measured: `resident_anon_mib` is the anonymous memory
+the load added (dequantised, fused and packed weights), `resident_file_mib` the file pages it mapped, and
+`ratio_resident_vs_file_size` the first over the bytes of the file(s).
 """
 
 import copy
@@ -40,7 +45,7 @@ import torch
 from aiollm.model import load
 from aiollm.model.engine import ReferenceEngine
 from aiollm.model.linear import linear
-from aiollm.model.loader import bundled_path
+from aiollm.model.loader import resolve
 from aiollm.model.sampling import SamplingParams
 from aiollm.native.attention import read_sum
 from aiollm.native.fused_ops import seconds_buffer
@@ -51,6 +56,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def add_arguments(parser) -> None:
+    parser.add_argument("--model", default="smollm2", help="bundled name, .gguf file or Hugging Face directory")
     parser.add_argument("--quick", action="store_true", help="small sizes only (a short run while developing)")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32,bf16")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
@@ -424,18 +430,56 @@ class StepTimers:
         }
 
 
-def _load_transformers(dtype: torch.dtype, cache: dict):
+def _load_transformers(model: str, dtype: torch.dtype, cache: dict):
     if "fp32" not in cache:
         os.environ["HF_HUB_OFFLINE"] = "1"
         from transformers import AutoModelForCausalLM
 
-        path = bundled_path("smollm2")
-        cache["fp32"] = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        ).eval()
+        path = resolve(model)
+        where = (
+            dict(pretrained_model_name_or_path=path)
+            if path.is_dir()
+            else dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name)
+        )
+        cache["fp32"] = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
     if dtype == torch.float32:
         return cache["fp32"]
     return copy.deepcopy(cache["fp32"]).to(dtype)
+
+
+def _memory() -> dict[str, int]:
+    """This process's resident memory in bytes: anonymous (its own heap) and file-backed (mapped pages)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+def timed_load(model: str, dtype: torch.dtype, name: str) -> tuple[object, dict]:
+    """Load the model, timing it and measuring the memory it holds against the size of its file(s):
+    `ratio_resident_vs_file_size` is the anonymous memory the load added over the bytes of the files."""
+    path = resolve(model)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    file_bytes = sum(f.stat().st_size for f in files)
+    before = _memory()
+    started = time.perf_counter()
+    loaded = load(model, dtype=dtype)
+    seconds = time.perf_counter() - started
+    after = _memory()
+    anon = after.get("RssAnon", 0) - before.get("RssAnon", 0)
+    row = {
+        "dtype": name,
+        "files": len(files),
+        "file_mib": file_bytes / 2**20,
+        "load_s": seconds,
+        "resident_anon_mib": anon / 2**20,
+        "resident_file_mib": (after.get("RssFile", 0) - before.get("RssFile", 0)) / 2**20,
+        "ratio_resident_vs_file_size": anon / file_bytes if file_bytes else 0.0,
+    }
+    return loaded, row
 
 
 def run(args) -> dict:
@@ -456,9 +500,16 @@ def run(args) -> dict:
     ratios = []
     bandwidth = read_bandwidth()
     figures["read_bandwidth_gb_s"] = bandwidth / 1e9
+    figures["model"] = str(args.model)
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
-        model = load("smollm2", dtype=dtype)
+        model, loading = timed_load(args.model, dtype, name)
+        figures[f"load_{name}"] = loading
+        figures[f"ratio_resident_vs_file_size_{name}"] = loading["ratio_resident_vs_file_size"]
+        print(
+            f"\n-- {name}: load of {args.model} ({model.config.family}; anonymous memory added over the files' bytes, "
+            f"file-backed pages mapped)\n{table([loading])}"
+        )
         gemms = gemm_rows(model, [1, 8, 32, 64])
         if gemms:
             figures[f"gemm_{name}"] = gemms
@@ -471,7 +522,7 @@ def run(args) -> dict:
             )
         if args.gemm_only:
             continue
-        hf = None if args.no_transformers else _load_transformers(dtype, hf_cache)
+        hf = None if args.no_transformers else _load_transformers(args.model, dtype, hf_cache)
         prompt = model.tokenizer.encode(
             model.tokenizer.apply_chat_template(
                 [{"role": "user", "content": "Tell me a long story about a dragon who learns to cook."}]

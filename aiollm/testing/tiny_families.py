@@ -64,18 +64,18 @@ def write_family_dir(
     kwargs = {**kwargs, **extra}
     if "rope_scaling" in kwargs:  # transformers 5 spells RoPE settings as rope_parameters
         kwargs["rope_parameters"] = {"rope_theta": kwargs.pop("rope_theta", 10000.0), **kwargs.pop("rope_scaling")}
-    config = getattr(transformers, config_name)(
-        vocab_size=tokenizer.get_vocab_size(),
-        intermediate_size=256,
-        num_hidden_layers=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=init_std,
-        **kwargs,
-    )
+    shared = {
+        "vocab_size": tokenizer.get_vocab_size(),
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "initializer_range": init_std,
+    }
+    config = getattr(transformers, config_name)(**{**shared, **kwargs})
     torch.manual_seed(seed)
     model = getattr(transformers, _MODELS[config_name])(config).eval()
     with torch.no_grad():  # random norms and biases too, so a wrong one shows
