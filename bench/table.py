@@ -93,6 +93,17 @@ FIGURES: tuple[Figure, ...] = (
         "cluster", "ratio_kv_pull_vs_raw_netns", "KV pull stream / raw socket, across namespaces", Target(">=", 0.8)
     ),
     Figure("cluster", "replan_seconds", "workload drift detected to the new instance serving", unit="s"),
+    Figure("prefix", "ratio_ttft_p50_cache_vs_none", "multi-turn TTFT p50, prefix cache / none", Target("<=", 0.5)),
+    Figure("peers", "ratio_tokens_vs_vllm_saturation_bf16", "tokens/s at saturation / vLLM CPU, bf16", Target(">=", 1)),
+    Figure("peers", "ratio_tokens_vs_vllm_saturation_fp32", "tokens/s at saturation / vLLM CPU, fp32", Target(">=", 1)),
+    Figure("peers", "ratio_ttft_p50_vs_vllm_rate1", "default serve TTFT p50 at 1 req/s / vLLM", Target("<=", 1)),
+    Figure("peers", "ratio_tpot_p50_vs_vllm_rate4", "default serve TPOT p50 at 4 req/s / vLLM", Target("<=", 1)),
+    Figure(
+        "peers", "ratio_goodput_disagg_vs_vllm", "disaggregated goodput / vLLM (fp32, same SLOs)", Target(">=", 1.5)
+    ),
+    Figure(
+        "peers", "ratio_tokens_vs_llamacpp_saturation", "tokens/s at saturation / llama.cpp server", Target(">=", 2)
+    ),
 )
 
 
