@@ -73,16 +73,23 @@ class Registry:
 class RoleHost:
     """One role instance in its own Ray actor process (see the module's docstring)."""
 
-    def __init__(self, role: str, name: str, spec_toml: str, secret: str, wiring: list[str], registry) -> None:
+    def __init__(
+        self, role: str, name: str, spec_toml: str, secret: str, wiring: list[str], registry, links: dict | None = None
+    ) -> None:
         ray = _ray()
         self.role, self.name = role, name
         ip = ray.util.get_node_ip_address()
+        node_id = ray.get_runtime_context().get_node_id()
         previous = ray.get(registry.lookup.remote(name))
-        port = previous["port"] if previous and previous["ip"] == ip else 0
+        port = previous["port"] if previous and previous["node_id"] == node_id else 0
         args = list(wiring)
         controller = ray.get(registry.lookup.remote("controller"))
         if role in ("prefill", "decode") and controller is not None:  # a restart: join the running controller
             args += ["--controller", controller["actors"]["controller"]]
+        links = links or {}
+        if previous is not None and links.get("r_workers"):  # a restart: its R-workers where they are now
+            entries = [ray.get(registry.lookup.remote(n)) for n in links["r_workers"]]
+            args[args.index("--r-workers") + 1] = ",".join(e["actors"]["r-worker"] for e in entries)
         directory = Path(tempfile.mkdtemp(prefix="aiollm-ray-"))
         secret_file, spec_file = directory / "secret", directory / "cluster.toml"
         secret_file.touch(mode=0o600)
@@ -104,11 +111,25 @@ class RoleHost:
             "port": int(ready["addresses"][0].rsplit(":", 1)[1]),
             "url": ready["addresses"][0],
             "actors": ready["actors"],
-            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_id": node_id,
             "pid": self.proc.pid,
         }
         ray.get(registry.record.remote(name, self.entry))
+        if previous is not None and "decode" in links and previous["url"] != self.entry["url"]:
+            self._tell_decode(ray.get(registry.lookup.remote(links["decode"])), links, secret)
         threading.Thread(target=self._exit_with_node, daemon=True).start()
+
+    def _tell_decode(self, decode: dict | None, links: dict, secret: str) -> None:
+        """This R-worker came back at another address: tell its decode instance, which follows it there."""
+        if decode is None:
+            return  # not started yet: it reads every R-worker's address from the registry when it starts
+        from aiollm.serving.fastdecode.messages import RWorkerMoved
+
+        url = decode["actors"][links["decode"]]
+        moved = RWorkerMoved(links["index"], self.entry["actors"]["r-worker"])
+        failed = _run(ask_once(url, moved, secret))
+        if failed:
+            _log.warning("the decode instance did not take the R-worker's new address", decode=url, error=failed)
 
     def _exit_with_node(self) -> None:
         status = self.proc.wait()
@@ -169,7 +190,7 @@ class RayCluster:
         self.registry = ray.remote(Registry).options(num_cpus=0, scheduling_strategy=here).remote()
         toml = spec.to_toml()
 
-        def place(role: str, name: str, wiring: Wiring):
+        def place(role: str, name: str, wiring: Wiring, links: dict | None = None):
             section = getattr(spec, role.replace("-", "_"))
             options = {
                 "num_cpus": getattr(section, "threads", 0) if role not in ("controller", "frontend") else 0,
@@ -180,7 +201,7 @@ class RayCluster:
                 "runtime_env": {"env_vars": {"RAY_kill_child_processes_on_worker_exit": "false"}},
             }
             host = ray.remote(RoleHost).options(**options)
-            handle = host.remote(role, name, toml, self.secret, wiring.to_args(), self.registry)
+            handle = host.remote(role, name, toml, self.secret, wiring.to_args(), self.registry, links)
             self.placed.append(_Placed(name, role, handle))
             return handle
 
@@ -190,9 +211,13 @@ class RayCluster:
         prefill = [place("prefill", f"prefill{i}", Wiring(actor=f"prefill{i}")) for i in range(spec.prefill.count)]
         decode = []
         for i in range(spec.decode.count):
-            r_workers = info([place("r-worker", f"r-worker{i}.{j}", Wiring()) for j in range(spec.decode.r_workers)])
+            # an R-worker restarted elsewhere tells its decode instance, a decode instance restarted reads them
+            names = [f"r-worker{i}.{j}" for j in range(spec.decode.r_workers)]
+            r_workers = info(
+                [place("r-worker", n, Wiring(), {"decode": f"decode{i}", "index": j}) for j, n in enumerate(names)]
+            )
             wiring = Wiring(actor=f"decode{i}", r_workers=tuple(r["actors"]["r-worker"] for r in r_workers))
-            decode.append(place("decode", f"decode{i}", wiring))
+            decode.append(place("decode", f"decode{i}", wiring, {"r_workers": names}))
         actors = {k: v for entry in info(prefill + decode) for k, v in entry["actors"].items()}
         wiring = Wiring(
             prefill={n: u for n, u in actors.items() if n.startswith("prefill")},
@@ -246,6 +271,22 @@ def _healthy(url: str) -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+async def ask_once(url: str, msg: Any, secret: str, timeout_s: float = 10.0) -> str:
+    """Ask the actor at `url` one message from a node of its own (outside any running node); "" when it
+    answered, else what went wrong."""
+    from aiollm.actors.node import Node, NodeConfig
+
+    node = Node(NodeConfig(secret=secret.encode()))
+    await node.start([])
+    try:
+        await node.ref(url).ask(msg, timeout_s)
+    except Exception as exc:  # reported to the caller, which logs it
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        await node.stop(timeout_s)
+    return ""
 
 
 async def shutdown_nodes(urls: list[str], secret: str, timeout_s: float = 5.0) -> list[str]:

@@ -2,7 +2,8 @@
 custom resources (the controller and frontend on the head, the decode instance on a node of its own, the prefill
 instance on a third that can also take decode work). A node is removed mid-stream: Ray restarts the decode
 instance on the remaining decode-capable node, it rejoins the controller at its new address, and every request
-ends with the greedy tokens of an undisturbed run. Tearing the deployment down leaves no node process."""
+ends with the greedy tokens of an undisturbed run. Tearing the deployment down leaves no node process. The same
+for an R-worker: restarted on another Ray node at another address, its decode instance follows it there."""
 
 import os
 import signal
@@ -98,6 +99,83 @@ def test_roles_placed_by_resource_survive_the_loss_of_their_ray_node(tmp_path):
                 time.sleep(0.2)
             moved = deployed.where("decode0")
             assert moved["node_id"] != decode_node.node_id and moved["pid"] != placed["pid"]
+        deadline = time.monotonic() + 30
+        while _node_processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _node_processes()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _stream_all(client, model: str, prompts: list[list[int]], streamed: list) -> list[tuple[int, str]]:
+    """Stream every prompt from its own thread; (index, text) of each, in the order they end."""
+    results: list = []
+
+    def ask(i: int) -> None:
+        stream = client.completions.create(
+            model=model, prompt=prompts[i], max_tokens=24, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        text = []
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                text.append(chunk.choices[0].text)
+                streamed.append(1)
+        results.append((i, "".join(text)))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+@pytest.mark.slow
+def test_a_decode_instance_follows_its_r_worker_to_another_ray_node(tmp_path):
+    write_hf_dir(tmp_path)
+    model = load(str(tmp_path))
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    expected = [c.text for c in generate(model, prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
+    spec = ClusterSpec.from_dict(
+        {
+            "model": {"name": str(tmp_path)},
+            "node": {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0},
+            "prefill": {"ray_resources": {"serving": 1}},
+            "decode": {"ray_resources": {"serving": 1}, "r_workers": 1},
+            "r_worker": {"ray_resources": {"attention": 1}},
+            "controller": {"ray_resources": {"control": 1}, "resume_timeout_s": 90},
+            "frontend": {"ray_resources": {"control": 1}, "port": HTTP_PORT + 1},
+        }
+    )
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"control": 2}})
+    cluster.add_node(num_cpus=4, resources={"serving": 2})
+    first = cluster.add_node(num_cpus=2, resources={"attention": 1})
+    ray.init(address=cluster.address, include_dashboard=False, logging_level="WARNING")
+    try:
+        with RayCluster(spec, cluster.address) as deployed:
+            placed = deployed.where("r-worker0.0")
+            assert placed["node_id"] == first.node_id
+            client = openai.OpenAI(base_url=f"{deployed.base_url}/v1", api_key="t", max_retries=0, timeout=180)
+            streamed: list = []
+            results, threads = _stream_all(client, tmp_path.name, prompts, streamed)
+            deadline = time.monotonic() + 60
+            while len(streamed) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            cluster.add_node(num_cpus=2, resources={"attention": 1})  # where the R-worker can go
+            os.kill(placed["pid"], signal.SIGKILL)  # the R-worker's host is lost mid-stream
+            cluster.remove_node(first)
+            for t in threads:
+                t.join(240)
+            assert sorted(results) == list(enumerate(expected))
+            deadline = time.monotonic() + 60
+            while deployed.where("r-worker0.0")["pid"] == placed["pid"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            moved = deployed.where("r-worker0.0")
+            assert moved["node_id"] != first.node_id and moved["url"] != placed["url"]
+            # the decode instance decodes through the R-worker at its new address
+            later, threads = _stream_all(client, tmp_path.name, prompts, [])
+            for t in threads:
+                t.join(240)
+            assert sorted(later) == list(enumerate(expected))
         deadline = time.monotonic() + 30
         while _node_processes() and time.monotonic() < deadline:
             time.sleep(0.2)

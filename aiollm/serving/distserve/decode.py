@@ -30,6 +30,7 @@ from aiollm.model.sequence import Sequence, new_sequence
 from aiollm.sched.decode_admission import DecodeAdmission
 from aiollm.serving import runner
 from aiollm.serving.distserve.messages import AckKV, Cancel, Decode, Delta, GetLoad, KVBlock, Load, PullKV, Tokens
+from aiollm.serving.fastdecode.messages import RWorkerMoved
 from aiollm.serving.step_log import StepLog
 
 _log = get_logger("decode")
@@ -183,6 +184,13 @@ class DecodeInstance(Actor):
             return
         self._entries[msg.request_id] = _Entry(seq, msg.source, msg.reply_to)
         self._wake.set()
+
+    @handler(RWorkerMoved)
+    async def on_r_worker_moved(self, msg: RWorkerMoved) -> None:
+        move = getattr(self.executor, "move", None)
+        if move is None:
+            raise ValueError("this decode instance has no R-workers (its attention runs in its own process)")
+        move(msg.index, msg.url)
 
     @handler(Cancel)
     async def on_cancel(self, msg: Cancel) -> None:

@@ -69,6 +69,16 @@ class Release(Message, tag="fd.release"):
     seqs: list[int]
 
 
+class RWorkerMoved(Message, tag="fd.r_worker_moved"):
+    """Launcher -> decode instance (ask, reply None): one of its R-workers was started again at another address
+    (its host was lost); what it held is gone, the instance places on it again once it answers there."""
+
+    # the R-worker's position in the decode instance's list (as wired at its start)
+    index: int
+    # its actor's new URL
+    url: str
+
+
 class GetRLoad(Message, tag="fd.get_load"):
     """Ask an R-worker for its load (reply `RLoad`)."""
 

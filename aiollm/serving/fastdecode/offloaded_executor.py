@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import time
 from dataclasses import dataclass
 
 from aiollm.actors.node import Node
@@ -34,6 +35,8 @@ _log = get_logger("offloaded_executor")
 
 # seconds between probes of a lost R-worker
 REVIVE_PROBE_S = 1.0
+# how long a request waits for an R-worker when every one is lost (restarted by the launcher meanwhile)
+ALL_LOST_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,8 @@ class OffloadedExecutor:
         # the actor whose sequences these are (set by the decode instance); R-workers free them when it dies
         self.owner: ActorRef | None = None
         self._releases: set[asyncio.Task] = set()
+        # the node refs are bound to, when connected by address (an R-worker that moves gets a new ref)
+        self._node: Node | None = None
 
     @classmethod
     async def connect(
@@ -110,7 +115,9 @@ class OffloadedExecutor:
                     f"R-worker {url} stores {load.dtype} KV in blocks of {load.block_size}; the "
                     f"prefill instances' KV is {kv_dtype} in blocks of {block_size} (must match)"
                 )
-        return cls(model, workers, loads, config)
+        executor = cls(model, workers, loads, config)
+        executor._node = node
+        return executor
 
     @property
     def used_blocks(self) -> int:
@@ -134,6 +141,11 @@ class OffloadedExecutor:
     async def load_kv(self, seq: Sequence, source: ActorRef) -> None:
         """The sequence's R-worker pulls the prompt's KV from `source` and acknowledges it there."""
         placed = self._placed[seq.request_id]
+        if placed.worker < 0 and not any(self.alive):  # every R-worker lost: wait for one to answer again
+            await self._wait_for_a_worker()
+            self._placed.pop(seq.request_id)
+            self.reserve(seq)
+            placed = self._placed[seq.request_id]
         if placed.worker < 0:
             free = max(c - b for c, b in zip(self.capacity, self.booked))
             raise KVCacheFull(placed.blocks, free, max(self.capacity))
@@ -169,10 +181,31 @@ class OffloadedExecutor:
         _log.warning("R-worker lost: placing on the others until it answers", worker=self.workers[worker].url)
         self._revivals[worker] = asyncio.get_running_loop().create_task(self._revive(worker))
 
+    async def _wait_for_a_worker(self) -> None:
+        """Return once an R-worker answers again; RuntimeError after `ALL_LOST_WAIT_S` (the request then fails
+        over, and the controller places it again)."""
+        deadline = time.monotonic() + ALL_LOST_WAIT_S
+        while not any(self.alive):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no R-worker answers (all {len(self.workers)} lost for {ALL_LOST_WAIT_S:g} s)")
+            await asyncio.sleep(REVIVE_PROBE_S)
+
+    def move(self, worker: int, url: str) -> None:
+        """R-worker `worker` now listens at `url` (started again elsewhere): what it held is lost with its old
+        process, so it is lost here until it answers at the new address."""
+        if not 0 <= worker < len(self.workers):
+            raise ValueError(f"R-worker index {worker}: this decode instance has {len(self.workers)}")
+        if self._node is None:
+            raise ValueError("this executor was not connected by address (OffloadedExecutor.connect)")
+        old = self.workers[worker].url
+        self.workers[worker] = self._node.ref(url)
+        _log.warning("R-worker moved", worker=worker, old=old, new=url)
+        self._lost(worker)
+
     async def _revive(self, worker: int) -> None:
-        ref = self.workers[worker]
         while True:
             await asyncio.sleep(REVIVE_PROBE_S)
+            ref = self.workers[worker]  # read each time: the R-worker may move while it is probed
             try:
                 load: RLoad = await ref.ask(GetRLoad(), timeout=5.0)
             except (AiollmError, TimeoutError):
