@@ -45,13 +45,14 @@ def prefill_after(
             kv_sink(layer, k, v)
         out = torch.empty_like(q)
         at = 0
+        window = model.config.sliding_window
         for i, (start, n) in enumerate(zip(starts, lens)):
             rows = slice(at, at + n)
             if start == 0:
-                out[rows] = prefill_attention(q[rows], k[rows], v[rows], [n])
+                out[rows] = prefill_attention(q[rows], k[rows], v[rows], [n], window=window)
             else:
                 past_k, past_v = past(layer, i)
-                out[rows] = _attend_after(q[rows], k[rows], v[rows], past_k, past_v)
+                out[rows] = _attend_after(q[rows], k[rows], v[rows], past_k, past_v, window)
             at += n
         h = model.post_attention(layer, h, out)
     last = torch.tensor(lens).cumsum(0) - 1
@@ -59,13 +60,21 @@ def prefill_after(
 
 
 def _attend_after(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past_k: torch.Tensor,
+    past_v: torch.Tensor,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of n new tokens q [n, heads, d] over [past | new] K/V, the new ones at positions start..."""
+    """Causal attention of n new tokens q [n, heads, d] over [past | new] K/V, the new ones at positions start...;
+    with `window`, the token at position p sees positions (p - window, p] only."""
     start, n = past_k.shape[0], q.shape[0]
     keys = torch.cat([past_k.to(device=k.device, dtype=k.dtype), k])
     values = torch.cat([past_v.to(device=v.device, dtype=v.dtype), v])
     mask = torch.ones(n, start + n, dtype=torch.bool, device=q.device).tril(start)
+    if window is not None:
+        mask &= ~torch.ones(n, start + n, dtype=torch.bool, device=q.device).tril(start - window)
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         keys.transpose(0, 1).unsqueeze(0),

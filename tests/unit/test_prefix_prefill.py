@@ -111,3 +111,23 @@ def test_a_reservation_that_does_not_fit_changes_nothing(tiny):
     with pytest.raises(Exception, match="KV"):
         cache.reserve(b, len(b.prompt), reuse=len(b.prompt) - 1)
     assert b.blocks == [] and b.cached_tokens == 0 and cache.blocks.n_evictable == 2 and cache.free_blocks == 3
+
+
+def test_prefill_after_keeps_a_sliding_window(tmp_path):
+    """Mistral's window: the new tokens see only the last `window` positions of [prefix | new], as a whole
+    prefill masks them (the window is smaller than the prefix, so the mask decides the logits)."""
+    from aiollm.testing.tiny_families import write_family_dir
+
+    write_family_dir(tmp_path, "mistral")
+    model = aiollm.model.load(tmp_path)
+    window = model.config.sliding_window
+    assert window is not None and window < 40
+    prompt = _prompt(9, 60, model.config.vocab)
+    kv = {}
+    with torch.inference_mode():
+        whole = model.prefill([prompt], kv_sink=lambda layer, k, v: kv.__setitem__(layer, (k.clone(), v.clone())))
+        for start in (16, 48):
+            part = prefill_after(
+                model, [prompt[start:]], [start], lambda layer, i, s=start: (kv[layer][0][:s], kv[layer][1][:s])
+            )
+            torch.testing.assert_close(part, whole, rtol=0, atol=1e-5)
