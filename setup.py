@@ -39,6 +39,8 @@ setup(
         "uvicorn>=0.29",
         "prometheus-client>=0.20",
         "tqdm>=4.66",
+        # response_format (JSON output): grammars compiled for the tokenizer and token bitmasks, as vLLM's
+        "xgrammar>=0.2",
     ],
     extras_require={
         "test": [

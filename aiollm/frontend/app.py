@@ -35,6 +35,7 @@ from aiollm.frontend.metrics import CONTENT_TYPE, ServingMetrics
 from aiollm.frontend.reply import Reply
 from aiollm.frontend.responses import usage
 from aiollm.log import get_logger
+from aiollm.model import structured
 from aiollm.model.sampling import MAX_SEED, SamplingParams, choice_seed
 from aiollm.serving.backend import Backend, GenerateRequest, ModelInfo, Overloaded, Unavailable
 
@@ -269,6 +270,7 @@ class Frontend:
             raise _bad(f"stop_token_ids: token ids must be in [0, {vocab})", "stop_token_ids")
         # a request without a seed gets one here, so that a resume after a fault draws what it would have drawn
         seed = body.seed % (MAX_SEED + 1) if body.seed is not None else secrets.randbelow(MAX_SEED + 1)
+        fmt = body.response_format
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -285,9 +287,21 @@ class Frontend:
                 min_tokens=body.min_tokens,
                 logit_bias=bias,
                 logprobs=body.top_logprobs_n,
+                json_object=fmt is not None and fmt.type == "json_object",
+                json_schema=fmt.schema_text if fmt is not None else None,
             )
         except ValueError as exc:  # messages start with the field's name
             raise _bad(str(exc), str(exc).split(":", 1)[0]) from exc
+
+    async def _check_format(self, sampling: SamplingParams) -> None:
+        """A 400 naming response_format with xgrammar's reason for a schema it cannot follow (checked in a thread:
+        a large schema takes a while), a 501 naming it without xgrammar."""
+        try:
+            await asyncio.to_thread(structured.check, sampling)
+        except structured.StructuredOutputUnavailable as exc:
+            raise HTTPError(501, str(exc), "not_implemented_error", "response_format") from exc
+        except ValueError as exc:
+            raise _bad(str(exc), "response_format") from exc
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
@@ -297,6 +311,8 @@ class Frontend:
         if refused is not None:
             raise _bad(*refused)
         sampling = self._sampling(body, len(ids), chat)
+        if sampling.structured:
+            await self._check_format(sampling)
         if self.in_flight + body.n > self.config.max_in_flight:
             raise HTTPError(
                 429,

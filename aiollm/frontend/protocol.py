@@ -3,8 +3,9 @@
 Requests are pydantic models (FastAPI validates them at the edge and the frontend turns a validation
 error into OpenAI's 400 body naming the parameter). Nothing a client sends is silently ignored: an
 unknown field is a 400 naming it (`extra="forbid"`), and a known one aiollm cannot honour (`suffix`,
-`best_of` != n, `echo` with `logprobs`, a `json_object` or `json_schema` response format, tools and
-functions, `spaces_between_special_tokens=false`) is a 400 naming it too. `user`, `metadata`, `store`
+`best_of` != n, `echo` with `logprobs`, tools and functions, `spaces_between_special_tokens=false`) is a 400
+naming it too. `response_format` `json_object` and `json_schema` are honoured by constrained decoding
+(aiollm.model.structured); a schema it cannot follow is a 400 naming `response_format`. `user`, `metadata`, `store`
 and `parallel_tool_calls` are accepted because they cannot change an answer: aiollm neither stores
 requests nor calls tools. vLLM's `extra_body` extensions `top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens` and `include_stop_str_in_output`
@@ -13,6 +14,7 @@ are honoured. Responses are built in aiollm.frontend.responses.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -55,6 +57,38 @@ class StreamOptions(_Strict):
         return value
 
 
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`: the schema the output follows (`strict` is accepted; the schema is always
+    enforced, additional properties only where it allows them, as vLLM's xgrammar backend does)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with, and only with, type 'json_schema'")
+        return self
+
+    @property
+    def schema_text(self) -> str | None:
+        """The JSON schema's text for type json_schema, else None."""
+        if self.json_schema is None:
+            return None
+        return json.dumps(self.json_schema.schema_, separators=(",", ":"), ensure_ascii=False)
+
+
 class _SamplingFields(_Strict):
     """Fields shared by both endpoints."""
 
@@ -79,7 +113,7 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     # accepted, with no effect on the answer by definition: aiollm stores nothing
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -117,13 +151,6 @@ class _SamplingFields(_Strict):
     def _spaces(cls, value: bool) -> bool:
         if not value:
             raise ValueError("only true is supported (the tokenizer decodes special tokens as they are)")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError(f"only {{'type': 'text'}} is supported (no constrained decoding), got {value!r}")
         return value
 
     @property

@@ -1,11 +1,11 @@
 """What a request's sampling options do to its row of logits before a token is chosen.
 
-The order is vLLM's: `logit_bias` is added, the stop ids are masked while fewer than `min_tokens`
-tokens were generated, then the penalties (repetition over prompt and output, frequency and presence
-over the output) — all before greedy's argmax; a sampled row is then divided by its temperature and
-filtered by min-p, top-k and top-p (`sampling.filter_logits`). A row none of these touch never gets
-here: the sampler keeps its one fast argmax over the batch for them.
-"""
+The order is vLLM's: a request with a `response_format` has its row masked to the tokens its grammar
+allows (aiollm.model.structured, before the row gets here), then `logit_bias` is added, the stop ids are
+masked while fewer than `min_tokens` tokens were generated, then the penalties (repetition over prompt and
+output, frequency and presence over the output) — all before greedy's argmax; a sampled row is then divided
+by its temperature and filtered by min-p, top-k and top-p (`sampling.filter_logits`). A row none of these
+touch never gets here: the sampler keeps its one fast argmax over the batch for them."""
 
 from __future__ import annotations
 
@@ -47,7 +47,10 @@ def process(row: torch.Tensor, p: SamplingParams, history: RowHistory | None) ->
     if p.min_tokens and history.generated < p.min_tokens:
         stops = [t for t in history.stop_ids if t < vocab]
         if stops:
-            row[torch.tensor(stops, dtype=torch.int64)] = float("-inf")
+            kept = row.index_fill(0, torch.tensor(stops, dtype=torch.int64), float("-inf"))
+            # a complete JSON output allows only the stop ids: it ends even before min_tokens
+            if not p.structured or bool(torch.isfinite(kept).any()):
+                row = kept
     tokens = torch.tensor(list(history.tokens), dtype=torch.int64)
     if p.repetition_penalty != 1.0 and len(tokens):
         seen = torch.unique(tokens[tokens < vocab])

@@ -4,7 +4,8 @@
 batch of fp32 logits into token ids, each row with its own parameters and its own `Draws`, so a
 seeded request gives the same tokens whatever else shares its batch. A row with logit_bias,
 min_tokens or penalties goes through `logits_processors.process` first (greedy rows too: their
-argmax is taken after it); every other greedy row takes the batch's one native argmax.
+argmax is taken after it); every other greedy row takes the batch's one native argmax. The rows of a
+request with a `response_format` arrive already masked by its grammar (`sequence.sample_next`).
 
 A request's random draws are keyed by its seed and the index of the token being drawn, not by a
 generator's running state: token i is drawn from a generator seeded with mix(seed, i). A request
@@ -14,7 +15,7 @@ index n (`first_index`) and draws exactly what the uninterrupted request would h
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # None: no logprobs; k: each sampled token's logprob and the k most likely tokens' (0..20)
     logprobs: int | None = None
+    # the output is JSON (OpenAI's response_format json_object): xgrammar's built-in JSON grammar
+    json_object: bool = False
+    # the output is JSON following this JSON schema (its text; OpenAI's response_format json_schema)
+    json_schema: str | None = None
 
     # index of the first token this run draws: the tokens a request already generated before it was
     # resumed (its prompt then ends with them); seeded draws are keyed by token index
@@ -106,10 +111,19 @@ class SamplingParams:
             _check_float("logit_bias", pair[1], -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object: must be a bool, got {self.json_object!r}")
+        if self.json_schema is not None and (not isinstance(self.json_schema, str) or self.json_object):
+            raise ValueError(f"json_schema: must be a schema's text, without json_object, got {self.json_schema!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def structured(self) -> bool:
+        """Whether the output must be JSON (a grammar masks the logits before anything else)."""
+        return self.json_object or self.json_schema is not None
 
     @property
     def penalised(self) -> bool:
@@ -192,22 +206,29 @@ def sample(
     params: Sequence[SamplingParams],
     draws: Sequence[Draws | None],
     histories: Sequence[RowHistory | None] | None = None,
+    masked: Mapping[int, torch.Tensor] | None = None,
 ) -> list[int]:
     """Next token of each row of fp32 logits [b, vocab]; row i uses params[i], draws[i] and, when its params
-    process the logits (penalties, min_tokens), histories[i]. `logits` is never changed in place.
+    process the logits (penalties, min_tokens), histories[i]. `masked[i]`, when given, replaces row i: its logits
+    with the tokens a grammar refuses at -inf. `logits` is never changed in place.
 
     A row whose distribution is not finite (a model that produced NaN for it) takes its argmax instead of
     failing the batch: one request's numbers never cost the others their step."""
     if logits.shape[0] != len(params):
         raise ValueError(f"params: {len(params)} given for {logits.shape[0]} rows of logits")
+    masked = masked or {}
     native = fused_ops.native(logits) and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
     tokens = (fused_ops.argmax(logits) if native else logits.argmax(dim=-1)).tolist()
     for i, p in enumerate(params):
-        if p.greedy and not p.processed:
+        own = masked.get(i)
+        if p.greedy and not p.processed and own is None:
             continue
-        row = process(logits[i], p, histories[i] if histories is not None else None) if p.processed else logits[i]
+        row = own if own is not None else logits[i]
+        if p.processed:
+            row = process(row, p, histories[i] if histories is not None else None)
+        if p.greedy or own is not None:
+            tokens[i] = int(row.argmax())  # a masked row's fallback too: the most likely token it allows
         if p.greedy:
-            tokens[i] = int(row.argmax())
             continue
         generator = draws[i].next()  # drawn even when the row falls back, so later indices stay aligned
         probs = torch.softmax(filter_logits(row.float() / p.temperature, p.top_k, p.top_p, p.min_p), dim=-1)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from aiollm.errors import KVCacheFull, require_positive
 from aiollm.model.llama import LlamaModel
-from aiollm.model.sequence import Sequence, new_sequence
+from aiollm.model.sequence import Sequence, open_sequence
 from aiollm.sched.prefill_batching import take_batch
 from aiollm.serving import runner
 from aiollm.serving.backend import BackendStats, GenerateRequest, Overloaded, TokenDelta
@@ -80,7 +80,7 @@ class ColocatedEngine:
     async def submit(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         if len(self._waiting) >= self.config.max_waiting:
             raise Overloaded(f"{len(self._waiting)} requests already wait for prefill")
-        seq = new_sequence(request.request_id, list(request.prompt_ids), request.sampling, self.model)
+        seq = await open_sequence(request.request_id, list(request.prompt_ids), request.sampling, self.model)
         if self.cache.blocks_for(seq.max_length) > self.cache.total_blocks:
             raise ValueError(f"request {request.request_id} needs more KV than the whole pool holds")
         queue: asyncio.Queue[TokenDelta | None] = asyncio.Queue()

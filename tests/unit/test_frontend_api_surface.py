@@ -20,7 +20,16 @@ CHAT = [{"role": "user", "content": "hey"}]
         ({"extra_body": {"best_of": 2}}, "best_of"),
         ({"echo": True, "logprobs": 1}, "echo"),
         ({"logprobs": 21}, "logprobs"),
-        ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+        ({"extra_body": {"response_format": {"type": "xml"}}}, "response_format"),
+        (
+            {
+                "extra_body": {
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}
+                }
+            },
+            "response_format",
+        ),
+        ({"extra_body": {"response_format": {"type": "json_object", "json_schema": {}}}}, "response_format"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
         ({"extra_body": {"guided_json": {}}}, "guided_json"),
         ({"extra_body": {"spaces_between_special_tokens": False}}, "spaces_between_special_tokens"),

@@ -26,7 +26,7 @@ from aiollm.actors.ref import ActorRef
 from aiollm.errors import AiollmError, require_positive
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
-from aiollm.model.sequence import Sequence, new_sequence
+from aiollm.model.sequence import Sequence, open_sequence
 from aiollm.sched.decode_admission import DecodeAdmission
 from aiollm.serving import runner
 from aiollm.serving.distserve.messages import AckKV, Cancel, Decode, Delta, GetLoad, KVBlock, Load, PullKV, Tokens
@@ -175,9 +175,10 @@ class DecodeInstance(Actor):
 
     @handler(Decode)
     async def on_decode(self, msg: Decode) -> None:
-        seq = new_sequence(msg.request_id, msg.prompt_ids, msg.sampling.params(), self.model)
-        seq.output.append(msg.first_token)
         try:
+            seq = await open_sequence(
+                msg.request_id, msg.prompt_ids, msg.sampling.params(), self.model, first_token=msg.first_token
+            )
             self.admission.enqueue(msg.request_id, seq.max_length)
         except ValueError as exc:
             await msg.reply_to.tell(Tokens([Delta(msg.request_id, [], error=f"failed: {exc}")], self.name))

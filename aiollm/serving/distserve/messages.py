@@ -46,6 +46,10 @@ class Sampling(msgspec.Struct, frozen=True, omit_defaults=True):
     logit_bias: tuple[tuple[int, float], ...] = ()
     # None: no logprobs; k: each token's logprob and the k most likely
     logprobs: int | None = None
+    # the output is any JSON object (response_format json_object)
+    json_object: bool = False
+    # the output is JSON following this schema, its text (response_format json_schema)
+    json_schema: str | None = None
 
     @classmethod
     def of(cls, params: SamplingParams) -> Sampling:

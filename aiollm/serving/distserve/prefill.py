@@ -24,7 +24,7 @@ from aiollm.actors.ref import ActorRef
 from aiollm.errors import AiollmError, KVCacheFull, require_positive
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
-from aiollm.model.sequence import Sequence, new_sequence
+from aiollm.model.sequence import Sequence, open_sequence
 from aiollm.sched.prefill_batching import take_batch
 from aiollm.serving import runner
 from aiollm.serving.distserve.messages import AckKV, Cancel, GetLoad, KVBlock, KVLost, Load, Prefill, Prefilled, PullKV
@@ -103,7 +103,11 @@ class PrefillInstance(Actor):
 
     @handler(Prefill)
     async def on_prefill(self, msg: Prefill) -> None:
-        seq = new_sequence(msg.request_id, msg.prompt_ids, msg.sampling.params(), self.model)
+        try:
+            seq = await open_sequence(msg.request_id, msg.prompt_ids, msg.sampling.params(), self.model)
+        except ValueError as exc:
+            await msg.reply_to.tell(Prefilled(msg.request_id, -1, None, self.name, error=str(exc)))
+            return
         if self.cache.blocks_for(len(seq.prompt)) > self.cache.total_blocks:
             await msg.reply_to.tell(
                 Prefilled(

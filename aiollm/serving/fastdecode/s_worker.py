@@ -43,7 +43,7 @@ from aiollm.actors.ref import ActorRef
 from aiollm.log import get_logger
 from aiollm.model.llama import LlamaModel
 from aiollm.model.sampling import SamplingParams
-from aiollm.model.sequence import Sequence, new_sequence, sample_next
+from aiollm.model.sequence import Sequence, new_sequence, open_sequence, sample_next
 from aiollm.sched.sls import LoadSchedule, SLSConfig
 from aiollm.serving import runner
 from aiollm.serving.distserve.messages import AckKV, Cancel, Delta, Generate, GetLoad, KVBlock, Load, PullKV, Tokens
@@ -182,7 +182,7 @@ class SWorker(Actor):
             await msg.reply_to.tell(Tokens([Delta(msg.request_id, [], error="overloaded")], self.name))
             return
         try:
-            seq = new_sequence(msg.request_id, msg.prompt_ids, msg.sampling.params(), self.model)
+            seq = await open_sequence(msg.request_id, msg.prompt_ids, msg.sampling.params(), self.model)
             self._check_fits(seq)
         except ValueError as exc:
             await msg.reply_to.tell(Tokens([Delta(msg.request_id, [], error=f"failed: {exc}")], self.name))
