@@ -132,7 +132,10 @@ def servers(args, hf_dir: Path | None, gguf: Path | None, port: int) -> list[Ser
             "offloaded": ["--prefill", "1", "--decode", "1", "--r-workers", "1", "--threads", "1"],
             "colocated": ["--colocated", "--threads", "2"],
         }
-        out += [Server(m, dtype, aiollm + modes[m]) for m in modes if m in wanted]
+        for mode in [m for m in modes if m in wanted]:
+            # disaggregated instances log their steps: where a TTFT's time went (prefill compute vs the rest)
+            log = [] if mode == "colocated" else ["--step-log", str(Path(tempfile.mkdtemp(prefix="aiollm-steps-")))]
+            out.append(Server(mode, dtype, aiollm + modes[mode] + log))
         vllm = args.peers / "vllm" / "bin" / "vllm"
         if "vllm" in wanted and vllm.exists() and hf_dir is not None:
             argv = [str(vllm), "serve", str(hf_dir), "--served-model-name", SERVED, "--port", str(port)]
@@ -249,7 +252,10 @@ def measure(args, server: Server, hf_dir: Path | None, vocab: int, rates: list[f
         }
         _progress(server, f"saturation {row['out_tok_s_saturation']:.0f} tok/s, cores busy {cores.ours:.2f}")
         for rate in rates:
+            began = time.time()
             results, _ = drive(args, base, hf_dir, rate, args.num_prompts, vocab)
+            if rate == 1.0:
+                row["prefill_compute_p50_ms_rate1"] = _prefill_compute_ms(server, began, time.time())
             ok = [r for r in results if r.ok]
             good = [r for r in ok if r.ttft * 1e3 <= args.slo_ttft_ms and r.tpot * 1e3 <= args.slo_tpot_ms]
             summary = {
@@ -276,6 +282,20 @@ def measure(args, server: Server, hf_dir: Path | None, vocab: int, rates: list[f
         return row
     finally:
         server.stop()
+
+
+def _prefill_compute_ms(server: Server, start: float, end: float) -> float | None:
+    """Median wall time of the prefill batches the server's step log recorded in [start, end) (None: it keeps
+    no step log)."""
+    if "--step-log" not in server.argv:
+        return None
+    from aiollm.loadgen.step_logs import read_logs
+
+    directory = Path(server.argv[server.argv.index("--step-log") + 1])
+    times = [
+        r["end"] - r["start"] for r in read_logs(directory) if r["kind"] == "prefill" and start <= r["start"] < end
+    ]
+    return float(np.median(times) * 1e3) if times else None
 
 
 def _progress(server: Server, text: str) -> None:
@@ -310,6 +330,15 @@ def ratios(rows: dict[str, dict]) -> dict:
         mine, theirs = get("disagg", "fp32", key), get("vllm", "fp32", key)
         if mine is not None and theirs:
             out[rate_key] = round(mine / theirs, 3)
+    mine, theirs = rows.get("disagg_fp32"), rows.get("vllm_fp32")
+    if mine and theirs and mine.get("prefill_compute_p50_ms_rate1") is not None:
+        compute = mine["prefill_compute_p50_ms_rate1"]
+        out["why_ttft_rate1"] = (
+            f"default serve TTFT p50 {mine['ttft_p50_ms_rate1']:.0f} ms at 1 req/s (vLLM {theirs['ttft_p50_ms_rate1']:.0f} "
+            f"ms): its prefill batch takes {compute:.0f} ms (p50) on the prefill instance's own cores, the other "
+            f"{mine['ttft_p50_ms_rate1'] - compute:.0f} ms are queueing and the hops (HTTP, controller, prefill "
+            "instance and back)"
+        )
     llama = get("llamacpp", "fp32", "out_tok_s_saturation")
     best = [get(m, "fp32", "out_tok_s_saturation") for m in ("disagg", "offloaded", "colocated")]
     if llama and any(best):
