@@ -1,10 +1,11 @@
 """Sampling options and logprobs end to end, through every serving path with the official openai client: the
 colocated engine, DistServe prefill -> decode, DistServe with the decode's attention on R-worker processes, and
 the FastDecode S-worker. Each path's text and logprobs equal the reference engine's for the same options
-(penalties, logit_bias, min_tokens, min_p, seed); the reference's logprobs equal a float64 log-softmax of the
+(penalties, logit_bias, min_tokens, min_p, seed, response_format); the reference's logprobs equal a float64 log-softmax of the
 model's logits; `n` with a seed is reproducible; a stream has one chunk per token."""
 
 import contextlib
+import json
 
 import openai
 import pytest
@@ -33,6 +34,22 @@ OPTIONS = [
         "extra_body": {"repetition_penalty": 1.3, "min_tokens": 4},
     },
     {"temperature": 0.9, "seed": 7, "presence_penalty": 0.5, "extra_body": {"min_p": 0.02, "top_k": 40}},
+]
+
+# response_format on the tiny model: an enum and any JSON end within a few tokens; an object is cut by max_tokens
+STRUCTURED = [
+    (
+        {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"enum": ["yes", "no"]}}},
+        {"json_schema": '{"enum":["yes","no"]}'},
+    ),
+    ({"type": "json_object"}, {"json_object": True}),
+    (
+        {
+            "type": "json_schema",
+            "json_schema": {"name": "o", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}}},
+        },
+        {"json_schema": '{"type":"object","properties":{"ok":{"type":"boolean"}}}'},
+    ),
 ]
 
 
@@ -69,6 +86,15 @@ def test_reference_logprobs_are_the_float64_log_softmax_of_the_logits(tiny_fd):
 
 async def _check_path(client: openai.AsyncOpenAI, model) -> None:
     prompt = model.tokenizer.encode(PROMPT)
+    for fmt, fields in STRUCTURED:  # greedy constrained decoding: the reference's tokens, JSON when complete
+        ref = generate(model, [prompt], SamplingParams(max_tokens=16, **fields))[0]
+        extra = {"response_format": fmt}
+        out = await client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, extra_body=extra
+        )
+        assert out.choices[0].text == ref.text and out.choices[0].finish_reason == ref.finish_reason
+        if ref.finish_reason == "stop":
+            json.loads(ref.text)
     for option in OPTIONS:
         ref = generate(model, [prompt], _params(option, 12, 3))[0]
         kwargs = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "logprobs": 3} | option
