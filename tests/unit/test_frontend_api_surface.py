@@ -2,11 +2,15 @@
 honoured or refused with a 400 naming it, n choices, logprobs shapes, echo, one chunk per token, and vLLM's
 /tokenize, /detokenize, /version and /ping."""
 
+import json
+import sys
+
 import httpx
 import openai
 import pytest
 
 import aiollm
+from aiollm.model import structured
 from aiollm.model.sampling import choice_seed
 from tests.unit.test_frontend import EOS, REPLY, served  # noqa: F401 (the fixture)
 
@@ -104,6 +108,26 @@ async def test_harmless_fields_are_accepted_and_sampling_fields_reach_the_backen
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.1)
     assert (p.min_tokens, p.min_p, p.top_k, p.stop_token_ids, p.ignore_eos) == (2, 0.05, 0, (7,), True)
     assert p.logit_bias == ((65, -3.0),) and p.seed == 9 and p.logprobs is None
+
+
+async def test_response_format_reaches_the_backend_as_the_schema_text(served, monkeypatch):  # noqa: F811
+    backend, client, _ = served
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": schema, "strict": True}}
+    await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, response_format=fmt)
+    await client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=4, response_format={"type": "json_object"}
+    )
+    first, second = backend.requests[0].sampling, backend.requests[1].sampling
+    assert json.loads(first.json_schema) == schema and not first.json_object
+    assert second.json_object and second.json_schema is None
+    # without xgrammar a JSON request is a 501 naming response_format and what is missing
+    monkeypatch.setattr(structured, "_check_schema", lambda schema: structured._xgr())
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    with pytest.raises(openai.APIStatusError) as info:
+        await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, response_format=fmt)
+    assert info.value.status_code == 501 and info.value.body["param"] == "response_format"
+    assert "xgrammar" in info.value.body["message"]
 
 
 async def test_n_choices_have_distinct_seeds_and_sum_their_usage(served):  # noqa: F811
