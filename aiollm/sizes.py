@@ -26,3 +26,11 @@ def parse_size(text: str) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"memory size {text!r}: expected a number with an optional unit such as 8GiB or 512MB")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_size(n: float) -> str:
+    """Bytes as people read them: '3.4 GiB', '513.1 MiB', '12.0 KiB', '100 B'."""
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"

@@ -120,11 +120,20 @@ def measure_profile(
                 "prefill_points": prefill_pts,
                 "decode_points": decode_pts,
                 "max_relative_error": {"prefill": prefill_err, "decode": decode_err},
+                **model_size(c, dtype, kv_dtype),
             }
         },
     }
     path.write_text(json.dumps(data, indent=2))
     return path
+
+
+def model_size(config, dtype: str, kv_dtype: str) -> dict[str, float]:
+    """The profiled model's size, stored beside its coefficients: the weights in `dtype` and the KV per token in
+    `kv_dtype` (aiollm.model.size), in bytes."""
+    from aiollm.model.size import kv_bytes_per_token, weights_bytes
+
+    return {"weights_bytes": weights_bytes(config, dtype), "kv_bytes_per_token": kv_bytes_per_token(config, kv_dtype)}
 
 
 def _best_of(fn, repeats: int = 3) -> float:

@@ -5,7 +5,8 @@ Starts one node hosting a role's actors and runs until SIGTERM/SIGINT or a remot
 configured by the cluster spec (`--config`, else the defaults) with the role's own flags on top; `--role R
 --help` lists them. Once serving it prints one JSON line on stdout — {"ready": true, "addresses": [...],
 "actors": {...}, "pid": N} — so a launcher that asked for port 0 learns the real port (aiollm.deploy.graph).
-Logs go to stderr. Bad arguments, a bad spec or an unreadable secret print one line and exit with status 2.
+Logs go to stderr. Bad arguments, a bad spec (a role's `memory` that cannot hold its weights and KV included) or an
+unreadable secret print one line and exit with status 2.
 """
 
 from __future__ import annotations
@@ -136,6 +137,13 @@ def parse(argv: list[str] | None) -> NodeLaunch:
     except SpecError as exc:
         parser.error(str(exc))
     section = ROLES[args.role].section
+    if section in ("prefill", "decode", "s_worker", "r_worker"):
+        from aiollm.deploy.memory import check_memory
+
+        try:
+            check_memory(spec, [section], offloaded=bool(getattr(args, "r_workers", ())))
+        except SpecError as exc:
+            parser.error(str(exc))
     role_spec = getattr(spec, section) if section else None
     listen = args.listen or [role_spec.listen if role_spec else "tcp://127.0.0.1:0"]
     advertise = args.advertise if args.advertise is not None else (role_spec.advertise if role_spec else "")

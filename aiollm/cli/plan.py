@@ -77,10 +77,26 @@ def cmd_distserve(args: argparse.Namespace) -> int:
         spec = spec_from_plan(plan, base)
         if args.budget and plan.prefill is not None:
             spec = _with_r_workers(spec, plan, workload, args)
+        if args.memory_per_process:
+            spec = _within_memory(spec, args.memory_per_process)
         args.emit.parent.mkdir(parents=True, exist_ok=True)
         args.emit.write_text(plan_header(plan) + spec.to_toml())
         print(f"wrote {args.emit} ({spec.describe()}): python -m aiollm serve --config {args.emit}")
     return 0 if plan.fits else 1
+
+
+def _within_memory(spec, memory: str):
+    """The spec with every prefill and decode instance's `memory` set to `memory`; ValueError when an instance
+    cannot hold the served model's weights and its KV blocks in it (or an R-worker one block in its kv_memory)."""
+    from aiollm.deploy.memory import check_memory
+    from aiollm.deploy.spec import SpecError
+
+    try:
+        spec = spec.override({"prefill.memory": memory, "decode.memory": memory})
+        check_memory(spec)
+    except SpecError as exc:
+        raise ValueError(f"--memory-per-process {memory}: the planned instances do not fit: {exc}") from None
+    return spec
 
 
 def _with_r_workers(spec, plan, workload, args):
@@ -220,6 +236,12 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="with --emit: processes the cluster may run (prefill + decode instances + R-workers): FastDecode's "
         "R-workers per decode instance are sized within it (needs --t-of-b and --r-per-token)",
+    )
+    d.add_argument(
+        "--memory-per-process",
+        metavar="SIZE",
+        help="with --emit: the memory of each prefill and decode instance, e.g. 8GiB, written as their `memory`; "
+        "a plan whose instances cannot hold the served model's weights and KV blocks in it is refused",
     )
     d.add_argument("--t-of-b", type=Path, help="with --budget: bench model JSON holding the decode step time T(B)")
     d.add_argument("--t-of-b-key", default="t_of_b", help="key in that JSON (t_of_b: fp32, t_of_b_bf16: bf16)")

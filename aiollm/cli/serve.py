@@ -5,8 +5,9 @@
     python -m aiollm serve --prefill 1 --decode 1 --r-workers 2   # offloaded decode: attention on R-workers
     python -m aiollm serve --colocated                            # one process: prefill and decode batched together
 
-Flags given beside `--config` override the file's fields. The spec is validated before anything starts; a bad
-field exits with status 2 naming it. See aiollm.deploy.local for how the cluster is started and supervised.
+Flags given beside `--config` override the file's fields. The spec is validated before anything starts (its
+fields, the listen addresses, and each role's `memory` against the model's weights and KV); a bad field exits
+with status 2 naming it. See aiollm.deploy.local for how the cluster is started and supervised.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec_flag(parser, "--max-running", "decode.max_running", "most sequences per decode step")
     spec_flag(parser, "--r-workers", "decode.r_workers", "R-worker processes per decode instance (FastDecode offload)")
     spec_flag(parser, "--r-kv-memory", "r_worker.kv_memory", "KV budget of each R-worker, e.g. 1GiB")
+    spec_flag(parser, "--prefill-memory", "prefill.memory", "memory of each prefill instance (weights + KV), e.g. 8GiB")
+    spec_flag(parser, "--decode-memory", "decode.memory", "memory of each decode instance (weights + KV), e.g. 8GiB")
     spec_flag(parser, "--api-key", "frontend.api_key", "clients must send it as a Bearer token (or AIOLLM_API_KEY)")
     parser.add_argument(
         "--ray",
@@ -120,12 +123,14 @@ def run(args: argparse.Namespace) -> int:
     from aiollm import log
     from aiollm.deploy.local import check_addresses
     from aiollm.deploy.local import run as run_local
+    from aiollm.deploy.memory import check_memory
     from aiollm.heap import keep_freed_memory
 
     try:
         spec = build_spec(args)
         if not spec.colocated:
             check_addresses(spec)
+        check_memory(spec)
     except SpecError as exc:
         print(f"python -m aiollm serve: error: {exc}", file=sys.stderr)
         return 2

@@ -37,6 +37,13 @@ def _require(ok: bool, field: str, message: str) -> None:
         raise SpecError(f"{field}: {message}")
 
 
+def _check_size(field: str, text: str) -> None:
+    try:
+        parse_size(text)
+    except ValueError as exc:
+        raise SpecError(f"{field}: {exc}") from None
+
+
 def _check_address(field: str, url: str, *, node: bool = True) -> None:
     try:
         address = parse_address(url)
@@ -134,6 +141,9 @@ class PrefillSpec(_Role):
     max_batch_tokens: int = 0
     # seconds a prefilled sequence's KV waits for its pull before it is freed
     lease_seconds: float = 60.0
+    # memory of each instance, e.g. 8GiB: its weights and its KV buffer must fit (checked before anything
+    # starts); "" : no check
+    memory: str = ""
 
     def __post_init__(self) -> None:
         _require(self.count >= 1, "count", f"must be >= 1, got {self.count}")
@@ -141,6 +151,8 @@ class PrefillSpec(_Role):
         _require(self.kv_blocks >= 1, "kv_blocks", f"must be >= 1, got {self.kv_blocks}")
         _require(self.max_batch_tokens >= 0, "max_batch_tokens", f"must be >= 0, got {self.max_batch_tokens}")
         _require(self.lease_seconds > 0, "lease_seconds", f"must be > 0, got {self.lease_seconds}")
+        if self.memory:
+            _check_size("memory", self.memory)
         self._check_role(self.count)
 
 
@@ -157,6 +169,9 @@ class DecodeSpec(_Role):
     r_workers: int = 0
     # offloaded: split steps into two overlapping mini-batches from this batch on
     pipeline_min_batch: int = 64
+    # memory of each instance, e.g. 8GiB: its weights and (colocated attention) its KV pool must fit (checked
+    # before anything starts); "" : no check
+    memory: str = ""
 
     def __post_init__(self) -> None:
         _require(self.count >= 1, "count", f"must be >= 1, got {self.count}")
@@ -165,6 +180,8 @@ class DecodeSpec(_Role):
         _require(self.max_running >= 1, "max_running", f"must be >= 1, got {self.max_running}")
         _require(self.r_workers >= 0, "r_workers", f"must be >= 0, got {self.r_workers}")
         _require(self.pipeline_min_batch >= 1, "pipeline_min_batch", f"must be >= 1, got {self.pipeline_min_batch}")
+        if self.memory:
+            _check_size("memory", self.memory)
         self._check_role(self.count)
 
 
@@ -176,10 +193,7 @@ class RWorkerSpec(_Role):
 
     def __post_init__(self) -> None:
         _require(self.threads >= 1, "threads", f"must be >= 1, got {self.threads}")
-        try:
-            parse_size(self.kv_memory)
-        except ValueError as exc:
-            raise SpecError(f"kv_memory: {exc}") from None
+        _check_size("kv_memory", self.kv_memory)
         self._check_role(2)
 
     @property
@@ -204,6 +218,9 @@ class SWorkerSpec(_Role):
     max_prefill_tokens: int = 4096
     # prompt KV waiting to be pulled by the R-workers, in tokens
     staging_tokens: int = 16384
+    # memory of the S-worker, e.g. 8GiB: its weights and its staging KV must fit (checked before it starts);
+    # "" : no check
+    memory: str = ""
 
     def __post_init__(self) -> None:
         for name in (
@@ -217,6 +234,8 @@ class SWorkerSpec(_Role):
             value = getattr(self, name)
             _require(value >= 1, name, f"must be >= 1, got {value}")
         _require(self.sls_interval >= 0, "sls_interval", f"must be >= 0, got {self.sls_interval}")
+        if self.memory:
+            _check_size("memory", self.memory)
         self._check_role(1)
 
 

@@ -125,9 +125,7 @@ class ModelConfig:
 
     @property
     def n_params(self) -> int:
-        """Parameter count (the embedding counted once when tied)."""
-        per_layer = 2 * self.hidden + self.hidden * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden
-        per_layer += 3 * self.hidden * self.ffn
-        per_layer += (self.q_size + 2 * self.kv_size) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
-        head = 0 if self.tie_embeddings else self.vocab * self.hidden
-        return self.n_layers * per_layer + self.vocab * self.hidden + self.hidden + head
+        """Parameter count (the embedding counted once when tied): aiollm.model.size.param_count."""
+        from aiollm.model.size import param_count
+
+        return param_count(self)

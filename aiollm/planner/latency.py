@@ -121,6 +121,10 @@ class LatencyModel:
     tp_serial: tuple[float, ...] = DEFAULT_TP_SERIAL
     # KV tokens that fit per (tp, pp), when the profile states them (DistServe's max_num_tokens.csv).
     kv_capacity: dict[tuple[int, int], int] = field(default_factory=dict)
+    # the profiled model's weights in the profiled dtype and its KV per token in the profiled KV dtype, in bytes,
+    # when the profile states them (a local profile does); 0: unknown
+    weights_bytes: int = 0
+    kv_bytes_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.by_tp:

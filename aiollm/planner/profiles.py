@@ -143,7 +143,12 @@ def load_local(path: str | Path | None = None) -> dict[str, LatencyModel]:
         )
         how = "measured points interpolated" if stack.prefill_table else "linear fit"
         models[name] = LatencyModel(
-            name, data["hardware"], f"measured on {data['hardware']} ({file.name}, {how})", {1: stack}
+            name,
+            data["hardware"],
+            f"measured on {data['hardware']} ({file.name}, {how})",
+            {1: stack},
+            weights_bytes=int(entry.get("weights_bytes", 0)),
+            kv_bytes_per_token=float(entry.get("kv_bytes_per_token", 0.0)),
         )
     return models
 

@@ -147,13 +147,15 @@ def _type_of(default: Any) -> Any:
 
 
 def add_model_flags(parser: Any, section: str, *, weights: bool = True) -> None:
-    """--model, --dtype, --threads, --block-size, --kv-dtype: the flags every model-holding role shares."""
+    """--model, --dtype, --memory, --threads, --block-size, --kv-dtype: the flags every model-holding role shares
+    (an R-worker, holding no weights, has no --dtype or --memory)."""
     from aiollm.deploy.spec import WEIGHT_DTYPES
     from aiollm.kv.pool import KV_DTYPES
 
     spec_flag(parser, "--model", "model.name", "bundled name, .gguf file or HF directory")
     if weights:
         spec_flag(parser, "--dtype", "model.dtype", "weight dtype", choices=WEIGHT_DTYPES)
+        spec_flag(parser, "--memory", f"{section}.memory", "memory of this process (weights + KV), e.g. 8GiB")
     spec_flag(parser, "--threads", f"{section}.threads", "torch and attention threads of this instance")
     spec_flag(parser, "--block-size", "kv.block_size", "tokens per KV block, the same on every role")
     spec_flag(parser, "--kv-dtype", "kv.dtype", "KV storage type, the same on every role", choices=KV_DTYPES)
