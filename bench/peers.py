@@ -178,8 +178,8 @@ def export_hf_dir(model: str, out: Path) -> Path:
 # --- the client ---------------------------------------------------------------------------------------------
 
 
-def _requests(args, vocab: int) -> list[BenchRequest]:
-    rng = random.Random(args.seed)
+def _requests(args, vocab: int, seed: int) -> list[BenchRequest]:
+    rng = random.Random(seed)
     return [
         BenchRequest([rng.randrange(100, vocab - 100) for _ in range(args.input_len)], args.output_len)
         for _ in range(args.num_prompts * 2)
@@ -187,22 +187,24 @@ def _requests(args, vocab: int) -> list[BenchRequest]:
 
 
 def drive(
-    args, base_url: str, hf_dir: Path | None, rate: float, n: int, vocab: int
+    args, base_url: str, hf_dir: Path | None, rate: float, n: int, vocab: int, seed: int
 ) -> tuple[list[RequestResult], float]:
-    """n requests at `rate` (inf: all at once); per-request results and the run's wall time."""
+    """n requests at `rate` (inf: all at once), prompts drawn from `seed`; per-request results and the run's
+    wall time. Every run of a server draws other prompts (its own seed), so no run finds its prompts in a prefix
+    cache an earlier run filled; every server sees the same seeds in the same order."""
     client = args.peers / "vllm" / "bin" / "vllm"
     if client.exists() and hf_dir is not None:
-        return _vllm_client(client, args, base_url, hf_dir, rate, n)
-    requests = _requests(args, vocab)[:n]
+        return _vllm_client(client, args, base_url, hf_dir, rate, n, seed)
+    requests = _requests(args, vocab, seed)[:n]
     if rate == float("inf"):
         arrivals = np.zeros(n)
     else:
-        gaps = np.random.default_rng(args.seed).exponential(1.0 / rate, n)
+        gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
         arrivals = np.cumsum(gaps) - gaps[0]
     return asyncio.run(run_rate(base_url + "/v1", SERVED, requests, arrivals))
 
 
-def _vllm_client(client: Path, args, base_url: str, hf_dir: Path, rate: float, n: int) -> tuple[list, float]:
+def _vllm_client(client: Path, args, base_url: str, hf_dir: Path, rate: float, n: int, seed: int) -> tuple[list, float]:
     with tempfile.TemporaryDirectory() as tmp:
         argv = [str(client), "bench", "serve", "--backend", "openai", "--base-url", base_url]
         argv += ["--endpoint", "/v1/completions", "--model", SERVED, "--tokenizer", str(hf_dir)]
@@ -213,7 +215,7 @@ def _vllm_client(client: Path, args, base_url: str, hf_dir: Path, rate: float, n
             "inf" if rate == float("inf") else str(rate),
             "--ignore-eos",
             "--seed",
-            str(args.seed),
+            str(seed),
         ]
         argv += ["--temperature", "0", "--save-result", "--save-detailed", "--result-dir", tmp]
         argv += ["--result-filename", "run.json", "--disable-tqdm"]
@@ -237,10 +239,10 @@ def _vllm_client(client: Path, args, base_url: str, hf_dir: Path, rate: float, n
 def measure(args, server: Server, hf_dir: Path | None, vocab: int, rates: list[float], log_dir: Path) -> dict:
     base = server.start(args.port, log_dir / f"{server.name}-{server.dtype}.log")
     try:
-        drive(args, base, hf_dir, float("inf"), 2, vocab)  # warm-up: first requests pay one-time costs
+        drive(args, base, hf_dir, float("inf"), 2, vocab, args.seed + 1000)  # warm-up: one-time costs
         meter = CoreMeter([server.proc.pid])
         meter.start(time.perf_counter())
-        results, duration = drive(args, base, hf_dir, float("inf"), args.num_prompts * 2, vocab)
+        results, duration = drive(args, base, hf_dir, float("inf"), args.num_prompts * 2, vocab, args.seed)
         cores = meter.stop(time.perf_counter())
         ok = [r for r in results if r.ok]
         row = {
@@ -253,7 +255,7 @@ def measure(args, server: Server, hf_dir: Path | None, vocab: int, rates: list[f
         _progress(server, f"saturation {row['out_tok_s_saturation']:.0f} tok/s, cores busy {cores.ours:.2f}")
         for rate in rates:
             began = time.time()
-            results, _ = drive(args, base, hf_dir, rate, args.num_prompts, vocab)
+            results, _ = drive(args, base, hf_dir, rate, args.num_prompts, vocab, args.seed + 1 + rates.index(rate))
             if rate == 1.0:
                 row["prefill_compute_p50_ms_rate1"] = _prefill_compute_ms(server, began, time.time())
             ok = [r for r in results if r.ok]
