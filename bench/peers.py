@@ -10,7 +10,8 @@ prompts of `--input-len` tokens, `--output-len` output tokens with `ignore_eos`,
 aiollm's own (`aiollm.loadgen.replay`) with the same prompts' lengths and the same Poisson arrivals.
 
 - saturation: all requests at once; output tokens/s;
-- a rate sweep (`--rates`, stopped after the first rate where < 90 % of requests meet both SLOs): TTFT p50 at
+- a rate sweep (`--rates`, stopped after the first rate >= 4 req/s where < 90 % of requests meet both SLOs, and
+  raised x1.5 past the last one while they are met): TTFT p50 at
   1 req/s, TPOT p50 at 4 req/s, and goodput, DistServe's measure: the highest rate (interpolated) at which
   >= 90 % of requests meet both the TTFT and the TPOT SLO (`--slo-ttft-ms`, `--slo-tpot-ms`).
 
@@ -47,6 +48,8 @@ from aiollm.loadgen.replay import BenchRequest, RequestResult, max_rate_at, run_
 from aiollm.report import table
 
 TARGET = 0.9
+# the sweep goes on past --rates (x1.5 each) while a server meets both SLOs, up to this many rates in all
+MAX_RATES = 12
 READY_TIMEOUT_S = 600.0
 SERVED = "smollm2"
 
@@ -253,7 +256,8 @@ def measure(args, server: Server, hf_dir: Path | None, vocab: int, rates: list[f
             "rates": {},
         }
         _progress(server, f"saturation {row['out_tok_s_saturation']:.0f} tok/s, cores busy {cores.ours:.2f}")
-        for rate in rates:
+        rates = list(rates)
+        for rate in _rising(rates):
             began = time.time()
             results, _ = drive(args, base, hf_dir, rate, args.num_prompts, vocab, args.seed + 1 + rates.index(rate))
             if rate == 1.0:
@@ -275,6 +279,8 @@ def measure(args, server: Server, hf_dir: Path | None, vocab: int, rates: list[f
             )
             if summary["attainment"] < TARGET and rate >= 4:
                 break
+            if rate == rates[-1] and len(rates) < MAX_RATES:  # still meets the SLOs: the goodput lies higher
+                rates.append(round(rate * 1.5, 2))
         swept = [float(r) for r in row["rates"]]
         row["goodput_rps"] = max_rate_at(swept, [row["rates"][str(r)]["attainment"] for r in swept], TARGET)
         # False: every rate of the sweep met the SLOs, so the goodput is a lower bound
@@ -284,6 +290,14 @@ def measure(args, server: Server, hf_dir: Path | None, vocab: int, rates: list[f
         return row
     finally:
         server.stop()
+
+
+def _rising(rates: list[float]):
+    """The rates in order, including those appended while iterating."""
+    i = 0
+    while i < len(rates):
+        yield rates[i]
+        i += 1
 
 
 def _prefill_compute_ms(server: Server, start: float, end: float) -> float | None:
