@@ -37,12 +37,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from aiollm.deploy.local import answers
 from aiollm.loadgen.cpu_meter import CoreMeter
 from aiollm.loadgen.replay import BenchRequest, RequestResult, max_rate_at, run_rate
 from aiollm.report import table
@@ -95,7 +95,7 @@ class Server:
             )
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not _answers(f"{base}/v1/models"):
+        while not answers(f"{base}/v1/models"):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; its log: {log}")
             if time.monotonic() > deadline:
@@ -112,14 +112,6 @@ class Server:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 def servers(args, hf_dir: Path | None, gguf: Path | None, port: int) -> list[Server]:

@@ -21,8 +21,6 @@ import argparse
 import asyncio
 import json
 import re
-import subprocess
-import sys
 import time
 
 import httpx
@@ -30,6 +28,7 @@ import numpy as np
 
 from aiollm.loadgen.replay import BenchRequest, run_rate
 from aiollm.report import table
+from bench.serve import _Server as ServeServer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,32 +63,16 @@ def read_conversations(n: int, turns: int, chars: int) -> list[list[str]]:
     return out
 
 
-class _Server:
-    """`python -m aiollm serve` in a subprocess on a free port; stopped with SIGINT (it stops its own nodes)."""
+class _Server(ServeServer):
+    """`python -m aiollm serve` in a subprocess on a free port, with its Prometheus figures."""
 
     def __init__(self, argv: list[str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aiollm", "serve", *argv, "--port", "0"], stdout=subprocess.PIPE, text=True
-        )
-        line = ""
-        while "serving" not in line:
-            line = self.proc.stdout.readline()
-            if not line and self.proc.poll() is not None:
-                raise RuntimeError(f"aiollm serve exited with {self.proc.returncode} before serving")
-        self.base_url = line.split(" at ")[1].split()[0]
+        super().__init__(argv)
         self.root = self.base_url.removesuffix("/v1")
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.root}/metrics", timeout=30).text
         return {m[1]: float(m[2]) for m in re.finditer(r"^(aiollm_\w+) ([0-9.e+-]+)$", text, re.M)}
-
-    def stop(self) -> None:
-        self.proc.send_signal(2)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def build_workload(server: _Server, args) -> tuple[list[BenchRequest], np.ndarray, str]:

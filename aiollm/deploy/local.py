@@ -73,7 +73,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _healthy(url: str) -> bool:
+def answers(url: str) -> bool:
+    """Whether a GET of `url` answers 200 within 2 s."""
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
             return response.status == 200
@@ -151,7 +152,7 @@ async def start_cluster(graph: Graph, spec: ClusterSpec) -> LocalCluster:
     frontend = Wiring(controller=cluster.controller)
     await asyncio.gather(*(node("frontend", frontend, ("--http-port", str(port))) for port in ports))
     for base in cluster.base_urls:
-        while not await asyncio.to_thread(_healthy, f"{base}/health"):
+        while not await asyncio.to_thread(answers, f"{base}/health"):
             await asyncio.sleep(0.2)
     return cluster
 

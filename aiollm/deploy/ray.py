@@ -30,11 +30,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aiollm.deploy.local import answers
 from aiollm.deploy.roles import Wiring
 from aiollm.deploy.roles.common import served_model
 from aiollm.deploy.spec import ClusterSpec
@@ -228,7 +228,7 @@ class RayCluster:
         host = info([frontend])[0]["ip"] if spec.frontend.host in ("0.0.0.0", "") else spec.frontend.host
         self.base_url = f"http://{host}:{spec.frontend.port}"
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not _healthy(f"{self.base_url}/health"):
+        while not answers(f"{self.base_url}/health"):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the frontend at {self.base_url} did not answer within {READY_TIMEOUT_S:g} s")
             time.sleep(0.2)
@@ -263,14 +263,6 @@ class RayCluster:
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 async def ask_once(url: str, msg: Any, secret: str, timeout_s: float = 10.0) -> str:

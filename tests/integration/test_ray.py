@@ -61,39 +61,18 @@ def test_roles_placed_by_resource_survive_the_loss_of_their_ray_node(tmp_path):
             assert placed["node_id"] == decode_node.node_id
             assert deployed.where("controller")["node_id"] == cluster.head_node.node_id
             client = openai.OpenAI(base_url=f"{deployed.base_url}/v1", api_key="t", max_retries=0, timeout=180)
-            streamed, removed = [], []
-
-            def ask(i: int, out: list) -> None:
-                stream = client.completions.create(
-                    model=tmp_path.name,
-                    prompt=prompts[i],
-                    max_tokens=24,
-                    temperature=0,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
-                text = []
-                for chunk in stream:
-                    if chunk.choices and chunk.choices[0].text:
-                        text.append(chunk.choices[0].text)
-                        streamed.append(1)
-                out.append((i, "".join(text)))
-
-            results: list = []
-            threads = [threading.Thread(target=ask, args=(i, results)) for i in range(len(PROMPTS))]
-            for t in threads:
-                t.start()
+            streamed: list = []
+            results, threads = _stream_all(client, tmp_path.name, prompts, streamed)
             deadline = time.monotonic() + 60
             while len(streamed) < 4 and time.monotonic() < deadline:
                 time.sleep(0.01)
             # the decode instance's host is lost mid-stream: its node process and its Ray node with it
             os.kill(placed["pid"], signal.SIGKILL)
             cluster.remove_node(decode_node)
-            removed.append(time.monotonic())
             for t in threads:
                 t.join(240)
             assert sorted(results) == list(enumerate(expected))
-            # restarted on the other decode-capable node (on loopback it binds the port it had again)
+            # restarted on the other decode-capable node, at a new port it registers with the controller
             deadline = time.monotonic() + 60
             while deployed.where("decode0")["pid"] == placed["pid"] and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -108,8 +87,9 @@ def test_roles_placed_by_resource_survive_the_loss_of_their_ray_node(tmp_path):
         cluster.shutdown()
 
 
-def _stream_all(client, model: str, prompts: list[list[int]], streamed: list) -> list[tuple[int, str]]:
-    """Stream every prompt from its own thread; (index, text) of each, in the order they end."""
+def _stream_all(client, model: str, prompts: list[list[int]], streamed: list) -> tuple[list, list]:
+    """Stream every prompt from its own thread; the list that gets (index, text) of each as it ends, and the
+    threads."""
     results: list = []
 
     def ask(i: int) -> None:
