@@ -94,10 +94,11 @@ def gemm_floor(model, b: int) -> float:
     """Seconds of one step's matrix products alone at batch b (best of a few), inputs of the right shapes."""
     c = model.config
     x, x_ffn = torch.randn(b, c.hidden, dtype=model.dtype), torch.randn(b, c.ffn, dtype=model.dtype)
+    x_attn = torch.randn(b, c.q_size, dtype=model.dtype)  # the O projection's input: n_heads x head_dim wide
 
     def products() -> None:
         for w in model.weights.layers:
-            for inputs, weight in ((x, w.qkv), (x, w.o), (x, w.gate_up), (x_ffn, w.down)):
+            for inputs, weight in ((x, w.qkv), (x_attn, w.o), (x, w.gate_up), (x_ffn, w.down)):
                 linear(inputs, weight)
         linear(x, model.weights.lm_head)
 
