@@ -46,6 +46,7 @@ from aiollm.deploy.local import answers
 from aiollm.loadgen.cpu_meter import CoreMeter
 from aiollm.loadgen.replay import BenchRequest, RequestResult, max_rate_at, run_rate
 from aiollm.report import table
+from bench.serve import rising
 
 TARGET = 0.9
 # the sweep goes on past --rates (x1.5 each) while a server meets both SLOs, up to this many rates in all
@@ -249,7 +250,7 @@ def measure(args, server: Server, hf_dir: Path | None, vocab: int, rates: list[f
         }
         _progress(server, f"saturation {row['out_tok_s_saturation']:.0f} tok/s, cores busy {cores.ours:.2f}")
         rates = list(rates)
-        for rate in _rising(rates):
+        for rate in rising(rates):
             began = time.time()
             results, _ = drive(args, base, hf_dir, rate, args.num_prompts, vocab, args.seed + 1 + rates.index(rate))
             if rate == 1.0:
@@ -282,14 +283,6 @@ def measure(args, server: Server, hf_dir: Path | None, vocab: int, rates: list[f
         return row
     finally:
         server.stop()
-
-
-def _rising(rates: list[float]):
-    """The rates in order, including those appended while iterating."""
-    i = 0
-    while i < len(rates):
-        yield rates[i]
-        i += 1
 
 
 def _prefill_compute_ms(server: Server, start: float, end: float) -> float | None:

@@ -217,7 +217,7 @@ def _measure(servers: dict[str, _Server], args, requests, unit_times, rates, slo
         warm = [BenchRequest(requests[0].prompt_ids, 2)]
         asyncio.run(run_rate(server.base_url, args.served_name, warm, np.zeros(1)))
     extra = 0
-    for rate in _rising(rates):
+    for rate in rising(rates):
         for setup, server in servers.items():
             arrivals = unit_times / rate
             meter.start(time.perf_counter())
@@ -252,7 +252,7 @@ def _measure(servers: dict[str, _Server], args, requests, unit_times, rates, slo
     return raw
 
 
-def _rising(rates: list[float]):
+def rising(rates: list[float]):
     """The rates in order, including any appended while iterating."""
     i = 0
     while i < len(rates):

@@ -98,7 +98,7 @@ class RoleHost:
         cmd = [sys.executable, "-m", "aiollm.node", "--role", role, "--secret-file", str(secret_file)]
         cmd += ["--config", str(spec_file), "--listen", f"tcp://{ip}:{port}", *args]
         cmd += ["--launcher-head", ray.get_runtime_context().gcs_address]
-        # its own session: no signal meant for the actor's process group reaches it
+        # a process group of its own (setsid): no signal meant for the actor's group reaches it
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
         line = self.proc.stdout.readline()
         if not line:
@@ -127,7 +127,7 @@ class RoleHost:
 
         url = decode["actors"][links["decode"]]
         moved = RWorkerMoved(links["index"], self.entry["actors"]["r-worker"])
-        failed = _run(ask_once(url, moved, secret))
+        [failed] = _run(ask_each([(url, moved)], secret))
         if failed:
             _log.warning("the decode instance did not take the R-worker's new address", decode=url, error=failed)
 
@@ -265,37 +265,29 @@ class RayCluster:
             self._started_ray = False
 
 
-async def ask_once(url: str, msg: Any, secret: str, timeout_s: float = 10.0) -> str:
-    """Ask the actor at `url` one message from a node of its own (outside any running node); "" when it
-    answered, else what went wrong."""
+async def ask_each(asks: list[tuple[str, Any]], secret: str, timeout_s: float = 10.0) -> list[str]:
+    """Ask each actor URL its message, from a node of its own (outside any running node: no Ray involved, its
+    head may be lost); per ask, "" when it answered, else what went wrong."""
     from aiollm.actors.node import Node, NodeConfig
 
     node = Node(NodeConfig(secret=secret.encode()))
     await node.start([])
     try:
-        await node.ref(url).ask(msg, timeout_s)
-    except Exception as exc:  # reported to the caller, which logs it
-        return f"{type(exc).__name__}: {exc}"
+        answers = await asyncio.gather(
+            *(node.ref(url).ask(msg, timeout_s) for url, msg in asks), return_exceptions=True
+        )
     finally:
         await node.stop(timeout_s)
-    return ""
+    return [f"{type(a).__name__}: {a}" if isinstance(a, BaseException) else "" for a in answers]
 
 
 async def shutdown_nodes(urls: list[str], secret: str, timeout_s: float = 5.0) -> list[str]:
-    """Ask the nodes at `urls` to stop, over aiollm's own transport (no Ray involved: its head may be lost);
-    returns the addresses that did not answer."""
+    """Ask the nodes at `urls` to stop over aiollm's own transport; returns the addresses that did not answer."""
     from aiollm.actors.messages import Shutdown
-    from aiollm.actors.node import Node, NodeConfig
     from aiollm.actors.system import SYSTEM_ACTOR
 
-    node = Node(NodeConfig(secret=secret.encode()))
-    await node.start([])
-    try:
-        asks = [node.ref(f"{url}/{SYSTEM_ACTOR}").ask(Shutdown(), timeout_s) for url in urls]
-        answers = await asyncio.gather(*asks, return_exceptions=True)
-    finally:
-        await node.stop(timeout_s)
-    return [url for url, answer in zip(urls, answers) if isinstance(answer, BaseException)]
+    failed = await ask_each([(f"{url}/{SYSTEM_ACTOR}", Shutdown()) for url in urls], secret, timeout_s)
+    return [url for url, error in zip(urls, failed) if error]
 
 
 def _run(work) -> Any:
@@ -322,7 +314,7 @@ def serve(spec: ClusterSpec, address: str | None) -> int:
         config.write_text(spec.to_toml())
         cmd = [sys.executable, "-m", "aiollm.deploy.ray_driver", "--config", str(config)]
         cmd += ["--address", address] if address else []
-        # its own session: a terminal's ^C reaches this process only, which then tears the deployment down
+        # a process group of its own (setsid): a terminal's ^C reaches this process only, which tears it all down
         driver = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
         state = _DriverState()
         threading.Thread(target=state.follow, args=(driver.stdout,), daemon=True).start()

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aiollm.testing.tiny_llama import CHATML, SPECIALS, _permute, make_tokenizer
+from aiollm.testing.tiny_llama import CHATML, SPECIALS, _permute, add_shape, make_tokenizer
 
 # family -> (transformers config class name, its keyword arguments beyond the shared ones)
 FAMILIES = {
@@ -129,13 +129,7 @@ def write_family_gguf(
 
     c = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name("tiny")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    add_shape(writer, c)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)

@@ -95,13 +95,7 @@ def write_gguf(
 
     c = hf_model.config
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    add_shape(writer, c)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
@@ -154,3 +148,14 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def add_shape(writer, c) -> None:
+    """The GGUF metadata of a transformers config's shape: layers, context, widths and head counts."""
+    writer.add_name("tiny")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)

@@ -35,12 +35,23 @@ def _node_processes() -> list[str]:
     return [line for line in out.splitlines() if "pgrep" not in line]
 
 
-@pytest.mark.slow
-def test_roles_placed_by_resource_survive_the_loss_of_their_ray_node(tmp_path):
+def _reference(tmp_path) -> tuple[list[list[int]], list[str]]:
+    """A tiny model in tmp_path; the prompts' token ids and the greedy texts of an undisturbed run."""
     write_hf_dir(tmp_path)
     model = load(str(tmp_path))
     prompts = [model.tokenizer.encode(p) for p in PROMPTS]
-    expected = [c.text for c in generate(model, prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
+    return prompts, [c.text for c in generate(model, prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
+
+
+def _wait_until(condition, timeout_s: float, poll_s: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(poll_s)
+
+
+@pytest.mark.slow
+def test_roles_placed_by_resource_survive_the_loss_of_their_ray_node(tmp_path):
+    prompts, expected = _reference(tmp_path)
     spec = ClusterSpec.from_dict(
         {
             "model": {"name": str(tmp_path)},
@@ -63,9 +74,7 @@ def test_roles_placed_by_resource_survive_the_loss_of_their_ray_node(tmp_path):
             client = openai.OpenAI(base_url=f"{deployed.base_url}/v1", api_key="t", max_retries=0, timeout=180)
             streamed: list = []
             results, threads = _stream_all(client, tmp_path.name, prompts, streamed)
-            deadline = time.monotonic() + 60
-            while len(streamed) < 4 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            _wait_until(lambda: len(streamed) >= 4, 60, 0.01)
             # the decode instance's host is lost mid-stream: its node process and its Ray node with it
             os.kill(placed["pid"], signal.SIGKILL)
             cluster.remove_node(decode_node)
@@ -73,14 +82,10 @@ def test_roles_placed_by_resource_survive_the_loss_of_their_ray_node(tmp_path):
                 t.join(240)
             assert sorted(results) == list(enumerate(expected))
             # restarted on the other decode-capable node, at a new port it registers with the controller
-            deadline = time.monotonic() + 60
-            while deployed.where("decode0")["pid"] == placed["pid"] and time.monotonic() < deadline:
-                time.sleep(0.2)
+            _wait_until(lambda: deployed.where("decode0")["pid"] != placed["pid"], 60)
             moved = deployed.where("decode0")
             assert moved["node_id"] != decode_node.node_id and moved["pid"] != placed["pid"]
-        deadline = time.monotonic() + 30
-        while _node_processes() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        _wait_until(lambda: not _node_processes(), 30)
         assert not _node_processes()
     finally:
         ray.shutdown()
@@ -111,10 +116,7 @@ def _stream_all(client, model: str, prompts: list[list[int]], streamed: list) ->
 
 @pytest.mark.slow
 def test_a_decode_instance_follows_its_r_worker_to_another_ray_node(tmp_path):
-    write_hf_dir(tmp_path)
-    model = load(str(tmp_path))
-    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
-    expected = [c.text for c in generate(model, prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
+    prompts, expected = _reference(tmp_path)
     spec = ClusterSpec.from_dict(
         {
             "model": {"name": str(tmp_path)},
@@ -137,18 +139,14 @@ def test_a_decode_instance_follows_its_r_worker_to_another_ray_node(tmp_path):
             client = openai.OpenAI(base_url=f"{deployed.base_url}/v1", api_key="t", max_retries=0, timeout=180)
             streamed: list = []
             results, threads = _stream_all(client, tmp_path.name, prompts, streamed)
-            deadline = time.monotonic() + 60
-            while len(streamed) < 4 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            _wait_until(lambda: len(streamed) >= 4, 60, 0.01)
             cluster.add_node(num_cpus=2, resources={"attention": 1})  # where the R-worker can go
             os.kill(placed["pid"], signal.SIGKILL)  # the R-worker's host is lost mid-stream
             cluster.remove_node(first)
             for t in threads:
                 t.join(240)
             assert sorted(results) == list(enumerate(expected))
-            deadline = time.monotonic() + 60
-            while deployed.where("r-worker0.0")["pid"] == placed["pid"] and time.monotonic() < deadline:
-                time.sleep(0.2)
+            _wait_until(lambda: deployed.where("r-worker0.0")["pid"] != placed["pid"], 60)
             moved = deployed.where("r-worker0.0")
             assert moved["node_id"] != first.node_id and moved["url"] != placed["url"]
             # the decode instance decodes through the R-worker at its new address
@@ -156,9 +154,7 @@ def test_a_decode_instance_follows_its_r_worker_to_another_ray_node(tmp_path):
             for t in threads:
                 t.join(240)
             assert sorted(later) == list(enumerate(expected))
-        deadline = time.monotonic() + 30
-        while _node_processes() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        _wait_until(lambda: not _node_processes(), 30)
         assert not _node_processes()
     finally:
         ray.shutdown()
