@@ -17,8 +17,9 @@ aiollm's own (`aiollm.loadgen.replay`) with the same prompts' lengths and the sa
 
 The ratios compare like with like (the same weight dtype): `ratio_tokens_vs_vllm_saturation_<dtype>` is
 aiollm's best mode over vLLM, with each mode's own ratio beside it; `ratio_ttft_p50_vs_vllm_rate1` and
-`ratio_tpot_p50_vs_vllm_rate4` are the default `serve` (disaggregated, fp32) over vLLM fp32;
-`ratio_goodput_disagg_vs_vllm` is disaggregated's goodput over vLLM's in fp32 (`_bf16` beside it);
+`ratio_tpot_p50_vs_vllm_rate4` are the default `serve` (disaggregated, the cores split, fp32) over vLLM fp32,
+with `_turns` beside them for the same instances taking turns on every core (`serve --take-turns`);
+`ratio_goodput_disagg_vs_vllm` is disaggregated's goodput over vLLM's in fp32 (`_bf16` and `_turns_` beside it);
 `ratio_tokens_vs_llamacpp_saturation` is aiollm's best fp32 mode over llama.cpp (its GGUF as it comes, or
 f32 where `.peers/model-f32.gguf` exists). Each run also records the cores the server's processes kept busy,
 the measurement that says where a missed target's time went on a machine this small.
@@ -53,6 +54,8 @@ TARGET = 0.9
 MAX_RATES = 12
 READY_TIMEOUT_S = 600.0
 SERVED = "smollm2"
+# aiollm's serving modes
+MODES = ("disagg", "turns", "offloaded", "colocated")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtypes", default="bf16,fp32", help="weight dtypes to compare, comma list")
     parser.add_argument(
         "--servers",
-        default="disagg,offloaded,colocated,vllm,llamacpp",
+        default="disagg,turns,offloaded,colocated,vllm,llamacpp",
         help="comma list; a peer that is not installed is skipped",
     )
     parser.add_argument("--num-prompts", type=int, default=32, help="requests per rate (and at saturation: 2x)")
@@ -125,6 +128,8 @@ def servers(args, hf_dir: Path | None, gguf: Path | None, port: int) -> list[Ser
         aiollm += ["--served-model-name", SERVED, "--port", str(port)]
         modes = {
             "disagg": ["--prefill", "1", "--decode", "1", "--threads", "1"],
+            # the same instances taking turns on both cores (aiollm.serving.turns)
+            "turns": ["--prefill", "1", "--decode", "1", "--take-turns"],
             "offloaded": ["--prefill", "1", "--decode", "1", "--r-workers", "1", "--threads", "1"],
             "colocated": ["--colocated", "--threads", "2"],
         }
@@ -237,18 +242,22 @@ def measure(args, server: Server, hf_dir: Path | None, vocab: int, rates: list[f
     try:
         drive(args, base, hf_dir, float("inf"), 2, vocab, args.seed + 1000)  # warm-up: one-time costs
         meter = CoreMeter([server.proc.pid])
-        meter.start(time.perf_counter())
+        began = time.perf_counter()
+        meter.start(began)
         results, duration = drive(args, base, hf_dir, float("inf"), args.num_prompts * 2, vocab, args.seed)
-        cores = meter.stop(time.perf_counter())
+        ended = time.perf_counter()
+        # the server's CPU seconds over the client's measured duration (the client's own start-up, in the
+        # meter's interval, leaves the server idle)
+        cores_busy = meter.stop(ended).ours * (ended - began) / duration
         ok = [r for r in results if r.ok]
         row = {
             "out_tok_s_saturation": sum(r.output_tokens for r in ok) / duration,
             "ttft_p50_ms_saturation": float(np.median([r.ttft for r in ok]) * 1e3) if ok else float("nan"),
             "failed": len(results) - len(ok),
-            "cores_busy_saturation": round(cores.ours, 2),
+            "cores_busy_saturation": round(cores_busy, 2),
             "rates": {},
         }
-        _progress(server, f"saturation {row['out_tok_s_saturation']:.0f} tok/s, cores busy {cores.ours:.2f}")
+        _progress(server, f"saturation {row['out_tok_s_saturation']:.0f} tok/s, cores busy {cores_busy:.2f}")
         rates = list(rates)
         for rate in rising(rates):
             began = time.time()
@@ -315,22 +324,27 @@ def ratios(rows: dict[str, dict]) -> dict:
         vllm = get("vllm", dtype, "out_tok_s_saturation")
         if not vllm:
             continue
-        mine = {m: get(m, dtype, "out_tok_s_saturation") for m in ("disagg", "offloaded", "colocated")}
+        mine = {m: get(m, dtype, "out_tok_s_saturation") for m in MODES}
         for mode, tokens in mine.items():
             if tokens is not None:
                 out[f"ratio_tokens_vs_vllm_saturation_{mode}_{dtype}"] = round(tokens / vllm, 3)
         if any(mine.values()):
             out[f"ratio_tokens_vs_vllm_saturation_{dtype}"] = round(max(t for t in mine.values() if t) / vllm, 3)
-        disagg, theirs = get("disagg", dtype, "goodput_rps"), get("vllm", dtype, "goodput_rps")
-        if disagg is not None and theirs:
-            out["ratio_goodput_disagg_vs_vllm" + ("" if dtype == "fp32" else f"_{dtype}")] = round(disagg / theirs, 3)
+        theirs = get("vllm", dtype, "goodput_rps")
+        for mode in ("disagg", "turns"):
+            goodput = get(mode, dtype, "goodput_rps")
+            if goodput is not None and theirs:
+                key = f"ratio_goodput_{mode}_vs_vllm" + ("" if dtype == "fp32" else f"_{dtype}")
+                out[key] = round(goodput / theirs, 3)
     for key, rate_key in (
         ("ttft_p50_ms_rate1", "ratio_ttft_p50_vs_vllm_rate1"),
         ("tpot_p50_ms_rate4", "ratio_tpot_p50_vs_vllm_rate4"),
     ):
-        mine, theirs = get("disagg", "fp32", key), get("vllm", "fp32", key)
-        if mine is not None and theirs:
-            out[rate_key] = round(mine / theirs, 3)
+        # the default serve, and beside it the instances taking turns
+        for mode, suffix in (("disagg", ""), ("turns", "_turns")):
+            mine, theirs = get(mode, "fp32", key), get("vllm", "fp32", key)
+            if mine is not None and theirs:
+                out[rate_key + suffix] = round(mine / theirs, 3)
     mine, theirs = rows.get("disagg_fp32"), rows.get("vllm_fp32")
     if mine and theirs and mine.get("prefill_compute_p50_ms_rate1") is not None:
         compute = mine["prefill_compute_p50_ms_rate1"]
@@ -341,7 +355,7 @@ def ratios(rows: dict[str, dict]) -> dict:
             "instance and back)"
         )
     llama = get("llamacpp", "fp32", "out_tok_s_saturation")
-    best = [get(m, "fp32", "out_tok_s_saturation") for m in ("disagg", "offloaded", "colocated")]
+    best = [get(m, "fp32", "out_tok_s_saturation") for m in MODES]
     if llama and any(best):
         out["ratio_tokens_vs_llamacpp_saturation"] = round(max(b for b in best if b) / llama, 3)
     return out
@@ -427,5 +441,5 @@ def run(args: argparse.Namespace) -> dict:
         "slos": slos,
         "workload": f"random {args.input_len} in / {args.output_len} out tokens, ignore_eos, temperature 0, "
         f"{args.num_prompts} requests per rate, {args.num_prompts * 2} at saturation",
-        "peers_installed": sorted({s.name for s in todo} - {"disagg", "offloaded", "colocated"}),
+        "peers_installed": sorted({s.name for s in todo} - set(MODES)),
     }

@@ -98,6 +98,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure("peers", "ratio_tokens_vs_vllm_saturation_fp32", "tokens/s at saturation / vLLM CPU, fp32", Target(">=", 1)),
     Figure("peers", "ratio_ttft_p50_vs_vllm_rate1", "default serve TTFT p50 at 1 req/s / vLLM", Target("<=", 1)),
     Figure("peers", "ratio_tpot_p50_vs_vllm_rate4", "default serve TPOT p50 at 4 req/s / vLLM", Target("<=", 1)),
+    Figure("peers", "ratio_ttft_p50_vs_vllm_rate1_turns", "serve --take-turns TTFT p50 at 1 req/s / vLLM"),
+    Figure("peers", "ratio_tpot_p50_vs_vllm_rate4_turns", "serve --take-turns TPOT p50 at 4 req/s / vLLM"),
     Figure(
         "peers", "ratio_goodput_disagg_vs_vllm", "disaggregated goodput / vLLM (fp32, same SLOs)", Target(">=", 1.5)
     ),

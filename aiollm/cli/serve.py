@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
+import tempfile
 from pathlib import Path
 
 from aiollm.deploy.roles import spec_flag
@@ -69,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "L_m: prompt tokens per prefill batch; 0: from this machine's latency profile, else 512",
     )
     spec_flag(parser, "--max-running", "decode.max_running", "most sequences per decode step")
+    parser.add_argument(
+        "--take-turns",
+        action="store_true",
+        help="prefill and decode instances take turns on every core of the host, each with threads for all of them "
+        "(unless --threads says), instead of splitting the cores: a prompt's prefill runs on every core",
+    )
     spec_flag(parser, "--r-workers", "decode.r_workers", "R-worker processes per decode instance (FastDecode offload)")
     spec_flag(parser, "--r-kv-memory", "r_worker.kv_memory", "KV budget of each R-worker, e.g. 1GiB")
     spec_flag(parser, "--prefill-memory", "prefill.memory", "memory of each prefill instance (weights + KV), e.g. 8GiB")
@@ -104,15 +112,29 @@ def build_spec(args: argparse.Namespace) -> ClusterSpec:
     }
     overrides.update(dict.fromkeys(_THREADS, args.threads))
     spec = spec.override(overrides)
-    if args.threads is None and args.config is None:
+    if args.take_turns:
+        if spec.colocated or spec.decode.r_workers:
+            raise SpecError("--take-turns: prefill and decode instances with colocated attention only")
+        # each instance's threads cover every core, unless --threads says otherwise
+        spec = spec.override({"turns": turns_path(), **dict.fromkeys(_THREADS, args.threads or _cores())})
+    elif args.threads is None and args.config is None:
         spec = spec.override(dict.fromkeys(_THREADS, default_threads(spec)))
     return spec
+
+
+def turns_path() -> str:
+    """A fresh lock-file path for one cluster's turns (aiollm.serving.turns)."""
+    return str(Path(tempfile.gettempdir()) / f"aiollm-turns-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))
 
 
 def default_threads(spec: ClusterSpec) -> int:
     """Threads per process when neither --threads nor a spec says: the cores this process may run on, shared
     among the processes that compute (one colocated process takes them all)."""
-    cores = len(os.sched_getaffinity(0))
+    cores = _cores()
     if spec.colocated:
         return cores
     processes = spec.prefill.count + spec.decode.count * (1 + spec.decode.r_workers)
@@ -142,5 +164,10 @@ def run(args: argparse.Namespace) -> int:
 
         if not spec.frontend.port:
             spec = spec.override({"frontend.port": free_port(spec.frontend.host)})
-        return on_ray.serve(spec, args.ray_address)
-    return run_local(spec)
+    try:
+        if args.ray:
+            return on_ray.serve(spec, args.ray_address)
+        return run_local(spec)
+    finally:
+        for lock in (f"{spec.turns}.gate", f"{spec.turns}.cores") if spec.turns else ():
+            Path(lock).unlink(missing_ok=True)

@@ -326,6 +326,9 @@ class ClusterSpec(_Section):
     log_level: str = "WARNING"
     # directory where each prefill/decode instance records its batch, step and KV pull timings; "" : none
     step_log: str = ""
+    # lock-file path through which this host's prefill and decode instances take turns on its cores, each with
+    # threads for all of them (aiollm.serving.turns); "" : each computes on its own threads at any time
+    turns: str = ""
 
     def __post_init__(self) -> None:
         _require(self.log_level.upper() in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")

@@ -20,6 +20,7 @@ from aiollm.model.sequence import Sequence, open_sequence
 from aiollm.sched.prefill_batching import take_batch
 from aiollm.serving import runner
 from aiollm.serving.backend import BackendStats, GenerateRequest, Overloaded, TokenDelta
+from aiollm.serving.step_thread import run_step
 
 
 @dataclass(frozen=True)
@@ -130,15 +131,13 @@ class ColocatedEngine:
             self._drop_cancelled()
             batch = self._admit()
             if batch:
-                tokens = await asyncio.to_thread(runner.prefill_into, self.model, self.cache, batch)
+                tokens = await run_step(runner.prefill_into, self.model, self.cache, batch)
                 for seq in batch:
                     self.cache.commit(seq, len(seq.prompt))
                 self._emit(batch, tokens)
             elif self._running:
                 seqs = list(self._running.values())
-                tokens = await asyncio.to_thread(
-                    runner.decode_step, self.model, self.cache, seqs, self.config.attn_threads
-                )
+                tokens = await run_step(runner.decode_step, self.model, self.cache, seqs, self.config.attn_threads)
                 self._emit(seqs, tokens)
             else:
                 self._wake.clear()

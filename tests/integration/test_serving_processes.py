@@ -31,7 +31,7 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["flags", "config"])
+@pytest.mark.parametrize("how", ["flags", "config", "turns"])
 def test_serve_command_answers_a_chat_request_and_cleans_up(tmp_path, how):
     write_hf_dir(tmp_path)
     model = load(str(tmp_path))
@@ -40,16 +40,21 @@ def test_serve_command_answers_a_chat_request_and_cleans_up(tmp_path, how):
     ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
     ref = generate(model, [ids], SamplingParams(max_tokens=16))[0]
 
-    if how == "flags":
+    if how in ("flags", "turns"):
         spec = ["--model", str(tmp_path), "--prefill", "1", "--decode", "1"]
+        # turns: every instance on every core, taking turns through lock files in $TMPDIR
+        spec += ["--take-turns"] if how == "turns" else []
     else:  # the same cluster from a spec file (the port from a flag on top)
         config = tmp_path / "cluster.toml"
         config.write_text(f'[model]\nname = "{tmp_path}"\n[prefill]\ncount = 1\n[decode]\ncount = 1\n')
         spec = ["--config", str(config)]
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
     proc = subprocess.Popen(
         [sys.executable, "-m", "aiollm", "serve", *spec, "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
+        env=dict(os.environ, TMPDIR=str(tmpdir)),
     )
     children = []
     try:
@@ -65,6 +70,7 @@ def test_serve_command_answers_a_chat_request_and_cleans_up(tmp_path, how):
         out = client.chat.completions.create(model=tmp_path.name, messages=messages, max_tokens=16, temperature=0)
         assert out.choices[0].message.content == ref.text
         assert out.usage.completion_tokens == len(ref.token_ids)
+        assert len(list(tmpdir.glob("aiollm-turns-*"))) == (2 if how == "turns" else 0)
 
         # a decode instance killed outright is started again, re-registers, and serves the same tokens
         killed = next(p for p in children if "--role decode" in _cmdline(p))
@@ -86,6 +92,7 @@ def test_serve_command_answers_a_chat_request_and_cleans_up(tmp_path, how):
         proc.send_signal(signal.SIGINT)
         try:
             assert proc.wait(30) == 0
+            assert not list(tmpdir.glob("aiollm-turns-*"))
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -36,3 +36,20 @@ def test_threads_flag_and_spec_win(four_cores, tmp_path):
     config = tmp_path / "cluster.toml"
     config.write_text("[decode]\nthreads = 3\n")
     assert _spec(["--config", str(config)]).decode.threads == 3
+
+
+def test_take_turns_gives_every_instance_every_core(four_cores):
+    spec = _spec(["--prefill", "1", "--decode", "1", "--take-turns"])
+    assert (spec.prefill.threads, spec.decode.threads) == (4, 4)
+    assert spec.turns and os.path.isabs(spec.turns)
+    assert _spec(["--take-turns"]).turns != spec.turns  # a cluster's own files
+    assert _spec(["--take-turns", "--threads", "2"]).decode.threads == 2
+    assert _spec([]).turns == ""
+
+
+@pytest.mark.parametrize("argv", [["--colocated"], ["--r-workers", "1"]])
+def test_take_turns_refuses_what_has_no_turns(argv):
+    from aiollm.deploy.spec import SpecError
+
+    with pytest.raises(SpecError, match="--take-turns"):
+        _spec([*argv, "--take-turns"])

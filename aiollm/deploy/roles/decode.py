@@ -61,6 +61,7 @@ def decode_config(spec: ClusterSpec, step_log: str = "") -> DecodeConfig:
         attn_threads=d.threads,
         step_log=step_log,
         prefix_cache=spec.kv.prefix_cache,
+        turns=spec.turns,
     )
 
 

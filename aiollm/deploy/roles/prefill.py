@@ -65,6 +65,7 @@ def prefill_config(spec: ClusterSpec, step_log: str = "") -> PrefillConfig:
         lease_s=p.lease_seconds,
         step_log=step_log,
         prefix_cache=spec.kv.prefix_cache,
+        turns=spec.turns,
     )
 
 

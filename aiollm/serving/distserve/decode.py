@@ -32,6 +32,8 @@ from aiollm.serving import runner
 from aiollm.serving.distserve.messages import AckKV, Cancel, Decode, Delta, GetLoad, KVBlock, Load, PullKV, Tokens
 from aiollm.serving.fastdecode.messages import RWorkerMoved
 from aiollm.serving.step_log import StepLog
+from aiollm.serving.step_thread import run_step
+from aiollm.serving.turns import Turns, taking
 
 _log = get_logger("decode")
 
@@ -53,6 +55,9 @@ class DecodeConfig:
     # keep pulled prompts' full KV blocks after their sequences end and pull only the blocks a prompt lacks
     # (colocated attention; an offloaded executor's R-workers pull every block)
     prefix_cache: bool = True
+    # take turns on the host's cores with its prefill instances through this lock-file path
+    # (aiollm.serving.turns; colocated attention)
+    turns: str = ""
 
     def __post_init__(self) -> None:
         require_positive(self, "kv_blocks", "block_size", "max_running")
@@ -91,6 +96,7 @@ class ColocatedExecutor:
             model, config.kv_blocks, config.block_size, config.kv_dtype, prefix_cache=config.prefix_cache
         )
         self.total_blocks, self.block_size = self.cache.total_blocks, config.block_size
+        self._turns = Turns(config.turns) if config.turns else None
         # prompt KV blocks pulled from prefill instances, and those mapped from this pool's prefix cache instead
         self.blocks_pulled = 0
         self.blocks_reused = 0
@@ -127,7 +133,13 @@ class ColocatedExecutor:
         )
 
     async def step(self, seqs: list[Sequence]) -> list[int]:
-        return await asyncio.to_thread(runner.decode_step, self.model, self.cache, seqs, self.config.attn_threads)
+        return await run_step(
+            taking(self._turns and self._turns.decode, runner.decode_step),
+            self.model,
+            self.cache,
+            seqs,
+            self.config.attn_threads,
+        )
 
     def free(self, seq: Sequence) -> None:
         self.cache.free(seq)

@@ -29,6 +29,8 @@ from aiollm.sched.prefill_batching import take_batch
 from aiollm.serving import runner
 from aiollm.serving.distserve.messages import AckKV, Cancel, GetLoad, KVBlock, KVLost, Load, Prefill, Prefilled, PullKV
 from aiollm.serving.step_log import StepLog
+from aiollm.serving.step_thread import run_step
+from aiollm.serving.turns import Turns, taking
 
 _log = get_logger("prefill")
 
@@ -49,6 +51,8 @@ class PrefillConfig:
     step_log: str = ""
     # keep prompts' full KV blocks after their pull and compute only what a new prompt's cached prefix lacks
     prefix_cache: bool = True
+    # take turns on the host's cores with its decode instances through this lock-file path (aiollm.serving.turns)
+    turns: str = ""
 
     def __post_init__(self) -> None:
         require_positive(self, "kv_blocks", "block_size", "max_batch_tokens", "lease_s")
@@ -81,6 +85,7 @@ class PrefillInstance(Actor):
         # sequences prefilled so far (for load checks and logs)
         self.prefilled = 0
         self._steps = StepLog(config.step_log) if config.step_log else None
+        self._turns = Turns(config.turns) if config.turns else None
         # when each queued request arrived (only with a step log)
         self._received: dict[str, float] = {}
         # prompt tokens prefilled, those mapped from the prefix cache, and KV blocks streamed to pullers
@@ -214,7 +219,9 @@ class PrefillInstance(Actor):
             seqs = [seq for seq, _ in batch]
             started = time.time()
             try:
-                await asyncio.to_thread(runner.prefill_into, self.model, self.cache, seqs)
+                await run_step(
+                    taking(self._turns and self._turns.prefill, runner.prefill_into), self.model, self.cache, seqs
+                )
             except Exception as exc:  # a failed batch fails its own requests only
                 _log.exception("prefill failed", instance=self.name, batch=len(seqs))
                 for seq, reply_to in batch:

@@ -49,6 +49,7 @@ from aiollm.serving import runner
 from aiollm.serving.distserve.messages import AckKV, Cancel, Delta, Generate, GetLoad, KVBlock, Load, PullKV, Tokens
 from aiollm.serving.fastdecode.messages import Admit, GetRLoad, GetTrace, Release, RLoad, Synthetic, Trace
 from aiollm.serving.fastdecode.pipeline import RWorkerLost, StepRow, decode_step, place
+from aiollm.serving.step_thread import run_step
 
 if TYPE_CHECKING:
     pass
@@ -358,7 +359,7 @@ class SWorker(Actor):
             self.staging.reserve(req.seq, req.staged)
         # in a thread, so this node keeps answering (heartbeats, pulls, loads) meanwhile: 4096 prompt tokens take
         # seconds on a slow host, and a loop silent past the heartbeat timeout made the R-workers drop this node
-        await asyncio.to_thread(runner.prefill_into, self.model, self.staging, seqs)
+        await run_step(runner.prefill_into, self.model, self.staging, seqs)
         self._started_now += len(reqs)
         for req in reqs:
             self._live[req.seq.request_id] = req
@@ -459,7 +460,7 @@ class SWorker(Actor):
             with torch.inference_mode():
                 self.model.prefill(tokens, kv_sink=lambda layer, k, v: self.staging.pool.write(layer, slots, k, v))
 
-        await asyncio.to_thread(prefill)
+        await run_step(prefill)
 
     async def _step(self) -> None:
         live = list(self._live.values())
