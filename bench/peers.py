@@ -17,9 +17,10 @@ aiollm's own (`aiollm.loadgen.replay`) with the same prompts' lengths and the sa
 
 The ratios compare like with like (the same weight dtype): `ratio_tokens_vs_vllm_saturation_<dtype>` is
 aiollm's best mode over vLLM, with each mode's own ratio beside it; `ratio_ttft_p50_vs_vllm_rate1` and
-`ratio_tpot_p50_vs_vllm_rate4` are the default `serve` (disaggregated, the cores split, fp32) over vLLM fp32,
-with `_turns` beside them for the same instances taking turns on every core (`serve --take-turns`);
-`ratio_goodput_disagg_vs_vllm` is disaggregated's goodput over vLLM's in fp32 (`_bf16` and `_turns_` beside it);
+`ratio_tpot_p50_vs_vllm_rate4` are the default `serve` (`default_serve`: one prefill and one decode instance,
+taking turns on every core where a split would leave each fewer than 2, else splitting them) over vLLM fp32,
+with `_split` and `_turns` beside them for both ways; `ratio_goodput_disagg_vs_vllm` is the default serve's
+disaggregated goodput over vLLM's in fp32 (`_bf16`, `_split`, `_turns` beside it);
 `ratio_tokens_vs_llamacpp_saturation` is aiollm's best fp32 mode over llama.cpp (its GGUF as it comes, or
 f32 where `.peers/model-f32.gguf` exists). Each run also records the cores the server's processes kept busy,
 the measurement that says where a missed target's time went on a machine this small.
@@ -127,8 +128,9 @@ def servers(args, hf_dir: Path | None, gguf: Path | None, port: int) -> list[Ser
         aiollm = [sys.executable, "-m", "aiollm", "serve", "--model", args.model, "--dtype", dtype, "--kv-dtype", kv]
         aiollm += ["--served-model-name", SERVED, "--port", str(port)]
         modes = {
-            "disagg": ["--prefill", "1", "--decode", "1", "--threads", "1"],
-            # the same instances taking turns on both cores (aiollm.serving.turns)
+            # the host's cores split between the instances
+            "disagg": ["--prefill", "1", "--decode", "1", "--no-take-turns"],
+            # the same instances taking turns on every core (aiollm.serving.turns)
             "turns": ["--prefill", "1", "--decode", "1", "--take-turns"],
             "offloaded": ["--prefill", "1", "--decode", "1", "--r-workers", "1", "--threads", "1"],
             "colocated": ["--colocated", "--threads", "2"],
@@ -312,9 +314,19 @@ def _progress(server: Server, text: str) -> None:
     print(f"  {server.name:9} {server.dtype:4}  {text}", flush=True)
 
 
-def ratios(rows: dict[str, dict]) -> dict:
-    """The headline ratios (see the module's docstring); a side that did not run leaves its ratio out."""
-    out: dict = {}
+def default_mode() -> str:
+    """The row that is the default `serve` (one prefill, one decode instance) on this host."""
+    from aiollm.cli.serve import too_few_cores_to_split
+    from aiollm.deploy.spec import ClusterSpec
+
+    return "turns" if too_few_cores_to_split(ClusterSpec()) else "disagg"
+
+
+def ratios(rows: dict[str, dict], default: str) -> dict:
+    """The headline ratios (see the module's docstring); `default` is the row of the default `serve`; a side that
+    did not run leaves its ratio out."""
+    out: dict = {"default_serve": default}
+    suffix = {"disagg": "_split", "turns": "_turns"}
 
     def get(name: str, dtype: str, key: str) -> float | None:
         row = rows.get(f"{name}_{dtype}")
@@ -334,25 +346,30 @@ def ratios(rows: dict[str, dict]) -> dict:
         for mode in ("disagg", "turns"):
             goodput = get(mode, dtype, "goodput_rps")
             if goodput is not None and theirs:
-                key = f"ratio_goodput_{mode}_vs_vllm" + ("" if dtype == "fp32" else f"_{dtype}")
-                out[key] = round(goodput / theirs, 3)
+                dtype_tail = "" if dtype == "fp32" else f"_{dtype}"
+                out[f"ratio_goodput{suffix[mode]}_vs_vllm{dtype_tail}"] = round(goodput / theirs, 3)
+                if mode == default:  # the default serve's disaggregated instances
+                    out[f"ratio_goodput_disagg_vs_vllm{dtype_tail}"] = round(goodput / theirs, 3)
     for key, rate_key in (
         ("ttft_p50_ms_rate1", "ratio_ttft_p50_vs_vllm_rate1"),
         ("tpot_p50_ms_rate4", "ratio_tpot_p50_vs_vllm_rate4"),
     ):
-        # the default serve, and beside it the instances taking turns
-        for mode, suffix in (("disagg", ""), ("turns", "_turns")):
-            mine, theirs = get(mode, "fp32", key), get("vllm", "fp32", key)
+        theirs = get("vllm", "fp32", key)
+        for mode in ("disagg", "turns"):
+            mine = get(mode, "fp32", key)
             if mine is not None and theirs:
-                out[rate_key + suffix] = round(mine / theirs, 3)
-    mine, theirs = rows.get("disagg_fp32"), rows.get("vllm_fp32")
+                out[rate_key + suffix[mode]] = round(mine / theirs, 3)
+                if mode == default:
+                    out[rate_key] = round(mine / theirs, 3)
+    mine, theirs = rows.get(f"{default}_fp32"), rows.get("vllm_fp32")
     if mine and theirs and mine.get("prefill_compute_p50_ms_rate1") is not None:
         compute = mine["prefill_compute_p50_ms_rate1"]
+        cores = "every core, by turns with the decode instance" if default == "turns" else "its own cores"
         out["why_ttft_rate1"] = (
-            f"default serve TTFT p50 {mine['ttft_p50_ms_rate1']:.0f} ms at 1 req/s (vLLM {theirs['ttft_p50_ms_rate1']:.0f} "
-            f"ms): its prefill batch takes {compute:.0f} ms (p50) on the prefill instance's own cores, the other "
-            f"{mine['ttft_p50_ms_rate1'] - compute:.0f} ms are queueing and the hops (HTTP, controller, prefill "
-            "instance and back)"
+            f"default serve ({default}) TTFT p50 {mine['ttft_p50_ms_rate1']:.0f} ms at 1 req/s (vLLM "
+            f"{theirs['ttft_p50_ms_rate1']:.0f} ms): its prefill batch takes {compute:.0f} ms (p50, the wait for its "
+            f"turn included) on {cores}; the other {mine['ttft_p50_ms_rate1'] - compute:.0f} ms are queueing and the "
+            "hops (HTTP, controller, prefill instance and back)"
         )
     llama = get("llamacpp", "fp32", "out_tok_s_saturation")
     best = [get(m, "fp32", "out_tok_s_saturation") for m in MODES]
@@ -435,7 +452,7 @@ def run(args: argparse.Namespace) -> dict:
     if rows:
         _plot(args.plot, rows, slos)
     return {
-        **ratios(rows),
+        **ratios(rows, default_mode()),
         "servers": rows,
         "client": client,
         "slos": slos,

@@ -98,11 +98,16 @@ FIGURES: tuple[Figure, ...] = (
     Figure("peers", "ratio_tokens_vs_vllm_saturation_fp32", "tokens/s at saturation / vLLM CPU, fp32", Target(">=", 1)),
     Figure("peers", "ratio_ttft_p50_vs_vllm_rate1", "default serve TTFT p50 at 1 req/s / vLLM", Target("<=", 1)),
     Figure("peers", "ratio_tpot_p50_vs_vllm_rate4", "default serve TPOT p50 at 4 req/s / vLLM", Target("<=", 1)),
-    Figure("peers", "ratio_ttft_p50_vs_vllm_rate1_turns", "serve --take-turns TTFT p50 at 1 req/s / vLLM"),
-    Figure("peers", "ratio_tpot_p50_vs_vllm_rate4_turns", "serve --take-turns TPOT p50 at 4 req/s / vLLM"),
     Figure(
-        "peers", "ratio_goodput_disagg_vs_vllm", "disaggregated goodput / vLLM (fp32, same SLOs)", Target(">=", 1.5)
+        "peers", "ratio_ttft_p50_vs_vllm_rate1_split", "the cores split (--no-take-turns): TTFT p50 at 1 req/s / vLLM"
     ),
+    Figure(
+        "peers", "ratio_tpot_p50_vs_vllm_rate4_split", "the cores split (--no-take-turns): TPOT p50 at 4 req/s / vLLM"
+    ),
+    Figure(
+        "peers", "ratio_goodput_disagg_vs_vllm", "default serve goodput / vLLM (fp32, same SLOs)", Target(">=", 1.5)
+    ),
+    Figure("peers", "ratio_goodput_split_vs_vllm", "the cores split: goodput / vLLM (fp32, same SLOs)"),
     Figure(
         "peers", "ratio_tokens_vs_llamacpp_saturation", "tokens/s at saturation / llama.cpp server", Target(">=", 2)
     ),

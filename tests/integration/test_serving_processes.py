@@ -42,8 +42,9 @@ def test_serve_command_answers_a_chat_request_and_cleans_up(tmp_path, how):
 
     if how in ("flags", "turns"):
         spec = ["--model", str(tmp_path), "--prefill", "1", "--decode", "1"]
-        # turns: every instance on every core, taking turns through lock files in $TMPDIR
-        spec += ["--take-turns"] if how == "turns" else []
+        # turns: every instance on every core, taking turns through lock files in $TMPDIR (the default on a host
+        # with fewer than 4 cores); flags: the cores split
+        spec += ["--take-turns"] if how == "turns" else ["--no-take-turns"]
     else:  # the same cluster from a spec file (the port from a flag on top)
         config = tmp_path / "cluster.toml"
         config.write_text(f'[model]\nname = "{tmp_path}"\n[prefill]\ncount = 1\n[decode]\ncount = 1\n')

@@ -53,3 +53,18 @@ def test_take_turns_refuses_what_has_no_turns(argv):
 
     with pytest.raises(SpecError, match="--take-turns"):
         _spec([*argv, "--take-turns"])
+
+
+def test_a_host_too_small_to_split_takes_turns_by_default(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    spec = _spec([])
+    assert spec.turns and (spec.prefill.threads, spec.decode.threads) == (2, 2)
+    # an explicit split, a spec file, or a shape that has no turns keeps the cores split
+    assert _spec(["--threads", "1"]).turns == ""
+    assert _spec(["--no-take-turns"]).turns == "" and _spec(["--no-take-turns"]).decode.threads == 1
+    config = tmp_path / "cluster.toml"
+    config.write_text("[decode]\nthreads = 1\n")
+    assert _spec(["--config", str(config)]).turns == ""
+    assert _spec(["--r-workers", "1"]).turns == ""
+    assert _spec(["--prefill", "2"]).turns == ""
+    assert _spec(["--colocated"]).turns == ""
