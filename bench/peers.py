@@ -341,7 +341,14 @@ def ratios(rows: dict[str, dict], default: str) -> dict:
             if tokens is not None:
                 out[f"ratio_tokens_vs_vllm_saturation_{mode}_{dtype}"] = round(tokens / vllm, 3)
         if any(mine.values()):
-            out[f"ratio_tokens_vs_vllm_saturation_{dtype}"] = round(max(t for t in mine.values() if t) / vllm, 3)
+            best = max((m for m in mine if mine[m]), key=lambda m: mine[m])
+            out[f"ratio_tokens_vs_vllm_saturation_{dtype}"] = round(mine[best] / vllm, 3)
+            if mine[best] < vllm:  # where the time went: the cores each server kept busy at saturation
+                row, theirs = rows[f"{best}_{dtype}"], rows[f"vllm_{dtype}"]
+                out[f"why_tokens_{dtype}"] = (
+                    f"{best} {mine[best]:.0f} tokens/s with {row['cores_busy_saturation']:.2f} cores busy, vLLM "
+                    f"{vllm:.0f} with {theirs['cores_busy_saturation']:.2f}"
+                )
         theirs = get("vllm", dtype, "goodput_rps")
         for mode in ("disagg", "turns"):
             goodput = get(mode, dtype, "goodput_rps")

@@ -5,6 +5,7 @@ from bench.peers import ratios
 
 def _row(tokens, ttft, tpot, goodput, compute=None):
     return {
+        "cores_busy_saturation": 1.5,
         "out_tok_s_saturation": tokens,
         "ttft_p50_ms_rate1": ttft,
         "tpot_p50_ms_rate4": tpot,
@@ -39,4 +40,5 @@ def test_best_mode_over_each_peer_in_the_same_dtype():
     assert out["ratio_tokens_vs_vllm_saturation_fp32"] == 0.95  # colocated, the best
     assert out["ratio_tokens_vs_vllm_saturation_turns_fp32"] == 0.85
     assert out["ratio_tokens_vs_llamacpp_saturation"] == 3.8
+    assert out["why_tokens_fp32"].startswith("colocated 380 tokens/s with 1.50 cores busy, vLLM 400")
     assert not any(k.endswith("_bf16") for k in out)  # no bf16 rows, no bf16 ratios
