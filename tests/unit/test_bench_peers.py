@@ -1,4 +1,4 @@
-"""bench peers' headline ratios: like with like, the default serve's row where the issue's keys say so."""
+"""bench peers' headline ratios: like with like, the default serve's row under the unsuffixed keys."""
 
 from bench.peers import ratios
 
