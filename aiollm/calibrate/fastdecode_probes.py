@@ -296,11 +296,12 @@ async def step_curve(
 
 
 async def _s_part_off_loop(s_part_now: Callable[[int], float], rows: int) -> float:
-    """s_part_now(rows) in a worker thread: a large T(B) takes seconds on a slow host, and the event loop must keep
-    the R-workers' heartbeats going meanwhile (blocked 5 s, they drop this node as dead)."""
-    import asyncio
+    """s_part_now(rows) on the step thread (aiollm.serving.step_thread), as a serving process runs its steps: a
+    large T(B) takes seconds on a slow host, and the event loop must keep the R-workers' heartbeats going meanwhile
+    (blocked 5 s, they drop this node as dead)."""
+    from aiollm.serving.step_thread import run_step
 
-    return await asyncio.to_thread(s_part_now, rows)
+    return await run_step(s_part_now, rows)
 
 
 async def step_costs(

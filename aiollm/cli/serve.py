@@ -166,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     from aiollm.deploy.local import run as run_local
     from aiollm.deploy.memory import check_memory
     from aiollm.heap import keep_freed_memory
+    from aiollm.serving import turns
 
     try:
         spec = build_spec(args)
@@ -188,5 +189,5 @@ def run(args: argparse.Namespace) -> int:
             return on_ray.serve(spec, args.ray_address)
         return run_local(spec)
     finally:
-        for lock in (f"{spec.turns}.gate", f"{spec.turns}.cores") if spec.turns else ():
-            Path(lock).unlink(missing_ok=True)
+        if spec.turns:
+            turns.remove(spec.turns)

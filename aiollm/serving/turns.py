@@ -19,9 +19,13 @@ import fcntl
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
+
+# the gate and the cores lock
+_SUFFIXES = (".gate", ".cores")
 
 
 class Turns:
@@ -30,8 +34,7 @@ class Turns:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._gate = os.open(f"{path}.gate", os.O_RDWR | os.O_CREAT, 0o600)
-        self._cores = os.open(f"{path}.cores", os.O_RDWR | os.O_CREAT, 0o600)
+        self._gate, self._cores = (os.open(f"{path}{suffix}", os.O_RDWR | os.O_CREAT, 0o600) for suffix in _SUFFIXES)
 
     @contextmanager
     def prefill(self) -> Iterator[None]:
@@ -59,9 +62,11 @@ class Turns:
         finally:
             fcntl.flock(self._cores, fcntl.LOCK_UN)
 
-    def close(self) -> None:
-        for fd in (self._gate, self._cores):
-            os.close(fd)
+
+def remove(path: str) -> None:
+    """Delete the files of the turns at `path` (when every instance using them has stopped)."""
+    for suffix in _SUFFIXES:
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
 
 
 def taking(turn: Callable[[], object] | None, fn: Callable[..., T]) -> Callable[..., T]:
